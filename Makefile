@@ -1,0 +1,94 @@
+# The two commands: `make run` and `make test`. Each sets up a fresh machine by itself (Debian
+# packages, a virtualenv with torch 2.13.0 from the local disk, the three packages editable) and
+# re-running them only rebuilds what changed.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+BUILD := build
+STAGE := $(abspath $(BUILD)/stage)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+# The CPU build of torch lies on the local disk; pip finds it here even without PIP_FIND_LINKS.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+DEBIAN_PACKAGES := etcd-server libgtest-dev pkg-config
+
+CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -type f) \
+	cpp/CMakeLists.txt cpp/VERSION python/elastic_core/CMakeLists.txt \
+	python/elastic_core/pyproject.toml
+PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml
+
+.PHONY: run test bench lint cpp ctest pytest consumer setup clean
+
+run: $(VENV)/.stamp-packages $(BUILD)/consumer/elastic-consumer
+	$(BUILD)/consumer/elastic-consumer --hang-timeout 1500 --max-restarts 3 --grace 1000 -- \
+	  $(VPY) examples/core_demo.py
+
+test: lint ctest pytest
+
+setup: $(VENV)/.stamp-packages $(VENV)/.stamp-debian
+
+# ---- set-up -----------------------------------------------------------------------------------
+
+$(VENV)/.stamp-debian:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@mkdir -p $(VENV) && touch $@
+
+$(VENV)/.stamp-venv: requirements-dev.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(FIND_LINKS) torch==2.13.0
+	$(PIP) install -q $(FIND_LINKS) -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.stamp-packages: $(VENV)/.stamp-venv $(CORE_SOURCES) $(PURE_SOURCES)
+	$(PIP) install -q $(FIND_LINKS) --no-build-isolation \
+	  -e python/elastic_core -e python/elastic_launch -e python/elastic_sampler
+	touch $@
+
+# ---- C++ ----------------------------------------------------------------------------------------
+
+$(BUILD)/cpp/build.ninja: CMakeLists.txt cpp/CMakeLists.txt cpp/tests/CMakeLists.txt cpp/bench/CMakeLists.txt | $(VENV)/.stamp-venv $(VENV)/.stamp-debian
+	cmake -S . -B $(BUILD)/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+cpp: $(BUILD)/cpp/build.ninja
+	cmake --build $(BUILD)/cpp
+
+ctest: cpp
+	ctest --test-dir $(BUILD)/cpp --output-on-failure --timeout 120 -j 2
+
+# Install the C++ package to a staging prefix, then build the consumer against it twice: with
+# find_package(ElasticCore) and with pkg-config.
+consumer: $(BUILD)/consumer/elastic-consumer
+$(BUILD)/consumer/elastic-consumer: cpp cpp/examples/consumer/consumer.c cpp/examples/consumer/CMakeLists.txt
+	rm -rf $(STAGE) && cmake --install $(BUILD)/cpp --prefix $(STAGE) >/dev/null
+	cmake -S cpp/examples/consumer -B $(BUILD)/consumer -G Ninja -DCMAKE_PREFIX_PATH=$(STAGE)
+	cmake --build $(BUILD)/consumer
+	PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig cc -std=c99 -Wall -Wextra -Werror -o $(BUILD)/consumer/elastic-consumer-pkgconfig \
+	  cpp/examples/consumer/consumer.c $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --cflags --libs elastic-core) \
+	  -Wl,-rpath,$(STAGE)/lib
+	$(BUILD)/consumer/elastic-consumer-pkgconfig --version
+
+# ---- Python ---------------------------------------------------------------------------------
+
+pytest: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer
+	ELASTIC_CONSUMER_BIN=$(abspath $(BUILD)/consumer/elastic-consumer) \
+	  $(VPY) -m pytest
+
+lint: $(VENV)/.stamp-packages
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.stamp-packages cpp
+	$(VPY) benchmarks/run.py --cpp-build $(BUILD)/cpp
+
+clean:
+	rm -rf $(BUILD) python/*/build

@@ -1,0 +1,99 @@
+"""Helpers shared by the benchmark sections: timing statistics, children, result rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Row:
+    """One line of the result table: our figure beside the baseline's, and their ratio."""
+
+    section: str
+    metric: str
+    ours: float
+    baseline: float | None
+    baseline_name: str
+    unit: str
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """How many times better we are (baseline / ours, for costs and latencies)."""
+        if self.baseline is None or self.ours == 0:
+            return None
+        return self.baseline / self.ours
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, round(q * (len(ordered) - 1)))
+    return ordered[index]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_json(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> dict:
+    """Run a benchmark program that prints one JSON object as its last line."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    result = subprocess.run(
+        cmd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def python_json(script: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    return run_json([sys.executable, str(script), *args], env=env)
+
+
+def format_table(rows: list[Row]) -> str:
+    """A Markdown table: the same one goes to the terminal and into the README."""
+    lines = [
+        "| benchmark | elasticrun | baseline | baseline is | ratio |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        base = "n/a" if r.baseline is None else f"{_fmt(r.baseline)} {r.unit}"
+        ratio = "" if r.ratio is None else f"{r.ratio:,.1f}x"
+        metric = r.metric + (f" ({r.note})" if r.note else "")
+        lines.append(
+            f"| {metric} | {_fmt(r.ours)} {r.unit} | {base} | {r.baseline_name} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def save(name: str, rows: list[Row]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
+    return path

@@ -1,0 +1,43 @@
+// Internal: a file in shared memory mapped read-write, with the checks every attach needs.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace elastic::detail {
+
+class SharedMapping {
+ public:
+  /// Create `path` exclusively with `size` zeroed bytes. `what` names the object in errors
+  /// ("heartbeat table", "barrier").
+  static std::unique_ptr<SharedMapping> create(const std::string& path, size_t size,
+                                               const char* what);
+  /// Map an existing file whole; `min_size` is the least a valid file can have.
+  static std::unique_ptr<SharedMapping> open(const std::string& path, size_t min_size,
+                                             const char* what);
+
+  ~SharedMapping();
+  SharedMapping(const SharedMapping&) = delete;
+  SharedMapping& operator=(const SharedMapping&) = delete;
+
+  void* data() const noexcept { return data_; }
+  size_t size() const noexcept { return size_; }
+  const std::string& path() const noexcept { return path_; }
+  /// Remove the file when this mapping is destroyed.
+  void unlink_on_close() noexcept { unlink_ = true; }
+
+ private:
+  SharedMapping(std::string path, void* data, size_t size)
+      : path_(std::move(path)), data_(data), size_(size) {}
+
+  std::string path_;
+  void* data_;
+  size_t size_;
+  bool unlink_ = false;
+};
+
+/// Reject paths that cannot name a shared-memory file before touching the file system.
+void check_path(const std::string& path, const char* what);
+
+}  // namespace elastic::detail

@@ -1,0 +1,269 @@
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "elastic/heartbeat.hpp"
+#include "elastic/watchdog.hpp"
+#include "test_util.hpp"
+
+using elastic::Event;
+using elastic::Heartbeat;
+using elastic::HeartbeatTable;
+using elastic::Watchdog;
+using elastic::WatchdogOptions;
+using elastic_test::Child;
+using elastic_test::shm_path;
+
+namespace {
+
+WatchdogOptions with_mode(elastic_death_detection mode) {
+  WatchdogOptions o;
+  o.death_detection = mode;
+  return o;
+}
+
+class DeathDetection : public ::testing::TestWithParam<elastic_death_detection> {};
+
+}  // namespace
+
+TEST_P(DeathDetection, SigkilledChildIsReportedExited) {
+  Watchdog wd(with_mode(GetParam()));
+  EXPECT_EQ(wd.death_detection(), GetParam());
+  Child child([] { ::pause(); });
+  wd.watch(3, child.pid());
+  wd.start();
+  uint64_t killed_at = elastic::now_ns();
+  child.kill(SIGKILL);
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+  EXPECT_EQ(ev->worker, 3);
+  EXPECT_EQ(ev->pid, child.pid());
+  EXPECT_EQ(ev->signal, SIGKILL);
+  EXPECT_EQ(ev->exit_code, -1);
+  EXPECT_GE(ev->time_ns, killed_at);
+  EXPECT_NE(ev->detail.find("SIGKILL"), std::string::npos) << ev->detail;
+  EXPECT_EQ(wd.watched(), 0u) << "an exited worker is no longer watched";
+  // WNOWAIT: the status is still there for the owner to reap.
+  int status = child.wait();
+  EXPECT_TRUE(WIFSIGNALED(status));
+  EXPECT_EQ(WTERMSIG(status), SIGKILL);
+}
+
+TEST_P(DeathDetection, ExitCodeIsReported) {
+  Watchdog wd(with_mode(GetParam()));
+  Child child([] { ::_exit(3); });
+  wd.watch(0, child.pid());
+  wd.start();
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+  EXPECT_EQ(ev->exit_code, 3);
+  EXPECT_EQ(ev->signal, 0);
+  EXPECT_NE(ev->detail.find("exited with code 3"), std::string::npos) << ev->detail;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeathDetection,
+                         ::testing::Values(ELASTIC_DEATH_PIDFD, ELASTIC_DEATH_POLL));
+
+TEST(Watchdog, ReapOption) {
+  WatchdogOptions o;
+  o.reap = true;
+  Watchdog wd(o);
+  Child child([] { ::_exit(5); });
+  pid_t pid = child.pid();
+  wd.watch(0, pid);
+  wd.start();
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->exit_code, 5);
+  int status = 0;
+  EXPECT_EQ(::waitpid(pid, &status, WNOHANG), -1) << "the watchdog reaped it";
+  EXPECT_EQ(errno, ECHILD);
+}
+
+TEST(Watchdog, NonChildExitIsSeenWithUnknownStatus) {
+  // A grandchild: the child forks it, reports its pid through a pipe, and stays alive.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  Child child([&] {
+    pid_t g = ::fork();
+    if (g == 0) {
+      ::pause();
+      ::_exit(0);
+    }
+    ssize_t rc = ::write(fds[1], &g, sizeof(g));
+    (void)rc;
+    int st;
+    ::waitpid(g, &st, 0);
+    ::pause();
+  });
+  pid_t grandchild = 0;
+  ASSERT_EQ(::read(fds[0], &grandchild, sizeof(grandchild)),
+            static_cast<ssize_t>(sizeof(grandchild)));
+  ::close(fds[0]);
+  ::close(fds[1]);
+  Watchdog wd;
+  wd.watch(1, grandchild);
+  wd.start();
+  ::kill(grandchild, SIGKILL);
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+  EXPECT_EQ(ev->pid, grandchild);
+  EXPECT_NE(ev->detail.find("status is unknown"), std::string::npos) << ev->detail;
+}
+
+TEST(Watchdog, ChildThatStopsBeatingIsReportedHung) {
+  std::string path = shm_path("hung");
+  HeartbeatTable table = HeartbeatTable::create(path, 2);
+  Child child([&] {
+    Heartbeat hb = Heartbeat::attach(path, 1);
+    for (int i = 0; i < 20; ++i) {
+      hb.beat();
+      ::usleep(5000);
+    }
+    ::pause();  // hang
+  });
+  Watchdog wd;
+  wd.watch(7, child.pid(), &table, 1, /*hang_timeout_ms=*/200);
+  wd.start();
+  auto ev = wd.next_event(10000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_HUNG);
+  EXPECT_EQ(ev->worker, 7);
+  EXPECT_EQ(ev->step, 20u);
+  elastic_slot_info info = table.read(1);
+  EXPECT_GE(ev->time_ns - info.last_beat_ns, 200u * 1000000u);
+  EXPECT_NE(ev->detail.find("has not beaten for"), std::string::npos) << ev->detail;
+  // Reported once per hang, not on every check.
+  EXPECT_FALSE(wd.next_event(400).has_value());
+  child.kill();
+  ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+}
+
+TEST(Watchdog, WorkerThatNeverBeatsIsOnlyCheckedForLiveness) {
+  std::string path = shm_path("silent");
+  HeartbeatTable table = HeartbeatTable::create(path, 1);
+  Child child([&] {
+    Heartbeat hb = Heartbeat::attach(path, 0);
+    ::pause();
+  });
+  WatchdogOptions o;
+  o.default_hang_timeout_ms = 50;
+  Watchdog wd(o);
+  wd.watch(0, child.pid(), &table, 0);
+  wd.start();
+  EXPECT_FALSE(wd.next_event(300).has_value());
+  child.kill();
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+}
+
+TEST(Watchdog, WorkersOwnTimeoutWins) {
+  std::string path = shm_path("own");
+  HeartbeatTable table = HeartbeatTable::create(path, 1);
+  Child child([&] {
+    Heartbeat hb = Heartbeat::attach(path, 0);
+    hb.set_timeout_ms(60000);  // e.g. a long checkpoint ahead
+    hb.beat();
+    ::pause();
+  });
+  Watchdog wd;
+  wd.watch(0, child.pid(), &table, 0, /*hang_timeout_ms=*/50);
+  wd.start();
+  ASSERT_TRUE(elastic_test::eventually([&] { return table.read(0).step == 1; }, 5000));
+  EXPECT_FALSE(wd.next_event(300).has_value());
+}
+
+TEST(Watchdog, CallbackAndQueueBothReceiveEvents) {
+  std::mutex m;
+  std::vector<Event> seen;
+  Watchdog wd;
+  wd.set_callback([&](const Event& ev) {
+    std::lock_guard<std::mutex> g(m);
+    seen.push_back(ev);
+  });
+  Child a([] { ::_exit(1); });
+  Child b([] { ::_exit(2); });
+  wd.watch(0, a.pid());
+  wd.watch(1, b.pid());
+  wd.start();
+  ASSERT_TRUE(wd.next_event(5000).has_value());
+  ASSERT_TRUE(wd.next_event(5000).has_value());
+  std::lock_guard<std::mutex> g(m);
+  ASSERT_EQ(seen.size(), 2u);
+}
+
+TEST(Watchdog, StartStopLeakNothing) {
+  std::string path = shm_path("leak");
+  int fds_before = elastic_test::open_fds();
+  int threads_before = elastic_test::thread_count();
+  for (int round = 0; round < 5; ++round) {
+    HeartbeatTable table = HeartbeatTable::create(path, 2);
+    Child child([] { ::pause(); });
+    Watchdog wd;
+    wd.watch(0, child.pid(), &table, 0, 1000);
+    wd.start();
+    EXPECT_GT(elastic_test::thread_count(), threads_before);
+    wd.stop();
+    wd.start();  // restartable
+    child.kill();
+    ASSERT_TRUE(wd.next_event(5000).has_value());
+    wd.stop();
+  }
+  EXPECT_EQ(elastic_test::open_fds(), fds_before);
+  EXPECT_EQ(elastic_test::thread_count(), threads_before);
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
+TEST(Watchdog, BadArgumentsAreClearErrors) {
+  Watchdog wd;
+  auto message = [](const std::function<void()>& fn) -> std::string {
+    try {
+      fn();
+    } catch (const elastic::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message([&] { wd.watch(-1, ::getpid()); }).find("worker id -1 is negative"),
+            std::string::npos);
+  EXPECT_NE(message([&] { wd.watch(0, 0); }).find("pid 0 is not a process id"),
+            std::string::npos);
+  EXPECT_NE(message([&] { wd.watch(0, ::getpid(), nullptr, 2); }).find("without a heartbeat"),
+            std::string::npos);
+  // A pid that no longer exists (reaped child).
+  pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  int st;
+  ::waitpid(gone, &st, 0);
+  std::string msg = message([&] { wd.watch(0, gone); });
+  EXPECT_NE(msg.find("no process with pid " + std::to_string(gone)), std::string::npos) << msg;
+  wd.watch(0, ::getpid());
+  EXPECT_NE(message([&] { wd.watch(0, ::getpid()); }).find("already watched"),
+            std::string::npos);
+  EXPECT_TRUE(wd.unwatch(0));
+  EXPECT_FALSE(wd.unwatch(0));
+  wd.start();
+  EXPECT_NE(message([&] { wd.start(); }).find("already running"), std::string::npos);
+}
+
+TEST(Watchdog, NextEventReturnsWhenStopped) {
+  Watchdog wd;
+  wd.start();
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    wd.stop();
+  });
+  EXPECT_FALSE(wd.next_event(-1).has_value());
+  stopper.join();
+}
