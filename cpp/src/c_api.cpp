@@ -361,6 +361,15 @@ int elastic_watchdog_watch(elastic_watchdog* watchdog, int32_t worker, int32_t p
   });
 }
 
+int elastic_watchdog_set_hang_timeout(elastic_watchdog* watchdog, int32_t worker,
+                                      uint64_t hang_timeout_ms) {
+  ELASTIC_REQUIRE(watchdog, "watchdog");
+  if (!watchdog->watchdog.set_hang_timeout(worker, hang_timeout_ms)) {
+    return fail(ELASTIC_ERR_NOT_FOUND, "worker " + std::to_string(worker) + " is not watched");
+  }
+  return ELASTIC_OK;
+}
+
 int elastic_watchdog_unwatch(elastic_watchdog* watchdog, int32_t worker) {
   ELASTIC_REQUIRE(watchdog, "watchdog");
   if (!watchdog->watchdog.unwatch(worker)) {

@@ -396,6 +396,15 @@ void Watchdog::watch(int32_t worker, pid_t pid, const HeartbeatTable* table, int
   impl_->wake();
 }
 
+bool Watchdog::set_hang_timeout(int32_t worker, uint64_t hang_timeout_ms) {
+  std::lock_guard<std::mutex> g(impl_->m);
+  auto it = impl_->workers.find(worker);
+  if (it == impl_->workers.end()) return false;
+  it->second.hang_timeout_ms = hang_timeout_ms;
+  impl_->wake();  // the check interval may change
+  return true;
+}
+
 bool Watchdog::unwatch(int32_t worker) {
   std::lock_guard<std::mutex> g(impl_->m);
   auto it = impl_->workers.find(worker);

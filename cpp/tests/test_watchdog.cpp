@@ -184,6 +184,27 @@ TEST(Watchdog, WorkersOwnTimeoutWins) {
   EXPECT_FALSE(wd.next_event(300).has_value());
 }
 
+TEST(Watchdog, HangTimeoutCanBeChangedWhileWatching) {
+  std::string path = shm_path("change");
+  HeartbeatTable table = HeartbeatTable::create(path, 1);
+  Child child([&] {
+    Heartbeat hb = Heartbeat::attach(path, 0);
+    hb.beat();
+    ::pause();
+  });
+  Watchdog wd;
+  wd.watch(0, child.pid(), &table, 0, /*hang_timeout_ms=*/60000);
+  wd.start();
+  ASSERT_TRUE(elastic_test::eventually([&] { return table.read(0).step == 1; }, 5000));
+  EXPECT_FALSE(wd.next_event(200).has_value());
+  EXPECT_TRUE(wd.set_hang_timeout(0, 50));
+  EXPECT_FALSE(wd.set_hang_timeout(9, 50));
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_HUNG);
+  EXPECT_NE(ev->detail.find("timeout 50 ms"), std::string::npos) << ev->detail;
+}
+
 TEST(Watchdog, CallbackAndQueueBothReceiveEvents) {
   std::mutex m;
   std::vector<Event> seen;

@@ -366,6 +366,13 @@ ELASTIC_API int elastic_watchdog_watch(elastic_watchdog* watchdog, int32_t worke
                                        const elastic_heartbeat_table* table, int32_t slot,
                                        uint64_t hang_timeout_ms, int32_t gpu);
 
+/**
+ * Change the hang timeout given to elastic_watchdog_watch for a watched worker (a supervisor that
+ * learns step times adjusts it as it goes). ELASTIC_ERR_NOT_FOUND if it is not watched.
+ */
+ELASTIC_API int elastic_watchdog_set_hang_timeout(elastic_watchdog* watchdog, int32_t worker,
+                                                  uint64_t hang_timeout_ms);
+
 /** Stop watching a worker. ELASTIC_ERR_NOT_FOUND if it is not watched (or already exited). */
 ELASTIC_API int elastic_watchdog_unwatch(elastic_watchdog* watchdog, int32_t worker);
 

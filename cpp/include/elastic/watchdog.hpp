@@ -60,6 +60,8 @@ class Watchdog {
   /// the device the worker uses, -1 none. The table must outlive the watch.
   void watch(int32_t worker, pid_t pid, const HeartbeatTable* table = nullptr, int32_t slot = -1,
              uint64_t hang_timeout_ms = 0, int32_t gpu = -1);
+  /// Change a watched worker's hang timeout (the one given to watch()); false if not watched.
+  bool set_hang_timeout(int32_t worker, uint64_t hang_timeout_ms);
   /// Stop watching; false if the worker is not watched.
   bool unwatch(int32_t worker);
   /// Number of watched workers.

@@ -224,6 +224,13 @@ void register_watchdog(py::module_& m) {
           "`slot` (default: the worker id) against the worker's own timeout, else "
           "`hang_timeout` seconds, else the default.")
       .def(
+          "set_hang_timeout",
+          [](PyWatchdog& w, int32_t worker, double seconds) {
+            return w.get().set_hang_timeout(worker, duration_ms(seconds, "seconds"));
+          },
+          py::arg("worker"), py::arg("seconds"),
+          "Change a watched worker's hang timeout; False if it is not watched.")
+      .def(
           "unwatch",
           [](PyWatchdog& w, int32_t worker) {
             bool found = w.get().unwatch(worker);

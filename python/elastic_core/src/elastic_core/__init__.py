@@ -10,8 +10,6 @@ across nodes, and fail with an error naming the participant at fault instead of 
 from __future__ import annotations
 
 import atexit
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _dist_version
 
 from elastic_core._core import (
     ABI_VERSION,
@@ -48,10 +46,9 @@ from elastic_core._core import (
     set_hang_timeout,
 )
 
-try:
-    __version__ = _dist_version("elasticrun-core")
-except PackageNotFoundError:  # imported from a build tree
-    __version__ = LIBRARY_VERSION
+# The package and the C++ library share one version (cpp/VERSION); importlib.metadata would cost
+# ~40 ms of start-up in every worker.
+__version__ = LIBRARY_VERSION
 
 # A worker that finishes normally is not "hung" while its interpreter winds down.
 atexit.register(detach)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("elasticrun-sampler")
-except PackageNotFoundError:  # imported from a source tree
-    __version__ = "0.0.0"
+def __getattr__(name: str) -> str:
+    # Looked up on demand: importlib.metadata costs ~40 ms of start-up.
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("elasticrun-sampler")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["__version__"]

@@ -1,0 +1,159 @@
+"""Interfaces, data classes and errors of elastic_launch.
+
+:class:`LaunchConfig` is what the ``elasticrun`` command line builds and what
+:func:`elastic_launch.launch` takes; it mirrors torch's ``LaunchConfig`` field for field where
+torch has one, plus elasticrun's own (hang detection, preload, events, health).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Launcher exit codes (documented in the README).
+EXIT_OK = 0
+EXIT_FAILED = 1  # the job failed: a worker failed with no restart left, or rendezvous failed
+EXIT_USAGE = 2  # bad command line or configuration
+EXIT_SIGNAL_BASE = 128  # stopped by signal N: exit code 128 + N
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to its log files (torch's ``Std``)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass
+class LaunchConfig:
+    """How to launch and supervise one node's workers.
+
+    Field names and defaults follow torch's ``LaunchConfig``; times are in seconds.
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    run_id: str = ""
+    role: str = "default"
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "embedded"
+    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_dir: str | None = None
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    shutdown_timeout: float = 30.0
+    virtual_local_rank: bool = False
+    event_log_handler: str = "null"
+    # elasticrun's own
+    hang_timeout: float | None = None  # seconds; None: automatic (learned step time)
+    hang_timeout_floor: float = 60.0  # automatic mode: never below this
+    hang_timeout_factor: float = 10.0  # automatic mode: k x p99 step interval
+    preload: list[str] = field(default_factory=list)
+    events_file: str | None = None
+    metrics_port: str | None = None  # "PORT" or "HOST:PORT"
+    health_port: str | None = None  # "PORT" or "HOST:PORT"
+    stack_dump_timeout: float = 2.0  # how long to wait for hung workers' stacks
+    gpu_check_interval: float = 5.0  # seconds between NVML checks; 0: none
+
+
+class FailureKind(str, enum.Enum):
+    """Why a worker failed."""
+
+    EXIT_CODE = "exit_code"  # exited with a non-zero status
+    SIGNAL = "signal"  # killed by a signal
+    HUNG = "hung"  # stopped beating for longer than its hang timeout
+    GPU = "gpu"  # a GPU it uses became unhealthy
+    SPAWN = "spawn"  # could not be started
+    STOPPED = "stopped"  # stopped by the launcher after another worker failed
+
+
+@dataclass
+class WorkerFailure:
+    """One failed worker, with what is known about why."""
+
+    kind: FailureKind
+    rank: int
+    local_rank: int
+    pid: int
+    attempt: int
+    host: str
+    time_ns: int  # when the watchdog saw it (CLOCK_MONOTONIC)
+    wall_time: float  # the same moment as a Unix time
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str = ""
+    message: str = ""  # the exception message, from the error file
+    traceback: str = ""  # the Python traceback, from the error file
+    stack: str = ""  # for hangs: the Python stacks the worker dumped
+    error_file: str = ""
+    stdout_log: str | None = None
+    stderr_log: str | None = None
+    failed_at_ns: int | None = None  # when the failure happened, if known
+
+
+class RunState(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # by a signal to the launcher
+
+
+@dataclass
+class RunResult:
+    """The outcome of a launch."""
+
+    state: RunState
+    return_values: dict[int, Any] = field(default_factory=dict)  # by global rank
+    failures: list[WorkerFailure] = field(default_factory=list)  # of the last attempt
+    attempts: int = 0
+    restarts: int = 0
+    signal: int | None = None
+    log_dir: str | None = None
+
+    @property
+    def root_cause(self) -> WorkerFailure | None:
+        """The first failure of the last attempt (workers the launcher stopped excluded)."""
+        own = [f for f in self.failures if f.kind != FailureKind.STOPPED]
+        return min(own, key=lambda f: f.time_ns) if own else None
+
+
+class LaunchError(Exception):
+    """Base of elastic_launch's errors."""
+
+
+class ConfigError(LaunchError, ValueError):
+    """A bad flag, value or setting; the message quotes it and says what to do."""
+
+
+class WorkerFailedError(LaunchError):
+    """The job failed: a worker failed and no restart was left. Carries the run's result."""
+
+    def __init__(self, message: str, result: RunResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+    @property
+    def failures(self) -> list[WorkerFailure]:
+        return self.result.failures
+
+
+class LauncherStopped(LaunchError):  # noqa: N818 - torch calls its equivalent SignalException
+    """The launcher was asked to stop by a signal; workers were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum

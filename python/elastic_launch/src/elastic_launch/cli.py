@@ -1,0 +1,361 @@
+"""``elasticrun``: the command line, a drop-in for ``torchrun``.
+
+Every torchrun (torch 2.13) flag is accepted in both ``--dash-case`` and ``--under_score``
+spellings, with the same default, read from ``PET_<NAME>`` when the flag is absent (so that
+Kubeflow-style configuration works unchanged); elasticrun's own flags follow the same rule.
+Exit status: 0 when the job succeeds, 1 when it fails (the summary names the root cause), 2 for
+a usage error, 128 + N when stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from elastic_launch import api
+from elastic_launch.api import ConfigError, LaunchConfig, RunState
+from elastic_launch.config import (
+    parse_hang_timeout,
+    parse_list,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_preload,
+    parse_ranks_filter,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std,
+)
+
+logger = logging.getLogger("elasticrun")
+
+_OMP_WARNING = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+    "your system being overloaded, please further tune the variable for optimal performance in "
+    "your application as needed. \n*****************************************"
+)
+
+
+def _env_name(dest: str) -> str:
+    return f"PET_{dest.upper()}"
+
+
+class _EnvDefault(argparse.Action):
+    """A flag whose default comes from PET_<DEST> (torch's ``env`` action)."""
+
+    def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
+        value = os.environ.get(_env_name(dest))
+        if value is not None:
+            default = value
+            required = False
+        super().__init__(dest=dest, default=default, required=required, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _EnvFlag(argparse.Action):
+    """A boolean flag whose default comes from PET_<DEST> (1/0/true/false)."""
+
+    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
+        value = os.environ.get(_env_name(dest))
+        if value is not None:
+            text = value.strip().lower()
+            if text not in ("1", "0", "true", "false", "yes", "no"):
+                raise ConfigError(f"{_env_name(dest)}='{value}' is not a boolean: use 1 or 0")
+            default = text in ("1", "true", "yes")
+        super().__init__(dest=dest, default=default, nargs=0, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+class _Append(_EnvDefault):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def _add(parser: argparse._ActionsContainer, name: str, *extra: str, **kw: Any) -> None:
+    """Add --dash-case with its --under_score twin (and any short names)."""
+    names = [f"--{name}"]
+    if "-" in name:
+        names.append(f"--{name.replace('-', '_')}")
+    kw.setdefault("action", _EnvDefault)
+    parser.add_argument(*extra, *names, dest=name.replace("-", "_"), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elasticrun",
+        description="Elastic, fault-tolerant launcher for PyTorch distributed training: a "
+        "torchrun drop-in that sees dead and hung workers at once.",
+        epilog="Exit status: 0 success, 1 job failed, 2 usage error, 128+N stopped by signal N. "
+        "Every flag also reads its default from PET_<FLAG_NAME>.",
+    )
+    g = p.add_argument_group("torchrun flags")
+    _add(g, "nnodes", default="1:1", help="number of nodes, or MIN:MAX (default 1:1)")
+    _add(
+        g,
+        "nproc-per-node",
+        default="1",
+        help="workers per node: a number, or auto, cpu, gpu (default 1)",
+    )
+    _add(
+        g,
+        "rdzv-backend",
+        default="static",
+        help="rendezvous backend: embedded (alias c10d), static, or a registered one",
+    )
+    _add(g, "rdzv-endpoint", default="", help="rendezvous endpoint, HOST:PORT")
+    _add(g, "rdzv-id", default="none", help="the job's id (run id)")
+    _add(g, "rdzv-conf", default="", help="rendezvous options, KEY=VALUE,...")
+    _add(
+        g,
+        "standalone",
+        action=_EnvFlag,
+        help="single node, no external service: an in-process rendezvous, a fresh run id",
+    )
+    _add(g, "max-restarts", default=0, type=int, help="worker group restarts before failing")
+    _add(
+        g,
+        "monitor-interval",
+        default=0.1,
+        type=float,
+        help="seconds between the agent's housekeeping passes (deaths are seen at once anyway)",
+    )
+    _add(
+        g,
+        "start-method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="spawn: fresh interpreters; fork/forkserver: forked from a pre-started Python",
+    )
+    _add(g, "event-log-handler", default="null", help="null or console")
+    _add(g, "role", default="default", help="the workers' role name (ROLE_NAME)")
+    _add(g, "module", "-m", action=_EnvFlag, help="run the script argument as a module (-m)")
+    _add(g, "no-python", action=_EnvFlag, help="run the script argument directly, not with python")
+    _add(g, "run-path", action=_EnvFlag, help="run the script with runpy.run_path")
+    _add(g, "log-dir", default=None, help="base directory for logs (default: a temporary one)")
+    _add(
+        g,
+        "redirects",
+        "-r",
+        default="0",
+        help="streams to log files: 0 none, 1 stdout, 2 stderr, 3 both, or RANK:N,...",
+    )
+    _add(
+        g,
+        "tee",
+        "-t",
+        default="0",
+        help="streams to log files and the console, with a [host:roleN]: prefix",
+    )
+    _add(g, "local-ranks-filter", default="", help="show only these local ranks on the console")
+    _add(
+        g,
+        "duplicate-stdout-filters",
+        default="",
+        help="copy tee'd stdout lines containing any of these (comma-separated) to a file",
+    )
+    _add(g, "duplicate-stderr-filters", default="", help="the same for stderr")
+    _add(g, "node-rank", default=0, type=int, help="this node's rank (static rendezvous)")
+    _add(g, "master-addr", default="127.0.0.1", help="rank 0's address (static rendezvous)")
+    _add(g, "master-port", default=None, type=int, help="rank 0's port (static; default 29500)")
+    _add(g, "local-addr", default=None, help="this node's address, as others reach it")
+    _add(g, "logs-specs", default=None, help="(not supported: elasticrun's log layout is fixed)")
+    _add(
+        g,
+        "numa-binding",
+        default=None,
+        choices=["node", "socket", "exclusive", "core-complex"],
+        help="(not supported yet)",
+    )
+    _add(
+        g,
+        "signals-to-handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals forwarded to the workers",
+    )
+    _add(
+        g,
+        "shutdown-timeout",
+        default=None,
+        type=float,
+        help="seconds between the stop signal and SIGKILL (default "
+        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
+    )
+    _add(
+        g,
+        "virtual-local-rank",
+        action=_EnvFlag,
+        help="LOCAL_RANK=0 in every worker, each seeing only its own GPU",
+    )
+
+    e = p.add_argument_group("elasticrun flags")
+    _add(
+        e,
+        "hang-timeout",
+        default="auto",
+        help="seconds without a beat before a worker counts as hung; 'auto' (default) learns "
+        "it as max(floor, factor x p99 step interval); 'off' disables",
+    )
+    _add(
+        e,
+        "hang-timeout-floor",
+        default=60.0,
+        type=float,
+        help="automatic mode: the smallest timeout, seconds (default 60)",
+    )
+    _add(
+        e,
+        "hang-timeout-factor",
+        default=10.0,
+        type=float,
+        help="automatic mode: multiple of the p99 step interval (default 10)",
+    )
+    _add(
+        e,
+        "preload",
+        action=_Append,
+        default=[],
+        help="modules (comma-separated, repeatable) a zygote imports once; workers are forked "
+        "from it, so a restart skips the interpreter and import cost (e.g. torch)",
+    )
+    _add(e, "events-file", default=None, help="append agent events as JSON lines to this file")
+    _add(e, "metrics-port", default=None, help="serve Prometheus metrics on [HOST:]PORT")
+    _add(e, "health-port", default=None, help="serve /healthz on [HOST:]PORT")
+    _add(
+        e,
+        "gpu-check-interval",
+        default=5.0,
+        type=float,
+        help="seconds between GPU health checks through NVML; 0 disables (default 5)",
+    )
+
+    p.add_argument("training_script", help="the script (or module, or program) to run")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
+    """Turn parsed flags into a LaunchConfig and an Entrypoint, checking every value."""
+    from elastic_launch.workers import Entrypoint
+
+    if args.logs_specs:
+        raise ConfigError(
+            f"--logs-specs '{args.logs_specs}' is not supported: elasticrun keeps its own log "
+            "layout (see --log-dir, --redirects, --tee)"
+        )
+    if args.numa_binding:
+        raise ConfigError(
+            f"--numa-binding {args.numa_binding} is not supported by elasticrun yet; bind "
+            "workers with numactl in your script, or leave the flag out"
+        )
+    if args.module and args.no_python:
+        raise ConfigError(
+            "Don't use both the '--no-python' flag and the '--module' flag at the same time."
+        )
+    min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
+    nproc = parse_nproc_per_node(str(args.nproc_per_node))
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if args.standalone or (
+        backend == "static" and not endpoint and args.master_port is None and max_nodes == 1
+    ):
+        backend, endpoint, run_id = "embedded", "localhost:0", str(uuid.uuid4())
+    elif backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
+        logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
+    shutdown = args.shutdown_timeout
+    if shutdown is None:
+        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            shutdown = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT='{raw}' is not a number of seconds"
+            ) from None
+    parse_signals(args.signals_to_handle)  # checked now, installed by the agent
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=parse_rdzv_conf(args.rdzv_conf),
+        max_restarts=int(args.max_restarts),
+        monitor_interval=float(args.monitor_interval),
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=parse_std(str(args.redirects), "--redirects"),
+        tee=parse_std(str(args.tee), "--tee"),
+        local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
+        duplicate_stdout_filters=parse_list(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=parse_list(args.duplicate_stderr_filters),
+        node_rank=int(args.node_rank),
+        master_addr=args.master_addr,
+        master_port=None if args.master_port is None else int(args.master_port),
+        local_addr=args.local_addr,
+        signals_to_handle=args.signals_to_handle,
+        shutdown_timeout=float(shutdown),
+        virtual_local_rank=args.virtual_local_rank,
+        event_log_handler=args.event_log_handler,
+        hang_timeout=parse_hang_timeout(str(args.hang_timeout)),
+        hang_timeout_floor=float(args.hang_timeout_floor),
+        hang_timeout_factor=float(args.hang_timeout_factor),
+        preload=parse_preload(args.preload if isinstance(args.preload, list) else [args.preload]),
+        events_file=args.events_file,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        gpu_check_interval=float(args.gpu_check_interval),
+    )
+    script_args = list(args.training_script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    if args.module:
+        entrypoint = Entrypoint("module", args.training_script, script_args)
+    elif args.no_python and not args.run_path:
+        entrypoint = Entrypoint("binary", args.training_script, script_args)
+    else:
+        entrypoint = Entrypoint("script", args.training_script, script_args)
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        logger.warning(_OMP_WARNING)
+    return config, entrypoint
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, launch, report. Returns the exit status."""
+    logging.basicConfig(level=logging.WARNING, format="elasticrun: %(levelname)s: %(message)s")
+    from elastic_launch.launcher import run
+    from elastic_launch.summary import format_summary
+
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        config, entrypoint = config_from_args(args)
+        result = run(config, entrypoint)
+    except ConfigError as e:
+        print(f"elasticrun: error: {e}", file=sys.stderr)
+        return api.EXIT_USAGE
+    if result.state == RunState.SUCCEEDED:
+        return api.EXIT_OK
+    if result.state == RunState.STOPPED:
+        sig = result.signal or 0
+        print(f"elasticrun: stopped by signal {sig}; workers stopped", file=sys.stderr)
+        return api.EXIT_SIGNAL_BASE + sig
+    print(format_summary(entrypoint.name, result), file=sys.stderr)
+    return api.EXIT_FAILED
+
+
+def console_main() -> None:
+    """Entry point of the ``elasticrun`` console script."""
+    sys.exit(main())

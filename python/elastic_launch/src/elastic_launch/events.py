@@ -1,0 +1,177 @@
+"""Events and metrics of the agent: what happened to the job, and how fast it recovered.
+
+Every event goes to each configured handler: ``null``, ``console`` (the log), a JSON-lines file
+(``--events-file``) and Prometheus (``--metrics-port``). Events:
+
+``job_started``, ``group_started`` (attempt, spawn_seconds), ``worker_failed`` (rank, kind,
+exit_code/signal, detection_seconds: failure to detection, when the failure time is known),
+``group_stopped`` (stop_seconds), ``group_restarted`` (recovery_seconds: detection to the restarted
+group's workers all running), ``group_ready`` (seconds to every worker's first beat),
+``job_succeeded``, ``job_failed``, ``job_stopped``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elastic_launch.api import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentEvent:
+    name: str
+    run_id: str
+    attempt: int
+    data: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "event": self.name,
+                "time": self.time,
+                "run_id": self.run_id,
+                "attempt": self.attempt,
+                **self.data,
+            },
+            default=str,
+        )
+
+
+class EventHandler(Protocol):
+    def emit(self, event: AgentEvent) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullHandler:
+    def emit(self, event: AgentEvent) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleHandler:
+    def emit(self, event: AgentEvent) -> None:
+        details = " ".join(f"{k}={v}" for k, v in event.data.items())
+        logger.warning("[event] %s attempt=%d %s", event.name, event.attempt, details)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonLinesHandler:
+    """Appends one JSON object per event to a file, flushed at once (safe to tail)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            raise ConfigError(f"--events-file '{path}' cannot be opened: {e.strerror}") from None
+        self._lock = threading.Lock()
+
+    def emit(self, event: AgentEvent) -> None:
+        with self._lock:
+            self._file.write(event.to_json() + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class PrometheusHandler:
+    """Serves the agent's metrics on HOST:PORT/metrics (prometheus-client)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client.exposition import start_http_server
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.restarts = Counter("elasticrun_restarts", "Worker group restarts", registry=r)
+        self.failures = Counter(
+            "elasticrun_worker_failures", "Worker failures by kind", ["kind"], registry=r
+        )
+        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
+        self.detection = Histogram(
+            "elasticrun_failure_detection_seconds",
+            "From a failure to its detection (when the failure time is known)",
+            buckets=buckets,
+            registry=r,
+        )
+        self.recovery = Histogram(
+            "elasticrun_recovery_seconds",
+            "From a failure's detection to the restarted group's workers running",
+            buckets=buckets,
+            registry=r,
+        )
+        self.attempt = Gauge("elasticrun_attempt", "Current attempt number", registry=r)
+        self.workers = Gauge("elasticrun_workers_running", "Workers running", registry=r)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=r)
+        except OSError as e:
+            raise ConfigError(
+                f"--metrics-port {host}:{port} cannot be served: {e.strerror}; choose a free port"
+            ) from None
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def emit(self, event: AgentEvent) -> None:
+        self.attempt.set(event.attempt)
+        d = event.data
+        if event.name == "worker_failed":
+            self.failures.labels(kind=d.get("kind", "unknown")).inc()
+            if d.get("detection_seconds") is not None:
+                self.detection.observe(d["detection_seconds"])
+        elif event.name == "group_restarted":
+            self.restarts.inc()
+            self.recovery.observe(d["recovery_seconds"])
+        elif event.name == "group_started":
+            self.workers.set(d.get("workers", 0))
+        elif event.name in ("group_stopped", "job_succeeded", "job_failed", "job_stopped"):
+            self.workers.set(0)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Events:
+    """Fans each event out to every handler; a failing handler is logged, never fatal."""
+
+    def __init__(self, run_id: str, handlers: list[EventHandler]) -> None:
+        self.run_id = run_id
+        self.handlers = handlers
+
+    def emit(self, name: str, attempt: int, **data: Any) -> None:
+        event = AgentEvent(name, self.run_id, attempt, data)
+        for h in self.handlers:
+            try:
+                h.emit(event)
+            except Exception:
+                logger.exception("event handler %r failed on %s", h, name)
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.close()
+
+
+def handler_for_name(name: str) -> EventHandler:
+    """``--event-log-handler`` (torchrun's flag): ``null`` or ``console``."""
+    if name == "null":
+        return NullHandler()
+    if name == "console":
+        return ConsoleHandler()
+    raise ConfigError(
+        f"--event-log-handler '{name}' is not supported: use 'null' or 'console' (and "
+        "--events-file / --metrics-port for files and Prometheus)"
+    )

@@ -1,0 +1,161 @@
+"""Where workers' output goes: the log directory layout and the tee pump.
+
+Layout (torchrun's, except that attempts are numbered by every restart, so a later attempt
+never overwrites an earlier one)::
+
+    <log_dir>/<run_id>_<random>/attempt_<n>/<local_rank>/stdout.log
+                                                        /stderr.log
+                                                        /error.json   (the error file)
+                                                        /stack.txt    (hang stack dumps)
+                                           /filtered_stdout.log       (--duplicate-*-filters)
+
+Without ``--log-dir`` the base is a new temporary directory. ``--log-dir /dev/null`` keeps no
+logs: error and stack files then live in a temporary directory removed at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import IO
+
+
+class LogLayout:
+    """The run's log directory and the paths of each attempt and rank."""
+
+    def __init__(self, log_dir: str | None, run_id: str) -> None:
+        self.keep_logs = log_dir != os.devnull
+        if log_dir is None or not self.keep_logs:
+            base = tempfile.mkdtemp(prefix="elasticrun_")
+            self._temporary = not self.keep_logs
+        else:
+            if os.path.isfile(log_dir):
+                from elastic_launch.api import ConfigError
+
+                raise ConfigError(f"--log-dir '{log_dir}' is a file: give a directory")
+            os.makedirs(log_dir, exist_ok=True)
+            base = log_dir
+            self._temporary = False
+        safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id) or "run"
+        self.run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        self._base = base
+
+    def attempt_dir(self, attempt: int) -> str:
+        return os.path.join(self.run_dir, f"attempt_{attempt}")
+
+    def rank_dir(self, attempt: int, local_rank: int) -> str:
+        path = os.path.join(self.attempt_dir(attempt), str(local_rank))
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def cleanup(self) -> None:
+        """Remove a temporary directory that holds no logs (``--log-dir /dev/null``)."""
+        if self._temporary:
+            shutil.rmtree(self._base, ignore_errors=True)
+
+
+@dataclass
+class _Stream:
+    log: IO[bytes] | None  # the rank's log file (tee)
+    console: IO[bytes] | None  # where the console copy goes, None if filtered out
+    prefix: bytes
+    filtered: IO[bytes] | None  # the attempt's filtered_std*.log
+    filters: list[bytes]
+    partial: bytes = b""
+
+
+class OutputPump:
+    """Copies workers' piped output, line by line, to their log files and to the console with a
+    per-rank prefix (``--tee``), and matching lines to the filtered log. One thread for all."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._open = 0
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._drained = threading.Condition(self._lock)
+
+    def add(
+        self,
+        read_fd: int,
+        log: IO[bytes] | None,
+        console: IO[bytes] | None,
+        prefix: str,
+        filtered: IO[bytes] | None = None,
+        filters: list[str] | None = None,
+    ) -> None:
+        os.set_blocking(read_fd, False)
+        stream = _Stream(
+            log, console, prefix.encode(), filtered, [f.encode() for f in filters or []]
+        )
+        with self._lock:
+            self._selector.register(read_fd, selectors.EVENT_READ, stream)
+            self._open += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="elasticrun-output", daemon=True
+                )
+                self._thread.start()
+        os.write(self._wake_w, b"x")
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait until every added stream reached end of file (its writers have exited)."""
+        with self._drained:
+            return self._drained.wait_for(lambda: self._open == 0, timeout)
+
+    def _emit(self, s: _Stream, line: bytes) -> None:
+        if s.log is not None:
+            s.log.write(line)
+        if s.console is not None:
+            s.console.write(s.prefix + line)
+        if s.filtered is not None and any(f in line for f in s.filters):
+            s.filtered.write(s.prefix + line)
+
+    def _flush(self, s: _Stream) -> None:
+        for f in (s.log, s.console, s.filtered):
+            if f is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    f.flush()
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    os.read(self._wake_r, 4096)
+                    continue
+                s: _Stream = key.data
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    data = s.partial + chunk
+                    *lines, s.partial = data.split(b"\n")
+                    for line in lines:
+                        self._emit(s, line + b"\n")
+                    self._flush(s)
+                    continue
+                if s.partial:
+                    self._emit(s, s.partial + b"\n")
+                    s.partial = b""
+                self._flush(s)
+                with self._lock:
+                    self._selector.unregister(key.fd)
+                    os.close(key.fd)
+                    self._open -= 1
+                    self._drained.notify_all()
+
+
+def console_streams() -> tuple[IO[bytes], IO[bytes]]:
+    """The launcher's stdout and stderr as binary streams (for prefixed tee lines)."""
+    return sys.stdout.buffer, sys.stderr.buffer

@@ -1,0 +1,84 @@
+"""Rendezvous backends by name: the built-in ones, and outside ones from entry points.
+
+An outside package provides a backend with an entry point in the group
+``elastic_launch.rendezvous`` whose object is a factory ``(RendezvousParameters) ->
+RendezvousHandler``::
+
+    [project.entry-points."elastic_launch.rendezvous"]
+    mystore = "my_package.rdzv:create_handler"
+"""
+
+from __future__ import annotations
+
+import logging
+
+from elastic_launch.rendezvous.api import (
+    HandlerFactory,
+    RendezvousConfigError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "elastic_launch.rendezvous"
+
+_factories: dict[str, HandlerFactory] = {}
+
+
+def _local(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_launch.rendezvous.local import LocalRendezvous
+
+    return LocalRendezvous(params)
+
+
+def _static(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_launch.rendezvous.static import StaticRendezvous
+
+    return StaticRendezvous(params)
+
+
+def _not_yet(params: RendezvousParameters) -> RendezvousHandler:
+    raise RendezvousConfigError(
+        f"--rdzv-backend {params.backend}: this backend is not available in this version yet; "
+        "use embedded (one node) or static (fixed nodes)"
+    )
+
+
+_BUILTIN: dict[str, HandlerFactory] = {
+    "embedded": _local,
+    "c10d": _local,  # torchrun's default dynamic backend: same role, same command lines
+    "static": _static,
+    "etcd": _not_yet,
+    "etcd-v2": _not_yet,
+}
+
+
+def register(name: str, factory: HandlerFactory) -> None:
+    """Register (or replace) a backend under `name`."""
+    _factories[name] = factory
+
+
+def backends() -> list[str]:
+    """Every backend name: built-in, registered and from entry points."""
+    return sorted(set(_BUILTIN) | set(_factories) | set(_entry_points()))
+
+
+def _entry_points() -> dict[str, object]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the handler of `params.backend`; a clear error for an unknown name."""
+    factory = _factories.get(params.backend) or _BUILTIN.get(params.backend)
+    if factory is None:
+        ep = _entry_points().get(params.backend)
+        if ep is None:
+            raise RendezvousConfigError(
+                f"--rdzv-backend '{params.backend}' is not a rendezvous backend: choose one of "
+                f"{', '.join(backends())}"
+            )
+        factory = ep.load()  # type: ignore[attr-defined]
+    return factory(params)

@@ -1,0 +1,72 @@
+"""The static backend: fixed node rank and master address, no elasticity (torchrun's ``static``).
+
+Every node is started with the same ``--nnodes N``, its own ``--node-rank``, and the same
+``--master-addr``/``--master-port`` (default 29500) where the rank 0 worker hosts its store.
+Nodes are assumed to run the same number of workers each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from elastic_launch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    check_config_keys,
+    positive_seconds,
+)
+
+DEFAULT_MASTER_PORT = 29500
+CONFIG_KEYS: dict[str, Callable[[str], object]] = {"timeout": positive_seconds, "rank": int}
+
+
+class StaticRendezvous(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters) -> None:
+        conf = check_config_keys(params, CONFIG_KEYS)
+        if params.min_nodes != params.max_nodes:
+            raise RendezvousConfigError(
+                f"--nnodes {params.min_nodes}:{params.max_nodes}: the static rendezvous has a "
+                "fixed size; give --nnodes N, or use an elastic backend (embedded, etcd)"
+            )
+        node_rank = int(conf.get("rank", params.node_rank))  # type: ignore[call-overload]
+        if not 0 <= node_rank < params.max_nodes:
+            raise RendezvousConfigError(
+                f"--node-rank {node_rank} is out of range for --nnodes {params.max_nodes} "
+                f"(0..{params.max_nodes - 1})"
+            )
+        self._params = params
+        self._node_rank = node_rank
+        self._round = 0
+        self._closed = False
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
+        self._round += 1
+        n = self._params.max_nodes
+        return RendezvousInfo(
+            round=self._round,
+            group_rank=self._node_rank,
+            group_world_size=n,
+            local_world_sizes=(self._params.local_world_size,) * n,
+            master_addr=self._params.master_addr,
+            master_port=self._params.master_port or DEFAULT_MASTER_PORT,
+        )
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._params.run_id

@@ -1,0 +1,76 @@
+"""The failure summary the launcher prints when a job fails: root cause first."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+
+from elastic_launch.api import FailureKind, RunResult, WorkerFailure
+
+_WIDTH = 78
+
+
+def describe(f: WorkerFailure) -> str:
+    """One line: what happened to the worker."""
+    if f.kind == FailureKind.HUNG:
+        return f"hung: {f.detail}"
+    if f.kind == FailureKind.GPU:
+        return f"GPU fault: {f.detail}"
+    if f.kind == FailureKind.SPAWN:
+        return f"could not start: {f.detail}"
+    if f.kind == FailureKind.STOPPED:
+        return f"stopped by elasticrun after the root cause ({f.detail})"
+    if f.signal is not None:
+        try:
+            name = signal.Signals(f.signal).name
+        except ValueError:
+            name = f"signal {f.signal}"
+        return f"killed by {name} (signal {f.signal})"
+    if f.exit_code is not None:
+        return f"exit code {f.exit_code}"
+    return f.detail or "exited (status unknown)"
+
+
+def _indent(text: str, by: str = "    ") -> str:
+    return "\n".join(by + line for line in text.rstrip().splitlines())
+
+
+def _block(f: WorkerFailure, title: str) -> list[str]:
+    when = datetime.datetime.fromtimestamp(f.wall_time).isoformat(sep=" ", timespec="seconds")
+    lines = [
+        title,
+        f"  rank       : {f.rank} (local rank {f.local_rank}, pid {f.pid})",
+        f"  host       : {f.host}",
+        f"  attempt    : {f.attempt}",
+        f"  time       : {when}",
+        f"  failure    : {describe(f)}",
+    ]
+    if f.message:
+        lines.append(f"  error      : {f.message}")
+    logs = [p for p in (f.stdout_log, f.stderr_log) if p]
+    if logs:
+        lines.append(f"  logs       : {', '.join(logs)}")
+    if f.error_file:
+        lines.append(f"  error file : {f.error_file}")
+    if f.traceback:
+        lines += ["  traceback  :", _indent(f.traceback)]
+    if f.stack:
+        lines += ["  stacks     :", _indent(f.stack)]
+    return lines
+
+
+def format_summary(name: str, result: RunResult) -> str:
+    """The report of a failed job, in the spirit of torchrun's ChildFailedError table."""
+    root = result.root_cause
+    out = ["=" * _WIDTH, f"elasticrun: {name} FAILED", "-" * _WIDTH]
+    restarts = f"{result.restarts} restart(s)"
+    out.append(f"after {result.attempts} attempt(s), {restarts}; logs under {result.log_dir}")
+    if root is not None:
+        out += ["", *_block(root, "Root cause (first failure):")]
+    others = [f for f in result.failures if f is not root]
+    if others:
+        out += ["", "Other workers:"]
+        for f in sorted(others, key=lambda f: f.rank):
+            out.append(f"  rank {f.rank} (local rank {f.local_rank}): {describe(f)}")
+    out.append("=" * _WIDTH)
+    return "\n".join(out)
