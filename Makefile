@@ -20,9 +20,17 @@ CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -t
 	python/elastic_core/pyproject.toml
 PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml
 
-.PHONY: run test bench lint cpp ctest pytest consumer setup clean
+.PHONY: run test bench lint cpp ctest pytest consumer demo-consumer setup clean
 
-run: $(VENV)/.stamp-packages $(BUILD)/consumer/elastic-consumer
+# The example job under elasticrun: 2 workers, gloo on CPU; one worker is killed at step 150 to
+# show the restart and the resume from the checkpoint.
+run: $(VENV)/.stamp-packages
+	rm -rf $(BUILD)/run-checkpoints
+	$(VENV)/bin/elasticrun --standalone --nproc-per-node 2 --max-restarts 3 \
+	  examples/train_ddp.py --checkpoint-dir $(BUILD)/run-checkpoints --crash-at-step 150
+
+# The C supervisor (cpp/examples/consumer) restarting a training loop that crashes, then hangs.
+demo-consumer: $(VENV)/.stamp-packages $(BUILD)/consumer/elastic-consumer
 	$(BUILD)/consumer/elastic-consumer --hang-timeout 1500 --max-restarts 3 --grace 1000 -- \
 	  $(VPY) examples/core_demo.py
 

@@ -37,6 +37,7 @@ from elastic_launch.zygote import Zygote
 logger = logging.getLogger(__name__)
 
 _KILL_WAIT = 10.0  # after SIGKILL, how long to wait for the kernel to report the exits
+_ZYGOTE_START_TIMEOUT = 300.0
 
 
 class _Outcome(enum.Enum):
@@ -85,6 +86,8 @@ class ElasticAgent:
         self.group = WorkerGroup(
             config, entrypoint, run_id, self.layout, self.table, self.watchdog, None
         )
+        if self.gpu is not None:
+            self.group.gpu_count = self.gpu.device_count
         self._file_timer = self._start_file_timer()
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -109,6 +112,23 @@ class ElasticAgent:
         if not wants_fork or not self.entrypoint.is_python:
             return None
         return Zygote(c.preload)
+
+    def _zygote_if_ready(self) -> Zygote | None:
+        """The zygote, once its imports are done (waiting for them costs no more than a fresh
+        interpreter would); None, with a warning, if it failed."""
+        z = self.zygote
+        if z is None:
+            return None
+        if not z.wait_ready(_ZYGOTE_START_TIMEOUT):
+            logger.warning("the --preload zygote did not start; spawning fresh interpreters")
+            self.zygote = None
+            z.close()
+            return None
+        if z.failed:
+            for name, error in z.failed.items():
+                logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
+            z.failed = {}
+        return z
 
     def _start_file_timer(self) -> Any:
         """torch's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), for scripts that use
@@ -203,8 +223,12 @@ class ElasticAgent:
             self.learner.reset()
             self._hang_timeout_set = None
             t0 = elastic_core.now_ns()
-            if self.zygote is not None and self.zygote.ready:
-                self.group.spawner = self.zygote
+            self.group.spawner = self._zygote_if_ready()
+            if self._gpus_unusable(info):
+                self.state = "failed"
+                self.events.emit("job_failed", self.attempt, restarts=self.restarts)
+                self.rdzv.set_closed()
+                return self._result(RunState.FAILED)
             try:
                 self.group.start(info, self.attempt, self.restarts)
             except Exception as e:  # could not start a worker: a failure like any other
@@ -380,6 +404,33 @@ class ElasticAgent:
         self.events.emit(
             "worker_failed", self.attempt, local_rank=local_rank, kind="spawn", detail=str(error)
         )
+
+    def _gpus_unusable(self, info: RendezvousInfo) -> bool:
+        """Before (re)starting: a GPU a worker would use is unhealthy (a lost GPU or a
+        critical XID needs a reset); starting on it again cannot succeed."""
+        if self.gpu is None:
+            return False
+        reports = {r.device: r for r in self.gpu.check_all(timeout=5.0)}
+        for local_rank in range(self.config.nproc_per_node):
+            device = self.group.gpu_of(local_rank)
+            report = reports.get(device) if device is not None else None
+            if report is None or report.state != elastic_core.GpuState.UNHEALTHY:
+                continue
+            self.failures.append(
+                WorkerFailure(
+                    kind=FailureKind.GPU,
+                    rank=info.rank_offset + local_rank,
+                    local_rank=local_rank,
+                    pid=0,
+                    attempt=self.attempt,
+                    host=self.host,
+                    time_ns=elastic_core.now_ns(),
+                    wall_time=time.time(),
+                    detail=f"before starting attempt {self.attempt}: {report.detail}",
+                )
+            )
+            return True
+        return False
 
     def _all_beating(self) -> bool:
         return bool(self.group.workers) and all(

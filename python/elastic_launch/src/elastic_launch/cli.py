@@ -162,10 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(
         g,
         "duplicate-stdout-filters",
-        default="",
+        default=[],
+        type=parse_list,
         help="copy tee'd stdout lines containing any of these (comma-separated) to a file",
     )
-    _add(g, "duplicate-stderr-filters", default="", help="the same for stderr")
+    _add(g, "duplicate-stderr-filters", default=[], type=parse_list, help="the same for stderr")
     _add(g, "node-rank", default=0, type=int, help="this node's rank (static rendezvous)")
     _add(g, "master-addr", default="127.0.0.1", help="rank 0's address (static rendezvous)")
     _add(g, "master-port", default=None, type=int, help="rank 0's port (static; default 29500)")
@@ -298,8 +299,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         redirects=parse_std(str(args.redirects), "--redirects"),
         tee=parse_std(str(args.tee), "--tee"),
         local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
-        duplicate_stdout_filters=parse_list(args.duplicate_stdout_filters),
-        duplicate_stderr_filters=parse_list(args.duplicate_stderr_filters),
+        duplicate_stdout_filters=list(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=list(args.duplicate_stderr_filters),
         node_rank=int(args.node_rank),
         master_addr=args.master_addr,
         master_port=None if args.master_port is None else int(args.master_port),

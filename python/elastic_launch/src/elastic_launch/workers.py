@@ -161,6 +161,7 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self.pump = OutputPump()
         self.extra_env: dict[str, str] = {}
+        self.gpu_count = 0  # devices under GPU checks (set by the agent)
         self._filtered: list[IO[bytes]] = []
 
     # ---- environment ---------------------------------------------------------------------
@@ -309,7 +310,9 @@ class WorkerGroup:
                         os.close(fd)  # a log file or a tee pipe: the worker has its own copy
             w.started_ns = elastic_core.now_ns()
             self.workers.append(w)
-            self.watchdog.watch(local_rank, w.pid, self.table, slot=local_rank)
+            self.watchdog.watch(
+                local_rank, w.pid, self.table, slot=local_rank, gpu=self.gpu_of(local_rank)
+            )
 
     def _spawn(self, env: dict[str, str], stdout: Any, stderr: Any, w: Worker) -> Process:
         ep = self.entrypoint
@@ -362,6 +365,20 @@ class WorkerGroup:
                 sys.stderr.flush()
                 os._exit(code)
         return ForkedProcess(pid)
+
+    def gpu_of(self, local_rank: int) -> int | None:
+        """The NVML index of the GPU a worker uses (its local rank, through
+        CUDA_VISIBLE_DEVICES when that lists indices), None without GPU checks."""
+        if self.gpu_count == 0:
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            entries = [e.strip() for e in visible.split(",")]
+            if local_rank < len(entries) and entries[local_rank].isdigit():
+                index = int(entries[local_rank])
+                return index if index < self.gpu_count else None
+            return None
+        return local_rank if local_rank < self.gpu_count else None
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers if not w.exited]

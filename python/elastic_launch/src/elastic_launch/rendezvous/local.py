@@ -55,6 +55,10 @@ class LocalRendezvous(RendezvousHandler):
                 "version yet; run one node (--nnodes 1), or use --rdzv-backend static with "
                 "--node-rank, --master-addr and --master-port"
             )
+        if params.endpoint:
+            from elastic_launch.config import parse_endpoint
+
+            parse_endpoint(params.endpoint, "--rdzv-endpoint", default_port=29400)
         self._params = params
         self._host = params.local_addr or "127.0.0.1"
         self._round = 0

@@ -1,0 +1,104 @@
+"""Running elasticrun (and torchrun) as real processes in tests, and checking what they leave."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "scripts" / "worker.py"
+ELASTICRUN = [sys.executable, "-m", "elastic_launch"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def pids(self) -> dict[str, int]:
+        return {p.stem: int(p.read_text()) for p in self.out.glob("*.pid") if p.read_text()}
+
+    def env(self, tag: str) -> dict[str, str]:
+        return json.loads((self.out / f"{tag}.env.json").read_text())
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of `pids` runs; returns those still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    launcher: list[str] | None = None,
+) -> subprocess.Popen[str]:
+    full_env = dict(os.environ)
+    full_env.pop("OMP_NUM_THREADS", None)
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [*(launcher or ELASTICRUN), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def run(
+    args: list[str],
+    out: Path,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    launcher: list[str] | None = None,
+) -> Run:
+    """Run a launcher to completion (bounded); afterwards nothing it started may be running."""
+    proc = start(args, env, cwd, launcher)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"launcher did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        ) from None
+    return Run(proc.returncode, stdout, stderr, out)
+
+
+def worker_args(out: Path, *extra: str) -> list[str]:
+    return [str(WORKER), "--out", str(out), *extra]

@@ -1,0 +1,105 @@
+"""A configurable worker for the launcher's integration tests.
+
+Records its pid (so tests can check nothing is left running) and its environment, then trains
+(with torch, so optimizer steps beat) or idles, and fails the way the flags say on the attempts
+they name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def stuck_in_the_data_loader() -> None:
+    """A recognisable name for the hang-stack test."""
+    time.sleep(3600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, help="directory for pid and env files")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-until", type=int, default=0, help="fail while restart count < this")
+    p.add_argument("--how", default="raise", choices=["raise", "exit", "sigkill", "hang"])
+    p.add_argument("--exit-code", type=int, default=3)
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps (imports torch)")
+    p.add_argument("--step-time", type=float, default=0.01)
+    p.add_argument("--fail-at-step", type=int, default=0)
+    p.add_argument("--dist", action="store_true", help="init_process_group + all_reduce")
+    p.add_argument("--sleep", type=float, default=0.0, help="idle this long at the end")
+    p.add_argument("--print", default="", help="a line to print to stdout and stderr")
+    args = p.parse_args()
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    attempt = os.environ.get("ELASTICRUN_ATTEMPT", str(restarts))
+    tag = f"{attempt}-{rank}"
+    with open(os.path.join(args.out, f"{tag}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    env = {k: v for k, v in os.environ.items()}
+    env["argv"] = json.dumps(sys.argv)
+    with open(os.path.join(args.out, f"{tag}.env.json"), "w") as f:
+        json.dump(env, f)
+    if args.print:
+        print(f"{args.print} rank {rank}", flush=True)
+        print(f"{args.print} err rank {rank}", file=sys.stderr, flush=True)
+
+    failing = rank == args.fail_rank and restarts < args.fail_until
+
+    def fail() -> None:
+        if args.how == "raise":
+            raise RuntimeError(f"injected failure on rank {rank} at restart {restarts}")
+        if args.how == "exit":
+            sys.exit(args.exit_code)
+        if args.how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        stuck_in_the_data_loader()
+
+    if args.dist:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        with open(os.path.join(args.out, f"{tag}.dist.json"), "w") as f:
+            json.dump(
+                {
+                    "sum": t.item(),
+                    "launched": dist.is_torchelastic_launched(),
+                    "world": dist.get_world_size(),
+                    "rank": dist.get_rank(),
+                },
+                f,
+            )
+    if args.steps:
+        import torch
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(args.steps):
+            if failing and step == args.fail_at_step:
+                fail()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(args.step_time)
+    elif failing:
+        fail()
+    if args.dist:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    time.sleep(args.sleep)
+
+
+if __name__ == "__main__":
+    main()

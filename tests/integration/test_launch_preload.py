@@ -1,0 +1,92 @@
+"""--preload: workers forked from a zygote behave as fresh ones, restarts included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launcher_util import run, wait_gone, worker_args
+
+BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_preloaded_workers_restart_and_see_what_fresh_ones_see(out, tmp_path):
+    ev = tmp_path / "events.jsonl"
+    result = run(
+        [
+            *BASE,
+            "--preload",
+            "torch",
+            "--max-restarts",
+            "1",
+            "--events-file",
+            str(ev),
+            *worker_args(
+                out,
+                "--fail-rank",
+                "1",
+                "--fail-until",
+                "1",
+                "--how",
+                "raise",
+                "--steps",
+                "5",
+                "--dist",
+            ),
+        ],
+        out,
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stderr
+    started = [e for e in events(ev) if e["event"] == "group_started"]
+    assert [e["forked"] for e in started] == [True, True]
+    for tag in ("1-0", "1-1"):
+        env = result.env(tag)
+        argv = json.loads(env["argv"])
+        assert argv[0].endswith("worker.py"), argv
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "1"
+        d = json.loads((out / f"{tag}.dist.json").read_text())
+        assert d["sum"] == 2.0 and d["launched"] is True
+    assert "injected failure on rank 1 at restart 0" in result.stderr
+    assert wait_gone(list(result.pids().values())) == []
+
+
+@pytest.mark.timeout(120)
+def test_forked_worker_failure_is_reported_with_its_exit_code(out):
+    result = run(
+        [
+            *BASE,
+            "--start-method",
+            "forkserver",
+            *worker_args(
+                out,
+                "--fail-rank",
+                "0",
+                "--fail-until",
+                "1",
+                "--how",
+                "exit",
+                "--exit-code",
+                "9",
+                "--sleep",
+                "30",
+            ),
+        ],
+        out,
+    )
+    assert result.returncode == 1
+    assert "failure    : exit code 9" in result.stderr
+    assert wait_gone(list(result.pids().values())) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_preload_that_fails_to_import_falls_back(out):
+    result = run([*BASE, "--preload", "no_such_module_xyz", *worker_args(out)], out)
+    assert result.returncode == 0, result.stderr
+    assert "importing 'no_such_module_xyz' failed in the zygote" in result.stderr

@@ -1,0 +1,239 @@
+"""The agent: crashes and hangs are restarted, exhausted restarts are reported, nothing is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from launcher_util import alive, run, start, wait_gone, worker_args
+
+BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
+
+
+def all_pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in out.glob("*.pid")]
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "sigkill"])
+def test_crash_is_restarted_and_the_run_completes(out, how):
+    result = run(
+        [
+            *BASE,
+            "--max-restarts",
+            "2",
+            *worker_args(out, "--fail-rank", "1", "--fail-until", "1", "--how", how),
+        ],
+        out,
+    )
+    assert result.returncode == 0, result.stderr
+    pids = result.pids()
+    assert {"0-1", "1-0", "1-1"} <= set(pids), "attempt 0 failed, attempt 1 ran"
+    assert not any(tag.startswith("2-") for tag in pids), "no third attempt"
+    assert result.env("1-1")["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert result.env("0-1")["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert "restarting the workers (restart 1 of 2)" in result.stderr
+    assert wait_gone(list(pids.values())) == []
+
+
+def test_exhausted_restarts_print_the_root_cause(out):
+    result = run(
+        [
+            *BASE,
+            "--max-restarts",
+            "1",
+            *worker_args(
+                out, "--fail-rank", "1", "--fail-until", "9", "--how", "raise", "--sleep", "30"
+            ),
+        ],
+        out,
+    )
+    assert result.returncode == 1
+    err = result.stderr
+    assert "worker.py FAILED" in err
+    assert "after 2 attempt(s), 1 restart(s)" in err
+    root = err.split("Root cause (first failure):", 1)[1]
+    assert "rank       : 1 (local rank 1" in root
+    assert "attempt    : 1" in root
+    assert "failure    : exit code 1" in root
+    assert "error      : RuntimeError: injected failure on rank 1 at restart 1" in root
+    assert 'File "' in root and "in fail" in root, "the worker's traceback"
+    assert "bootstrap.py" not in root, "the bootstrap's own frames are not shown"
+    assert "rank 0 (local rank 0): stopped by elasticrun after the root cause (SIGTERM)" in err
+    assert wait_gone(all_pids(out)) == []
+
+
+def test_exit_code_and_signal_are_named(out):
+    result = run(
+        [
+            *BASE,
+            *worker_args(
+                out,
+                "--fail-rank",
+                "0",
+                "--fail-until",
+                "1",
+                "--how",
+                "exit",
+                "--exit-code",
+                "7",
+                "--sleep",
+                "30",
+            ),
+        ],
+        out,
+    )
+    assert result.returncode == 1
+    assert "failure    : exit code 7" in result.stderr
+    result = run(
+        [
+            *BASE,
+            *worker_args(
+                out, "--fail-rank", "1", "--fail-until", "1", "--how", "sigkill", "--sleep", "30"
+            ),
+        ],
+        out,
+    )
+    assert result.returncode == 1
+    assert "failure    : killed by SIGKILL (signal 9)" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_hang_is_detected_its_stack_logged_and_the_group_restarted(out, tmp_path):
+    logs = tmp_path / "logs"
+    result = run(
+        [
+            *BASE,
+            "--max-restarts",
+            "1",
+            "--hang-timeout",
+            "1.5",
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "3",
+            *worker_args(
+                out,
+                "--fail-rank",
+                "1",
+                "--fail-until",
+                "1",
+                "--how",
+                "hang",
+                "--steps",
+                "40",
+                "--fail-at-step",
+                "5",
+            ),
+        ],
+        out,
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 hung" in result.stderr
+    (run_dir,) = logs.iterdir()
+    stderr0 = (run_dir / "attempt_0" / "1" / "stderr.log").read_text()
+    assert "Python stacks of rank 1" in stderr0
+    assert "stuck_in_the_data_loader" in stderr0
+    assert (run_dir / "attempt_1" / "1" / "stdout.log").exists(), "the group restarted"
+    assert wait_gone(all_pids(out)) == []
+
+
+@pytest.mark.timeout(180)
+def test_automatic_hang_timeout_learns_from_the_steps(out):
+    # Steps of ~10 ms: factor 10 x p99 is far below the floor, so the floor (1 s) applies.
+    result = run(
+        [
+            *BASE,
+            "--hang-timeout",
+            "auto",
+            "--hang-timeout-floor",
+            "1",
+            *worker_args(
+                out,
+                "--fail-rank",
+                "0",
+                "--fail-until",
+                "1",
+                "--how",
+                "hang",
+                "--steps",
+                "60",
+                "--fail-at-step",
+                "30",
+            ),
+        ],
+        out,
+        timeout=150,
+    )
+    assert result.returncode == 1
+    assert "failure    : hung: worker 0" in result.stderr
+    assert "(timeout 1000 ms)" in result.stderr
+    assert "stuck_in_the_data_loader" in result.stderr, "the stack is in the summary"
+
+
+def wait_for(pred, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_the_launcher_stops_everything(out, sig):
+    proc = start([*BASE, "--shutdown-timeout", "2", *worker_args(out, "--sleep", "120")])
+    try:
+        assert wait_for(lambda: len(list(out.glob("*.pid"))) == 2), "workers did not start"
+        pids = all_pids(out)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig, err
+        assert f"stopped by signal {int(sig)}" in err
+        assert wait_gone(pids) == [], "a worker survived its launcher"
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"elasticrun-{proc.pid}-")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(out, tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"open(os.path.join({str(out)!r}, os.environ['RANK'] + '.pid'), 'w')"
+        ".write(str(os.getpid()))\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(0.5); sys.exit(4)\n"
+        "time.sleep(120)\n"
+    )
+    start_t = time.monotonic()
+    result = run([*BASE, "--shutdown-timeout", "1", str(script)], out)
+    assert result.returncode == 1
+    assert time.monotonic() - start_t < 60
+    assert "stopped by elasticrun after the root cause (SIGKILL)" in result.stderr
+    assert wait_gone(all_pids(out)) == []
+
+
+def test_children_of_workers_are_stopped_too(out, tmp_path):
+    script = tmp_path / "forker.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open(os.path.join({str(out)!r}, 'child-' + os.environ['RANK'] + '.pid'), 'w')"
+        ".write(str(child.pid))\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(0.3); sys.exit(1)\n"
+        "time.sleep(120)\n"
+    )
+    result = run([*BASE, str(script)], out)
+    assert result.returncode == 1
+    children = all_pids(out)
+    assert len(children) == 2
+    assert wait_gone(children) == [], "a worker's child was left behind (an orphan)"
+    assert not any(alive(p) for p in children)
