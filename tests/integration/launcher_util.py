@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,10 +54,8 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
 
 def kill_all(pids: list[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def start(

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import launch_targets
 import pytest
-
 from elastic_launch import LaunchConfig, WorkerFailedError, launch
 
 HERE = Path(__file__).resolve().parent

@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launcher_util import run, worker_args
-
 from elastic_launch.cli import build_parser
+from launcher_util import run, worker_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

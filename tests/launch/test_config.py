@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-
 from elastic_launch.api import ConfigError, Std
 from elastic_launch.config import (
     parse_bind,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from elastic_launch.api import FailureKind, RunResult, RunState, WorkerFailure
 from elastic_launch.errors import read_error_file, record, write_error_file
 from elastic_launch.events import Events, JsonLinesHandler, handler_for_name

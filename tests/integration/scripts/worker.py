@@ -36,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    int(os.environ["LOCAL_RANK"])
     restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     attempt = os.environ.get("ELASTICRUN_ATTEMPT", str(restarts))
     tag = f"{attempt}-{rank}"
