@@ -12,31 +12,53 @@ Workers can mark custom loops as making progress with ``elastic_core.beat()``; l
 
 from __future__ import annotations
 
-from elastic_launch.api import (
-    ConfigError,
-    FailureKind,
-    LaunchConfig,
-    LaunchError,
-    LauncherStopped,
-    RunResult,
-    RunState,
-    Std,
-    WorkerFailedError,
-    WorkerFailure,
-)
-from elastic_launch.errors import record
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_launch.api import (
+        ConfigError,
+        FailureKind,
+        LaunchConfig,
+        LaunchError,
+        LauncherStopped,
+        RunResult,
+        RunState,
+        Std,
+        WorkerFailedError,
+        WorkerFailure,
+    )
+    from elastic_launch.errors import record
+
+# Names are imported on first use: workers import this package (through the bootstrap) before
+# their script, and every import here would be paid at each worker start.
+_LAZY = {
+    "ConfigError": "api",
+    "FailureKind": "api",
+    "LaunchConfig": "api",
+    "LaunchError": "api",
+    "LauncherStopped": "api",
+    "RunResult": "api",
+    "RunState": "api",
+    "Std": "api",
+    "WorkerFailedError": "api",
+    "WorkerFailure": "api",
+    "record": "errors",
+}
 
 
-def launch(config: LaunchConfig, entrypoint: object, *args: object) -> dict[int, object]:
+def launch(config: LaunchConfig, entrypoint: Any, *args: Any) -> dict[int, Any]:
     """Launch `entrypoint` under `config`; see :func:`elastic_launch.launcher.launch`."""
     from elastic_launch.launcher import launch as _launch
 
-    return _launch(config, entrypoint, *args)  # type: ignore[arg-type]
+    return _launch(config, entrypoint, *args)
 
 
-def __getattr__(name: str) -> str:
-    # Looked up on demand: importlib.metadata costs ~40 ms of start-up.
-    if name == "__version__":
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"elastic_launch.{_LAZY[name]}"), name)
+    if name == "__version__":  # importlib.metadata alone costs ~40 ms
         from importlib.metadata import version
 
         return version("elasticrun-launch")

@@ -14,8 +14,7 @@ import signal
 import socket
 import threading
 import time
-import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import elastic_core
 
@@ -26,13 +25,16 @@ from elastic_launch.api import (
     RunState,
     WorkerFailure,
 )
+from elastic_launch.config import random_id
 from elastic_launch.errors import read_error_file
 from elastic_launch.events import Events
 from elastic_launch.hang import StepIntervalLearner
 from elastic_launch.logs import LogLayout
 from elastic_launch.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastic_launch.workers import Entrypoint, Worker, WorkerGroup
-from elastic_launch.zygote import Zygote
+
+if TYPE_CHECKING:
+    from elastic_launch.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class ElasticAgent:
         self.learner = StepIntervalLearner(config.hang_timeout_floor, config.hang_timeout_factor)
         self._hang_timeout_set: float | None = None
         self.table = elastic_core.HeartbeatTable.create(
-            f"/dev/shm/elasticrun-{os.getpid()}-{uuid.uuid4().hex[:8]}", config.nproc_per_node
+            f"/dev/shm/elasticrun-{os.getpid()}-{os.urandom(4).hex()}", config.nproc_per_node
         )
         self.gpu = self._open_gpu()
         self.watchdog = elastic_core.Watchdog(
@@ -111,6 +113,8 @@ class ElasticAgent:
             wants_fork = True
         if not wants_fork or not self.entrypoint.is_python:
             return None
+        from elastic_launch.zygote import Zygote
+
         return Zygote(c.preload)
 
     def _zygote_if_ready(self) -> Zygote | None:
@@ -138,7 +142,7 @@ class ElasticAgent:
         from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
 
         path = os.environ.get("TORCHELASTIC_TIMER_FILE") or os.path.join(
-            self.layout.run_dir, f"watchdog_timer_{uuid.uuid4()}"
+            self.layout.run_dir, f"watchdog_timer_{random_id()}"
         )
         server = FileTimerServer(path, self.run_id, max_interval=0.1, daemon=True)
         server.start()

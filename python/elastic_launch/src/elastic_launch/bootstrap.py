@@ -18,19 +18,19 @@ tracebacks.
 from __future__ import annotations
 
 import faulthandler
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
-import pickle
 import runpy
 import signal
 import sys
 import types
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastic_launch import errors
+if TYPE_CHECKING:
+    import importlib.machinery
+    from collections.abc import Sequence
+
+# Kept lean on purpose: every worker imports this module before anything else, so each import
+# here is paid by every worker start and restart.
 
 #: Signal on which a worker dumps every thread's Python stack into $ELASTIC_STACK_FILE.
 STACK_SIGNAL = signal.SIGUSR2
@@ -52,21 +52,22 @@ def _hook_optimizer(module: types.ModuleType) -> None:
         register(_beat_after_step)
 
 
-class _HookingLoader(importlib.abc.Loader):
+class _HookingLoader:
     """Runs the real loader of torch.optim.optimizer, then registers the beat hook."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader: Any) -> None:
         self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
+        module: types.ModuleType | None = self._loader.create_module(spec)
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
         _hook_optimizer(module)
 
 
-class _OptimizerHookFinder(importlib.abc.MetaPathFinder):
+class _OptimizerHookFinder:
     """Waits for torch.optim.optimizer to be imported; costs nothing if it never is."""
 
     def find_spec(
@@ -77,7 +78,9 @@ class _OptimizerHookFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _OPTIMIZER_MODULE:
             return None
-        sys.meta_path.remove(self)  # one shot; also lets find_spec below use the real finders
+        import importlib.util
+
+        sys.meta_path.remove(self)  # type: ignore[arg-type]  # one shot, then the real finders
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
             spec.loader = _HookingLoader(spec.loader)
@@ -96,7 +99,7 @@ def install_hooks() -> None:
     if _OPTIMIZER_MODULE in sys.modules:
         _hook_optimizer(sys.modules[_OPTIMIZER_MODULE])
     elif not any(isinstance(f, _OptimizerHookFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OptimizerHookFinder())
+        sys.meta_path.insert(0, _OptimizerHookFinder())  # type: ignore[arg-type]
 
 
 _OWN_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
@@ -133,6 +136,8 @@ def _run_module(name: str, args: list[str]) -> None:
 
 
 def _run_function(spec_path: str) -> None:
+    import pickle
+
     with open(spec_path, "rb") as f:
         fn, args, result_path = pickle.load(f)
     value = fn(*args)
@@ -160,7 +165,9 @@ def run(argv: list[str]) -> None:
     except SystemExit:
         raise
     except BaseException as e:
-        errors.write_error_file(e, _trim(e.__traceback__) or e.__traceback__)
+        from elastic_launch.errors import write_error_file
+
+        write_error_file(e, _trim(e.__traceback__) or e.__traceback__)
         raise
 
 

@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import sys
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from elastic_launch.config import (
     parse_rdzv_conf,
     parse_signals,
     parse_std,
+    random_id,
 )
 
 logger = logging.getLogger("elasticrun")
@@ -270,7 +270,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     if args.standalone or (
         backend == "static" and not endpoint and args.master_port is None and max_nodes == 1
     ):
-        backend, endpoint, run_id = "embedded", "localhost:0", str(uuid.uuid4())
+        backend, endpoint, run_id = "embedded", "localhost:0", random_id()
     elif backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
     shutdown = args.shutdown_timeout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from elastic_launch.api import (
     RunState,
     WorkerFailedError,
 )
-from elastic_launch.config import check_positive, parse_bind
+from elastic_launch.config import check_positive, parse_bind, random_id
 from elastic_launch.events import (
     EventHandler,
     Events,
@@ -26,7 +25,6 @@ from elastic_launch.events import (
     PrometheusHandler,
     handler_for_name,
 )
-from elastic_launch.health import HealthServer
 from elastic_launch.rendezvous import RendezvousParameters, create_handler
 from elastic_launch.summary import format_summary
 from elastic_launch.workers import Entrypoint
@@ -121,7 +119,7 @@ def run(config: LaunchConfig, entrypoint: Entrypoint) -> RunResult:
     stopped. Raises ConfigError for bad settings before starting anything."""
     check_config(config)
     check_entrypoint(entrypoint)
-    run_id = config.run_id or str(uuid.uuid4().int)
+    run_id = config.run_id or random_id()
     rdzv = create_handler(
         RendezvousParameters(
             backend=config.rdzv_backend,
@@ -143,6 +141,8 @@ def run(config: LaunchConfig, entrypoint: Entrypoint) -> RunResult:
     try:
         agent = ElasticAgent(config, entrypoint, rdzv, events, run_id)
         if config.health_port:
+            from elastic_launch.health import HealthServer
+
             host, port = parse_bind(config.health_port, "--health-port")
             health = HealthServer(host, port, agent.health)
         return agent.run()

@@ -87,6 +87,11 @@ def _child(
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        # A fresh interpreter seeds its random generators from the OS; forked ones would all
+        # share the zygote's state. Python's `random` reseeds itself after fork; numpy does not.
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
         from elastic_launch import bootstrap
 
         try:
