@@ -90,3 +90,13 @@ def test_a_preload_that_fails_to_import_falls_back(out):
     result = run([*BASE, "--preload", "no_such_module_xyz", *worker_args(out)], out)
     assert result.returncode == 0, result.stderr
     assert "importing 'no_such_module_xyz' failed in the zygote" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_that_dies_at_once_is_reported(out, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise SystemExit(5)\n")
+    result = run([*BASE, "--preload", "json", "--max-restarts", "2", str(bad)], out)
+    assert result.returncode == 1
+    assert "after 3 attempt(s), 2 restart(s)" in result.stderr
+    assert "failure    : exit code 5" in result.stderr

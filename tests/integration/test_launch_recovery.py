@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from launcher_util import alive, run, start, wait_gone, worker_args
+from launcher_util import alive, kill_all, run, start, wait_gone, worker_args
 
 BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
 
@@ -237,3 +238,36 @@ def test_children_of_workers_are_stopped_too(out, tmp_path):
     assert len(children) == 2
     assert wait_gone(children) == [], "a worker's child was left behind (an orphan)"
     assert not any(alive(p) for p in children)
+
+
+@pytest.mark.timeout(180)
+def test_two_jobs_on_one_host_do_not_collide(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = []
+    for out in outs:
+        out.mkdir()
+        procs.append(
+            start(
+                [
+                    *BASE,
+                    "--max-restarts",
+                    "1",
+                    *worker_args(
+                        out, "--dist", "--fail-rank", "0", "--fail-until", "1", "--how", "exit"
+                    ),
+                ]
+            )
+        )
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=150)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for out in outs:
+            kill_all(all_pids(out))
+    ports = {json.loads((o / "1-0.env.json").read_text())["MASTER_PORT"] for o in outs}
+    assert len(ports) == 2, "each job got its own port"

@@ -78,19 +78,25 @@ class ElasticAgent:
         self.table = elastic_core.HeartbeatTable.create(
             f"/dev/shm/elasticrun-{os.getpid()}-{os.urandom(4).hex()}", config.nproc_per_node
         )
-        self.gpu = self._open_gpu()
-        self.watchdog = elastic_core.Watchdog(
-            default_hang_timeout=0.0,
-            gpu=self.gpu,
-            gpu_check_interval=config.gpu_check_interval if self.gpu is not None else 0.0,
-        )
-        self.zygote = self._start_zygote()
-        self.group = WorkerGroup(
-            config, entrypoint, run_id, self.layout, self.table, self.watchdog, None
-        )
-        if self.gpu is not None:
-            self.group.gpu_count = self.gpu.device_count
-        self._file_timer = self._start_file_timer()
+        self.zygote: Zygote | None = None
+        self._file_timer: Any = None
+        try:
+            self.gpu = self._open_gpu()
+            self.watchdog = elastic_core.Watchdog(
+                default_hang_timeout=0.0,
+                gpu=self.gpu,
+                gpu_check_interval=config.gpu_check_interval if self.gpu is not None else 0.0,
+            )
+            self.group = WorkerGroup(
+                config, entrypoint, run_id, self.layout, self.table, self.watchdog, None
+            )
+            if self.gpu is not None:
+                self.group.gpu_count = self.gpu.device_count
+            self.zygote = self._start_zygote()
+            self._file_timer = self._start_file_timer()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -123,7 +129,11 @@ class ElasticAgent:
         z = self.zygote
         if z is None:
             return None
-        if not z.wait_ready(_ZYGOTE_START_TIMEOUT):
+        deadline = time.monotonic() + _ZYGOTE_START_TIMEOUT
+        while not z.wait_ready(0.1) and time.monotonic() < deadline and not z.dead:
+            if self._signal is not None:
+                return None  # the monitor loop handles the signal at once
+        if not z.ready:
             logger.warning("the --preload zygote did not start; spawning fresh interpreters")
             self.zygote = None
             z.close()
@@ -155,7 +165,10 @@ class ElasticAgent:
         workers = []
         now = elastic_core.now_ns()
         for w in list(self.group.workers):
-            info = self.table.read(w.local_rank) if not self.table.closed else None
+            try:
+                info = self.table.read(w.local_rank)
+            except ValueError:  # closed while we looked
+                info = None
             workers.append(
                 {
                     "rank": w.rank,
@@ -216,6 +229,9 @@ class ElasticAgent:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if self.group.alive():  # an exception got here: never leave workers running
+                self.group.signal_all(signal.SIGKILL)
+                self.group.close()
             self.close()
 
     def _run(self) -> RunResult:
@@ -323,8 +339,8 @@ class ElasticAgent:
 
     def _on_event(self, event: elastic_core.Event) -> _Outcome | None:
         w = self.group.by_local_rank(event.worker)
-        if w is None:
-            return None
+        if w is None or w.pid != event.pid or w.exited:
+            return None  # about a worker of an earlier attempt
         if event.kind == elastic_core.EventKind.EXITED:
             self.group.mark_exited(w, event)
             if w.exit_code == 0:
@@ -504,7 +520,7 @@ class ElasticAgent:
             event = self.watchdog.poll(timeout=min(left, 0.05))
             if event is not None and event.kind == elastic_core.EventKind.EXITED:
                 w = self.group.by_local_rank(event.worker)
-                if w is not None:
+                if w is not None and w.pid == event.pid and not w.exited:
                     self.group.mark_exited(w, event)
 
     # ---- results and clean-up ------------------------------------------------------------------
@@ -533,11 +549,15 @@ class ElasticAgent:
         )
 
     def close(self) -> None:
-        self.watchdog.close()
+        """Release everything the agent holds; safe after a partial set-up, and twice."""
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.close()
         if self.zygote is not None:
             self.zygote.close()
+            self.zygote = None
         if self._file_timer is not None:
             self._file_timer.stop()
+            self._file_timer = None
         self.table.close()
         self.rdzv.shutdown()
         self.layout.cleanup()

@@ -80,10 +80,10 @@ class _OptimizerHookFinder:
             return None
         import importlib.util
 
-        sys.meta_path.remove(self)  # type: ignore[arg-type]  # one shot, then the real finders
+        sys.meta_path.remove(self)  # one shot, then the real finders
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
-            spec.loader = _HookingLoader(spec.loader)
+            spec.loader = _HookingLoader(spec.loader)  # type: ignore[assignment]
         return spec
 
 
@@ -99,7 +99,7 @@ def install_hooks() -> None:
     if _OPTIMIZER_MODULE in sys.modules:
         _hook_optimizer(sys.modules[_OPTIMIZER_MODULE])
     elif not any(isinstance(f, _OptimizerHookFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OptimizerHookFinder())  # type: ignore[arg-type]
+        sys.meta_path.insert(0, _OptimizerHookFinder())
 
 
 _OWN_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}

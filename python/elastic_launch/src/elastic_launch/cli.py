@@ -347,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"elasticrun: error: {e}", file=sys.stderr)
         return api.EXIT_USAGE
+    except (api.LaunchError, OSError) as e:  # rendezvous, log directory, ports...
+        print(f"elasticrun: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return api.EXIT_FAILED
     if result.state == RunState.SUCCEEDED:
         return api.EXIT_OK
     if result.state == RunState.STOPPED:

@@ -111,13 +111,34 @@ class OutputPump:
         with self._drained:
             return self._drained.wait_for(lambda: self._open == 0, timeout)
 
+    def drop_all(self) -> None:
+        """Stop reading every stream (their writers outlived the wait); close their pipes."""
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                if key.data is not None:
+                    self._selector.unregister(key.fd)
+                    os.close(key.fd)
+                    self._open -= 1
+            self._drained.notify_all()
+
     def _emit(self, s: _Stream, line: bytes) -> None:
+        # A destination that fails (a closed console pipe, a full disk) is dropped; the others,
+        # and the draining of the worker's pipe, go on, so the worker never blocks on output.
         if s.log is not None:
-            s.log.write(line)
+            try:
+                s.log.write(line)
+            except (OSError, ValueError):
+                s.log = None
         if s.console is not None:
-            s.console.write(s.prefix + line)
+            try:
+                s.console.write(s.prefix + line)
+            except (OSError, ValueError):
+                s.console = None
         if s.filtered is not None and any(f in line for f in s.filters):
-            s.filtered.write(s.prefix + line)
+            try:
+                s.filtered.write(s.prefix + line)
+            except (OSError, ValueError):
+                s.filtered = None
 
     def _flush(self, s: _Stream) -> None:
         for f in (s.log, s.console, s.filtered):
@@ -131,29 +152,34 @@ class OutputPump:
                 if key.data is None:
                     os.read(self._wake_r, 4096)
                     continue
-                s: _Stream = key.data
-                try:
-                    chunk = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    chunk = b""
-                if chunk:
-                    data = s.partial + chunk
-                    *lines, s.partial = data.split(b"\n")
-                    for line in lines:
-                        self._emit(s, line + b"\n")
-                    self._flush(s)
-                    continue
-                if s.partial:
-                    self._emit(s, s.partial + b"\n")
-                    s.partial = b""
-                self._flush(s)
+                # Reads happen under the lock, so drop_all() never closes a pipe mid-read.
                 with self._lock:
-                    self._selector.unregister(key.fd)
-                    os.close(key.fd)
-                    self._open -= 1
-                    self._drained.notify_all()
+                    if self._selector.get_map().get(key.fd) is not key:
+                        continue  # dropped meanwhile
+                    self._pump(key.fd, key.data)
+
+    def _pump(self, fd: int, s: _Stream) -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            data = s.partial + chunk
+            *lines, s.partial = data.split(b"\n")
+            for line in lines:
+                self._emit(s, line + b"\n")
+            self._flush(s)
+            return
+        if s.partial:
+            self._emit(s, s.partial + b"\n")
+            s.partial = b""
+        self._flush(s)
+        self._selector.unregister(fd)
+        os.close(fd)
+        self._open -= 1
+        self._drained.notify_all()
 
 
 def console_streams() -> tuple[IO[bytes], IO[bytes]]:

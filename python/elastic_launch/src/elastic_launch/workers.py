@@ -58,12 +58,17 @@ class Entrypoint:
 
 class Process(Protocol):
     pid: int
+    #: True if the agent is the parent (it reaps, and ends the worker's process group first);
+    #: False for zygote children, whose parent does both.
+    reaped_by_agent: bool
 
     def reap(self, timeout: float) -> tuple[int | None, int | None]:
         """Wait at most `timeout` for the exit and collect it: (exit code, signal)."""
 
 
 class PopenProcess:
+    reaped_by_agent = True
+
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
         self.pid = popen.pid
@@ -77,6 +82,8 @@ class PopenProcess:
 
 
 class ForkedProcess:
+    reaped_by_agent = True
+
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._status: tuple[int | None, int | None] | None = None
@@ -229,48 +236,55 @@ class WorkerGroup:
 
     # ---- output --------------------------------------------------------------------------
 
-    def _streams(self, local_rank: int, rank_dir: str, rank: int) -> tuple[Any, Any, Worker]:
-        """Decide where stdout and stderr go. Returns the Popen targets (file descriptors the
-        caller closes once the worker has them, or None/DEVNULL) and a partial Worker."""
+    def _new_worker(self, local_rank: int, rank: int, rank_dir: str) -> Worker:
+        """A worker's record and file paths, before anything is opened or started."""
         c = self.config
-        shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
-        out_console, err_console = console_streams()
-        prefix = self._prefix(local_rank, rank)
-        targets: list[Any] = []
-        logs: list[str | None] = []
-        opened: list[IO[bytes]] = []
-        for which, console, filters, name in (
-            (Std.OUT, out_console, c.duplicate_stdout_filters, "stdout"),
-            (Std.ERR, err_console, c.duplicate_stderr_filters, "stderr"),
-        ):
-            tee = bool(std_for(c.tee, local_rank) & which) and self.layout.keep_logs
-            redirect = bool(std_for(c.redirects, local_rank) & which) and self.layout.keep_logs
-            path = os.path.join(rank_dir, f"{name}.log") if (tee or redirect) else None
-            logs.append(path)
-            if path is not None and tee:
-                log = open(path, "ab")  # noqa: SIM115 - closed by close() after the attempt
-                opened.append(log)
-                r, w = os.pipe()
-                filtered = self._filtered_file(name) if filters else None
-                self.pump.add(r, log, console if shown else None, prefix, filtered, filters)
-                targets.append(w)
-            elif path is not None:
-                targets.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
-            else:
-                targets.append(None if shown else subprocess.DEVNULL)
-        partial = Worker(
+        logs = []
+        for which, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+            kept = (std_for(c.tee, local_rank) | std_for(c.redirects, local_rank)) & which
+            logs.append(
+                os.path.join(rank_dir, f"{name}.log") if kept and self.layout.keep_logs else None
+            )
+        return Worker(
             local_rank=local_rank,
             rank=rank,
-            process=None,  # type: ignore[arg-type]
+            process=None,  # type: ignore[arg-type]  # set once started
             started_ns=0,
             rank_dir=rank_dir,
             error_file=os.path.join(rank_dir, "error.json"),
             stack_file=os.path.join(rank_dir, "stack.txt"),
             stdout_log=logs[0],
             stderr_log=logs[1],
-            open_files=opened,
+            result_file=os.path.join(rank_dir, "return.pkl")
+            if self.entrypoint.kind == "function"
+            else None,
         )
-        return targets[0], targets[1], partial
+
+    def _streams(self, w: Worker) -> tuple[Any, Any]:
+        """Where the worker's stdout and stderr go: the Popen targets (file descriptors the
+        caller closes once the worker has them, or None/DEVNULL)."""
+        c = self.config
+        shown = c.local_ranks_filter is None or w.local_rank in c.local_ranks_filter
+        out_console, err_console = console_streams()
+        prefix = self._prefix(w.local_rank, w.rank)
+        targets: list[Any] = []
+        for which, path, console, filters, name in (
+            (Std.OUT, w.stdout_log, out_console, c.duplicate_stdout_filters, "stdout"),
+            (Std.ERR, w.stderr_log, err_console, c.duplicate_stderr_filters, "stderr"),
+        ):
+            tee = bool(std_for(c.tee, w.local_rank) & which)
+            if path is not None and tee:
+                log = open(path, "ab")  # noqa: SIM115 - closed by close() after the attempt
+                w.open_files.append(log)
+                r, fd = os.pipe()
+                filtered = self._filtered_file(name) if filters else None
+                self.pump.add(r, log, console if shown else None, prefix, filtered, filters)
+                targets.append(fd)
+            elif path is not None:
+                targets.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+            else:
+                targets.append(None if shown else subprocess.DEVNULL)
+        return targets[0], targets[1]
 
     def _prefix(self, local_rank: int, rank: int) -> str:
         template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
@@ -298,10 +312,9 @@ class WorkerGroup:
         for local_rank in range(c.nproc_per_node):
             rank = info.rank_offset + local_rank
             rank_dir = self.layout.rank_dir(attempt, local_rank)
-            stdout, stderr, w = self._streams(local_rank, rank_dir, rank)
-            if self.entrypoint.kind == "function":
-                w.result_file = os.path.join(rank_dir, "return.pkl")
+            w = self._new_worker(local_rank, rank, rank_dir)
             env = self.worker_env(local_rank, info, attempt, restarts, w)
+            stdout, stderr = self._streams(w)
             try:
                 w.process = self._spawn(env, stdout, stderr, w)
             finally:
@@ -313,6 +326,8 @@ class WorkerGroup:
             self.watchdog.watch(
                 local_rank, w.pid, self.table, slot=local_rank, gpu=self.gpu_of(local_rank)
             )
+            if not w.process.reaped_by_agent:
+                self.spawner.acknowledge(w.pid)
 
     def _spawn(self, env: dict[str, str], stdout: Any, stderr: Any, w: Worker) -> Process:
         ep = self.entrypoint
@@ -320,8 +335,11 @@ class WorkerGroup:
             return self._fork_function(env, stdout, stderr, w)
         cmd = self.command(w.local_rank, w.result_file)
         if self.spawner is not None and ep.is_python:
-            process: Process = self.spawner.spawn(cmd[4:], env, stdout, stderr)
-            return process
+            try:
+                process: Process = self.spawner.spawn(cmd[4:], env, stdout, stderr)
+                return process
+            except (OSError, RuntimeError) as e:  # e.g. an environment too big for a message
+                logger.warning("forking from the zygote failed (%s); starting a fresh one", e)
         popen = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
         return PopenProcess(popen)
 
@@ -342,8 +360,16 @@ class WorkerGroup:
                         os.dup2(source, fd)
                 os.environ.clear()
                 os.environ.update(env)
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+                from elastic_launch.config import parse_signals
+
+                for sig in {
+                    *parse_signals(self.config.signals_to_handle),
+                    signal.SIGTERM,
+                    signal.SIGHUP,
+                    signal.SIGQUIT,
+                }:
                     signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 bootstrap.install_hooks()
                 value = self.entrypoint.target(*self.entrypoint.fn_args)  # type: ignore[operator]
                 assert w.result_file is not None
@@ -352,7 +378,7 @@ class WorkerGroup:
                 os.replace(w.result_file + ".tmp", w.result_file)
                 code = 0
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
             except BaseException as e:
                 from elastic_launch.errors import write_error_file
 
@@ -390,7 +416,10 @@ class WorkerGroup:
         return None
 
     def mark_exited(self, w: Worker, event: elastic_core.Event | None) -> None:
-        """Record an exit seen by the watchdog, and reap the process."""
+        """Record an exit seen by the watchdog; end what the worker left in its process group
+        (its unreaped zombie keeps the group id from being reused), then reap it."""
+        if w.process.reaped_by_agent:
+            _killpg(w.pid, signal.SIGKILL)
         code, sig = w.process.reap(timeout=5.0)
         if event is not None and (event.exit_code is not None or event.signal is not None):
             code, sig = event.exit_code, event.signal
@@ -450,13 +479,16 @@ class WorkerGroup:
             _killpg(w.pid, sig)
 
     def close(self) -> None:
-        """After an attempt: kill leftovers in the workers' process groups, close files."""
+        """After an attempt: end every worker still running (whole process groups), reap
+        them, stop watching, and close the log files."""
         for w in self.workers:
-            _killpg(w.pid, signal.SIGKILL)  # children a worker left in its group
             if not w.exited:
-                w.process.reap(timeout=5.0)
+                _killpg(w.pid, signal.SIGKILL)
+                w.exit_code, w.signal = w.process.reap(timeout=5.0)
+                w.exited = True
             self.watchdog.unwatch(w.local_rank)
-        self.pump.wait_drained(timeout=5.0)
+        if not self.pump.wait_drained(timeout=5.0):
+            self.pump.drop_all()  # a grandchild still holds a pipe: stop reading it
         for w in self.workers:
             for f in w.open_files:
                 f.close()

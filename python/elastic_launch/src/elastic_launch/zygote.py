@@ -143,28 +143,46 @@ def serve(fd: int, modules: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "sock")
     sel.register(wakeup_r, selectors.EVENT_READ, "child")
+    # pid -> whether the agent watches it yet. A child is reaped only once watched: until then
+    # its zombie keeps the pid, so the agent's pidfd_open always finds the right process.
+    children: dict[int, bool] = {}
+
+    def reap_if_exited(pid: int) -> None:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # what it left in its group (the pgid is held)
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            children.pop(pid, None)
+            return
+        children.pop(pid, None)
+        _send(sock, {"op": "exited", "pid": pid, "status": status})
+
     while True:
         for key, _ in sel.select():
             if key.data == "child":
                 with contextlib.suppress(BlockingIOError):
                     os.read(wakeup_r, 4096)
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
-                    _send(sock, {"op": "exited", "pid": pid, "status": status})
+                for pid, watched in list(children.items()):
+                    if watched:
+                        reap_if_exited(pid)
                 continue
             request, fds = _recv(sock)
             if request is None:  # the agent is gone: so are we
                 os._exit(0)
+            if request.get("op") == "watched":
+                if request["pid"] in children:
+                    children[request["pid"]] = True
+                    reap_if_exited(request["pid"])
+                continue
             pid = os.fork()
             if pid == 0:
                 _child(sock, sel, (wakeup_r, wakeup_w), request, fds)
             for f in fds:
                 os.close(f)
+            children[pid] = False
             _send(sock, {"op": "spawned", "id": request["id"], "pid": pid})
 
 
@@ -172,7 +190,10 @@ def serve(fd: int, modules: list[str]) -> None:
 
 
 class ZygoteProcess:
-    """A worker forked by the zygote; its exit status comes from the zygote."""
+    """A worker forked by the zygote; its exit status comes from the zygote, which also ends
+    what the worker left in its process group."""
+
+    reaped_by_agent = False
 
     def __init__(self, zygote: Zygote, pid: int) -> None:
         self.zygote = zygote
@@ -280,6 +301,16 @@ class Zygote:
             if self._dead:
                 raise RuntimeError("the zygote has exited")
             return ZygoteProcess(self, self._spawned.pop(request_id))
+
+    @property
+    def dead(self) -> bool:
+        with self._lock:
+            return self._dead
+
+    def acknowledge(self, pid: int) -> None:
+        """The agent watches `pid` now: the zygote may reap it when it exits."""
+        with contextlib.suppress(OSError):
+            _send(self._sock, {"op": "watched", "pid": pid})
 
     def wait_status(self, pid: int, timeout: float) -> int | None:
         with self._cond:
