@@ -76,6 +76,17 @@ def save_checkpoint(path: Path, state: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def training_state(
+    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, epoch: int, step: int
+) -> dict[str, object]:
+    return {
+        "model": model.module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+    }
+
+
 class Progress:
     """A one-line progress bar for rank 0 (no dependency)."""
 

@@ -360,19 +360,40 @@ class ElasticAgent:
             return _Outcome.FAILED
         return None
 
+    def _failure(
+        self,
+        kind: FailureKind,
+        rank: int,
+        local_rank: int,
+        pid: int = 0,
+        time_ns: int | None = None,
+        **details: Any,
+    ) -> WorkerFailure:
+        """A failure of this attempt on this host, seen at `time_ns` (default: now)."""
+        now = elastic_core.now_ns()
+        seen = now if time_ns is None else time_ns
+        return WorkerFailure(
+            kind=kind,
+            rank=rank,
+            local_rank=local_rank,
+            pid=pid,
+            attempt=self.attempt,
+            host=self.host,
+            time_ns=seen,
+            wall_time=time.time() - (now - seen) / 1e9,
+            **details,
+        )
+
     def _record_failure(
         self, w: Worker, kind: FailureKind, event: elastic_core.Event | None
     ) -> WorkerFailure:
         now_ns = event.time_ns if event is not None else elastic_core.now_ns()
-        failure = WorkerFailure(
-            kind=kind,
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            attempt=self.attempt,
-            host=self.host,
-            time_ns=now_ns,
-            wall_time=time.time() - (elastic_core.now_ns() - now_ns) / 1e9,
+        failure = self._failure(
+            kind,
+            w.rank,
+            w.local_rank,
+            w.pid,
+            now_ns,
             exit_code=w.exit_code,
             signal=w.signal,
             detail=event.detail if event is not None else "",
@@ -407,17 +428,11 @@ class ElasticAgent:
 
     def _spawn_failed(self, error: Exception, info: RendezvousInfo) -> None:
         local_rank = len(self.group.workers)
-        now = elastic_core.now_ns()
         self.failures.append(
-            WorkerFailure(
-                kind=FailureKind.SPAWN,
-                rank=info.rank_offset + local_rank,
-                local_rank=local_rank,
-                pid=0,
-                attempt=self.attempt,
-                host=self.host,
-                time_ns=now,
-                wall_time=time.time(),
+            self._failure(
+                FailureKind.SPAWN,
+                info.rank_offset + local_rank,
+                local_rank,
                 detail=f"{type(error).__name__}: {error}",
             )
         )
@@ -437,15 +452,10 @@ class ElasticAgent:
             if report is None or report.state != elastic_core.GpuState.UNHEALTHY:
                 continue
             self.failures.append(
-                WorkerFailure(
-                    kind=FailureKind.GPU,
-                    rank=info.rank_offset + local_rank,
-                    local_rank=local_rank,
-                    pid=0,
-                    attempt=self.attempt,
-                    host=self.host,
-                    time_ns=elastic_core.now_ns(),
-                    wall_time=time.time(),
+                self._failure(
+                    FailureKind.GPU,
+                    info.rank_offset + local_rank,
+                    local_rank,
                     detail=f"before starting attempt {self.attempt}: {report.detail}",
                 )
             )
@@ -493,15 +503,11 @@ class ElasticAgent:
             if w.local_rank in alive_before and w.local_rank not in failed_ranks:
                 how = "SIGKILL" if w.signal == signal.SIGKILL else signal.Signals(sig).name
                 self.failures.append(
-                    WorkerFailure(
-                        kind=FailureKind.STOPPED,
-                        rank=w.rank,
-                        local_rank=w.local_rank,
-                        pid=w.pid,
-                        attempt=self.attempt,
-                        host=self.host,
-                        time_ns=elastic_core.now_ns(),
-                        wall_time=time.time(),
+                    self._failure(
+                        FailureKind.STOPPED,
+                        w.rank,
+                        w.local_rank,
+                        w.pid,
                         exit_code=w.exit_code,
                         signal=w.signal,
                         detail=how,

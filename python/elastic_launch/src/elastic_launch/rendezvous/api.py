@@ -108,6 +108,41 @@ class RendezvousHandler(abc.ABC):
         return True
 
 
+class FixedRendezvous(RendezvousHandler):
+    """Base of the backends whose membership never changes (one node, static): each round
+    returns `_round_info()`; closing is local."""
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        self._params = params
+        self._round = 0
+        self._closed = False
+
+    def get_backend(self) -> str:
+        return self._params.backend
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
+        self._round += 1
+        return self._round_info(self._round)
+
+    @abc.abstractmethod
+    def _round_info(self, round_: int) -> RendezvousInfo:
+        """The outcome of round `round_`."""
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._params.run_id
+
+
 #: A backend factory: builds a handler from parameters, after checking them.
 HandlerFactory = Callable[[RendezvousParameters], RendezvousHandler]
 

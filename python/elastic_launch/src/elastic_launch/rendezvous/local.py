@@ -11,9 +11,8 @@ import socket
 from collections.abc import Callable
 
 from elastic_launch.rendezvous.api import (
-    RendezvousClosedError,
+    FixedRendezvous,
     RendezvousConfigError,
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     as_bool,
@@ -45,7 +44,7 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class LocalRendezvous(RendezvousHandler):
+class LocalRendezvous(FixedRendezvous):
     def __init__(self, params: RendezvousParameters) -> None:
         check_config_keys(params, CONFIG_KEYS)
         if params.max_nodes != 1:
@@ -59,35 +58,15 @@ class LocalRendezvous(RendezvousHandler):
             from elastic_launch.config import parse_endpoint
 
             parse_endpoint(params.endpoint, "--rdzv-endpoint", default_port=29400)
-        self._params = params
+        super().__init__(params)
         self._host = params.local_addr or "127.0.0.1"
-        self._round = 0
-        self._closed = False
 
-    def get_backend(self) -> str:
-        return self._params.backend
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        if self._closed:
-            raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
-        self._round += 1
+    def _round_info(self, round_: int) -> RendezvousInfo:
         return RendezvousInfo(
-            round=self._round,
+            round=round_,
             group_rank=0,
             group_world_size=1,
             local_world_sizes=(self._params.local_world_size,),
             master_addr=self._host,
             master_port=free_port(self._host),
         )
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._params.run_id

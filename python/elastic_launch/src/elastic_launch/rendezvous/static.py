@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from elastic_launch.rendezvous.api import (
-    RendezvousClosedError,
+    FixedRendezvous,
     RendezvousConfigError,
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     check_config_keys,
@@ -23,7 +22,7 @@ DEFAULT_MASTER_PORT = 29500
 CONFIG_KEYS: dict[str, Callable[[str], object]] = {"timeout": positive_seconds, "rank": int}
 
 
-class StaticRendezvous(RendezvousHandler):
+class StaticRendezvous(FixedRendezvous):
     def __init__(self, params: RendezvousParameters) -> None:
         conf = check_config_keys(params, CONFIG_KEYS)
         if params.min_nodes != params.max_nodes:
@@ -37,36 +36,19 @@ class StaticRendezvous(RendezvousHandler):
                 f"--node-rank {node_rank} is out of range for --nnodes {params.max_nodes} "
                 f"(0..{params.max_nodes - 1})"
             )
-        self._params = params
+        super().__init__(params)
         self._node_rank = node_rank
-        self._round = 0
-        self._closed = False
 
     def get_backend(self) -> str:
         return "static"
 
-    def next_rendezvous(self) -> RendezvousInfo:
-        if self._closed:
-            raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
-        self._round += 1
+    def _round_info(self, round_: int) -> RendezvousInfo:
         n = self._params.max_nodes
         return RendezvousInfo(
-            round=self._round,
+            round=round_,
             group_rank=self._node_rank,
             group_world_size=n,
             local_world_sizes=(self._params.local_world_size,) * n,
             master_addr=self._params.master_addr,
             master_port=self._params.master_port or DEFAULT_MASTER_PORT,
         )
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._params.run_id
