@@ -18,7 +18,8 @@ DEBIAN_PACKAGES := etcd-server libgtest-dev pkg-config
 CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -type f) \
 	cpp/CMakeLists.txt cpp/VERSION python/elastic_core/CMakeLists.txt \
 	python/elastic_core/pyproject.toml
-PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml
+PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml \
+	python/elastic_launch/hatch_build.py $(wildcard python/elastic_launch/src/elastic_launch/rendezvous/etcdpb/*.proto)
 
 .PHONY: run test bench lint cpp ctest pytest consumer demo-consumer setup clean
 

@@ -91,3 +91,110 @@ def nvml_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path.write_text("")
     monkeypatch.setenv("ELASTIC_FAKE_NVML_SCRIPT", str(path))
     return path
+
+
+class EtcdServer:
+    """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir."""
+
+    def __init__(self, data_dir: Path, enable_v2: bool) -> None:
+        import socket
+
+        self.data_dir = data_dir
+        self.enable_v2 = enable_v2
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        self.port, self.peer_port = ports
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"etcd-{self.port}.log"
+
+    def start(self, timeout: float = 30.0) -> None:
+        import time
+        import urllib.request
+
+        binary = shutil.which("etcd")
+        assert binary, "etcd is not installed: `make test` installs Debian's etcd-server"
+        args = [
+            binary,
+            "--name",
+            "test",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            f"http://{self.endpoint}",
+            "--advertise-client-urls",
+            f"http://{self.endpoint}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{self.peer_port}",
+        ]
+        if self.enable_v2:
+            args.append("--enable-v2")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return
+            except OSError:
+                pass
+            assert self.proc.poll() is None, f"etcd exited: {self.log.read_text()[-2000:]}"
+            time.sleep(0.05)
+        raise AssertionError(f"etcd did not become healthy in {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def gateway(self, path: str, body: dict[str, object], token: str | None = None) -> dict:
+        """A call to etcd's v3 JSON gateway (used to set up users and auth)."""
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"http://{self.endpoint}/v3/{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": token} if token else {}),
+            },
+        )
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return json.loads(r.read())
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd (v3 API only, like etcd 3.6) for one test."""
+    server = EtcdServer(tmp_path / "etcd-data", enable_v2=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd serving the v2 API too (--enable-v2)."""
+    server = EtcdServer(tmp_path / "etcd-v2-data", enable_v2=True)
+    server.start()
+    yield server
+    server.stop()

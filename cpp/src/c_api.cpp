@@ -418,6 +418,10 @@ int elastic_watchdog_next_event(elastic_watchdog* watchdog, elastic_event* out, 
   return rc != ELASTIC_OK ? rc : status;
 }
 
+int elastic_die_with_parent(int sig, int32_t expected_parent) {
+  return guard([&] { elastic::die_with_parent(sig, expected_parent); });
+}
+
 uint64_t elastic_watchdog_dropped_events(const elastic_watchdog* watchdog) {
   return watchdog != nullptr ? watchdog->watchdog.dropped_events() : 0;
 }

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "elastic/watchdog.hpp"
 #include "util.hpp"
 
 #ifndef P_PIDFD
@@ -18,6 +20,25 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
+
+namespace elastic {
+
+void die_with_parent(int sig, pid_t expected_parent) {
+  if (sig <= 0 || sig >= NSIG) {
+    throw Error(ELASTIC_ERR_INVALID_ARGUMENT,
+                "signal " + std::to_string(sig) + " is not a signal number");
+  }
+  if (::prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0) {
+    throw detail::system_error(errno, "prctl(PR_SET_PDEATHSIG)");
+  }
+  // The parent may have died before the call: then the signal will never come.
+  if (expected_parent > 0 && ::getppid() != expected_parent) {
+    throw Error(ELASTIC_ERR_NOT_FOUND, "the parent process " + std::to_string(expected_parent) +
+                                           " has already exited");
+  }
+}
+
+}  // namespace elastic
 
 namespace elastic::detail {
 

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -276,6 +277,45 @@ TEST(Watchdog, BadArgumentsAreClearErrors) {
   EXPECT_FALSE(wd.unwatch(0));
   wd.start();
   EXPECT_NE(message([&] { wd.start(); }).find("already running"), std::string::npos);
+}
+
+TEST(Process, DieWithParent) {
+  // A child whose own child asked to die with it: killing the child ends the grandchild.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  Child middle([&] {
+    pid_t me = ::getpid();
+    pid_t g = ::fork();
+    if (g == 0) {
+      elastic::die_with_parent(SIGKILL, me);
+      ::pause();
+      ::_exit(0);
+    }
+    ssize_t rc = ::write(fds[1], &g, sizeof(g));
+    (void)rc;
+    ::pause();
+  });
+  pid_t grandchild = 0;
+  ASSERT_EQ(::read(fds[0], &grandchild, sizeof(grandchild)),
+            static_cast<ssize_t>(sizeof(grandchild)));
+  ::close(fds[0]);
+  ::close(fds[1]);
+  ::usleep(50000);  // let it call prctl
+  Watchdog wd;
+  wd.watch(0, grandchild);
+  wd.start();
+  middle.kill();
+  auto ev = wd.next_event(5000);
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->kind, ELASTIC_EVENT_EXITED);
+  EXPECT_EQ(ev->pid, grandchild);
+  try {
+    elastic::die_with_parent(SIGKILL, 1);  // our parent is not init
+    FAIL() << "expected NOT_FOUND";
+  } catch (const elastic::Error& e) {
+    EXPECT_EQ(e.status(), ELASTIC_ERR_NOT_FOUND);
+  }
+  ::prctl(PR_SET_PDEATHSIG, 0);
 }
 
 TEST(Watchdog, NextEventReturnsWhenStopped) {

@@ -99,5 +99,35 @@ def run(
     return Run(proc.returncode, stdout, stderr, out)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(pred, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
+    """Wait (bounded) for a launcher started with start(); kill it if it overruns."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"launcher {proc.pid} did not finish in {timeout} s:\n{err[-3000:]}"
+        ) from None
+    return proc.returncode, out, err
+
+
 def worker_args(out: Path, *extra: str) -> list[str]:
     return [str(WORKER), "--out", str(out), *extra]

@@ -406,6 +406,14 @@ ELASTIC_API uint64_t elastic_watchdog_dropped_events(const elastic_watchdog* wat
 /** The death detection in use: ELASTIC_DEATH_PIDFD or ELASTIC_DEATH_POLL. */
 ELASTIC_API int elastic_watchdog_death_detection(const elastic_watchdog* watchdog);
 
+/**
+ * Make the calling process receive `sig` when its parent exits (Linux PR_SET_PDEATHSIG), so that
+ * a worker never outlives a supervisor that was killed. With `expected_parent` > 0, returns
+ * ELASTIC_ERR_NOT_FOUND if the parent is already another process (it died before the call):
+ * the caller should then exit.
+ */
+ELASTIC_API int elastic_die_with_parent(int sig, int32_t expected_parent);
+
 /** Short name of an event kind ("EXITED", "HUNG", "GPU_UNHEALTHY"). Static storage. */
 ELASTIC_API const char* elastic_event_kind_name(int kind);
 

@@ -42,6 +42,10 @@ struct WatchdogOptions {
   uint32_t queue_capacity = 1024;
 };
 
+/// Receive `sig` when the parent process exits (PR_SET_PDEATHSIG). Throws ELASTIC_ERR_NOT_FOUND
+/// if `expected_parent` > 0 and the parent is already another process.
+void die_with_parent(int sig, pid_t expected_parent);
+
 class Watchdog {
  public:
   using Callback = std::function<void(const Event&)>;

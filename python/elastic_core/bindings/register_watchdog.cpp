@@ -129,6 +129,14 @@ void register_watchdog(py::module_& m) {
     for (PyWatchdog* w : all) w->close();
   }));
 
+  m.def(
+      "die_with_parent",
+      [](int sig, int32_t expected_parent) { elastic::die_with_parent(sig, expected_parent); },
+      py::arg("signal") = 9, py::arg("expected_parent") = 0,
+      "Receive `signal` when the parent process exits (Linux PR_SET_PDEATHSIG), so this "
+      "process never outlives a killed supervisor. Raises NotFoundError if `expected_parent` "
+      "(> 0) is no longer the parent: it has died already.");
+
   py::native_enum<elastic_event_kind>(m, "EventKind", "enum.IntEnum", "What the watchdog saw.")
       .value("EXITED", ELASTIC_EVENT_EXITED)
       .value("HUNG", ELASTIC_EVENT_HUNG)

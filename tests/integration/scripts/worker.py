@@ -33,6 +33,12 @@ def main() -> None:
     p.add_argument("--dist", action="store_true", help="init_process_group + all_reduce")
     p.add_argument("--sleep", type=float, default=0.0, help="idle this long at the end")
     p.add_argument("--print", default="", help="a line to print to stdout and stderr")
+    p.add_argument(
+        "--hold-round",
+        type=int,
+        default=0,
+        help="in this rendezvous round, wait (until stopped) after the collective",
+    )
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -93,6 +99,8 @@ def main() -> None:
             time.sleep(args.step_time)
     elif failing:
         fail()
+    if args.hold_round and os.environ.get("ELASTICRUN_ROUND") == str(args.hold_round):
+        time.sleep(300)
     if args.dist:
         import torch.distributed as dist
 

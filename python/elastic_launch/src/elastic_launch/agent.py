@@ -30,7 +30,11 @@ from elastic_launch.errors import read_error_file
 from elastic_launch.events import Events
 from elastic_launch.hang import StepIntervalLearner
 from elastic_launch.logs import LogLayout
-from elastic_launch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elastic_launch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+)
 from elastic_launch.workers import Entrypoint, Worker, WorkerGroup
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ class _Outcome(enum.Enum):
     SUCCEEDED = 1
     FAILED = 2
     SIGNALED = 3
+    MEMBERSHIP = 4  # nodes came or went: restart without counting it
 
 
 class ElasticAgent:
@@ -236,9 +241,29 @@ class ElasticAgent:
 
     def _run(self) -> RunResult:
         detected_ns: int | None = None
+        reason = "start"
         while True:
-            info = self.rdzv.next_rendezvous()
+            try:
+                info = self.rdzv.next_rendezvous(reason)
+            except RendezvousClosedError as e:
+                return self._closed(e)
             self.attempt += 1
+            self.restarts = info.restart_count
+            if reason == "failure":
+                logger.warning(
+                    "restarting the workers (restart %d of %d) after: %s",
+                    self.restarts,
+                    self.config.max_restarts,
+                    self._root_line(),
+                )
+            elif reason == "membership":
+                logger.warning(
+                    "restarting the workers: the job now has %d node(s), %d worker(s); this "
+                    "node is group rank %d",
+                    info.group_world_size,
+                    info.world_size,
+                    info.group_rank,
+                )
             self.failures = []
             self.learner.reset()
             self._hang_timeout_set = None
@@ -247,7 +272,7 @@ class ElasticAgent:
             if self._gpus_unusable(info):
                 self.state = "failed"
                 self.events.emit("job_failed", self.attempt, restarts=self.restarts)
-                self.rdzv.set_closed()
+                self.rdzv.set_closed(f"failed: an unusable GPU on {self.host}")
                 return self._result(RunState.FAILED)
             try:
                 self.group.start(info, self.attempt, self.restarts)
@@ -262,6 +287,8 @@ class ElasticAgent:
                     self.attempt,
                     workers=len(self.group.workers),
                     world_size=info.world_size,
+                    nodes=info.group_world_size,
+                    group_rank=info.group_rank,
                     restarts=self.restarts,
                     spawn_seconds=(started - t0) / 1e9,
                     forked=self.group.spawner is not None,
@@ -271,6 +298,7 @@ class ElasticAgent:
                         "group_restarted",
                         self.attempt,
                         restarts=self.restarts,
+                        reason=reason,
                         recovery_seconds=(started - detected_ns) / 1e9,
                     )
                 outcome = self._monitor(info)
@@ -278,8 +306,8 @@ class ElasticAgent:
                 self.state = "succeeded"
                 self.group.close()
                 values = self._return_values()
+                self.rdzv.mark_done()
                 self.events.emit("job_succeeded", self.attempt, restarts=self.restarts)
-                self.rdzv.set_closed()
                 return self._result(RunState.SUCCEEDED, values)
             if outcome == _Outcome.SIGNALED:
                 assert self._signal is not None
@@ -288,25 +316,42 @@ class ElasticAgent:
                 self.state = "stopped"
                 self.events.emit("job_stopped", self.attempt, signal=self._signal)
                 return self._result(RunState.STOPPED, signal=self._signal)
-            detected_ns = min(f.time_ns for f in self.failures) if self.failures else None
+            if outcome == _Outcome.MEMBERSHIP:
+                detected_ns = elastic_core.now_ns()
+                self.events.emit(
+                    "membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting()
+                )
+                reason = "membership"
+            else:
+                detected_ns = min(f.time_ns for f in self.failures) if self.failures else None
+                reason = "failure"
             self.state = "restarting"
             self._stop_group(signal.SIGTERM)
             if self._signal is not None:
                 self.state = "stopped"
                 self.events.emit("job_stopped", self.attempt, signal=self._signal)
                 return self._result(RunState.STOPPED, signal=self._signal)
-            if self.restarts >= self.config.max_restarts:
+            if reason == "failure" and self.restarts >= self.config.max_restarts:
                 self.state = "failed"
                 self.events.emit("job_failed", self.attempt, restarts=self.restarts)
-                self.rdzv.set_closed()
+                self.rdzv.set_closed(
+                    f"failed: restarts exhausted ({self.config.max_restarts}); root cause on "
+                    f"{self.host}: {self._root_line()}"
+                )
                 return self._result(RunState.FAILED)
-            self.restarts += 1
-            logger.warning(
-                "restarting the workers (restart %d of %d) after: %s",
-                self.restarts,
-                self.config.max_restarts,
-                self._root_line(),
-            )
+
+    def _closed(self, error: RendezvousClosedError) -> RunResult:
+        """The job was closed (by another node, or by the budget): stop as it says."""
+        reason = getattr(self.rdzv, "closed_reason", lambda: None)() or str(error)
+        if reason == "succeeded":
+            self.state = "succeeded"
+            self.events.emit("job_succeeded", self.attempt, restarts=self.restarts)
+            return self._result(RunState.SUCCEEDED)
+        self.state = "failed"
+        self.events.emit("job_failed", self.attempt, restarts=self.restarts, reason=reason)
+        result = self._result(RunState.FAILED)
+        result.message = f"the job was closed: {reason}"
+        return result
 
     def _root_line(self) -> str:
         from elastic_launch.summary import describe
@@ -323,6 +368,8 @@ class ElasticAgent:
         while True:
             if self._signal is not None:
                 return _Outcome.SIGNALED
+            if self.rdzv.membership_changed():
+                return _Outcome.MEMBERSHIP
             event = self.watchdog.poll(timeout=c.monitor_interval)
             if event is not None:
                 outcome = self._on_event(event)

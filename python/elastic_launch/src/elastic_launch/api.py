@@ -123,6 +123,7 @@ class RunResult:
     restarts: int = 0
     signal: int | None = None
     log_dir: str | None = None
+    message: str = ""  # why the job ended, when no local failure says it
 
     @property
     def root_cause(self) -> WorkerFailure | None:

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 #: Signal on which a worker dumps every thread's Python stack into $ELASTIC_STACK_FILE.
 STACK_SIGNAL = signal.SIGUSR2
 STACK_FILE_ENV = "ELASTIC_STACK_FILE"
+#: The pid of the process that started this worker (the agent, or the zygote).
+PARENT_ENV = "ELASTICRUN_PARENT_PID"
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 
 _stack_file: Any = None  # kept open for faulthandler
@@ -85,6 +87,19 @@ class _OptimizerHookFinder:
         if spec is not None and spec.loader is not None:
             spec.loader = _HookingLoader(spec.loader)  # type: ignore[assignment]
         return spec
+
+
+def die_with_parent() -> None:
+    """Never outlive the agent: a worker in its own session survives its parent otherwise."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if not parent:
+        return
+    import elastic_core
+
+    try:
+        elastic_core.die_with_parent(signal.SIGKILL, parent)
+    except elastic_core.NotFoundError:
+        os._exit(1)  # the agent is gone already
 
 
 def install_hooks() -> None:
@@ -151,6 +166,7 @@ def run(argv: list[str]) -> None:
     """Install the hooks and run the target described by `argv` (see the module docstring)."""
     if not argv:
         raise SystemExit("elastic_launch.bootstrap: no target given")
+    die_with_parent()
     install_hooks()
     sys.excepthook = _excepthook
     try:

@@ -127,6 +127,7 @@ def run(config: LaunchConfig, entrypoint: Entrypoint) -> RunResult:
             run_id=run_id,
             min_nodes=config.min_nodes,
             max_nodes=config.max_nodes,
+            max_restarts=config.max_restarts,
             local_world_size=config.nproc_per_node,
             config=config.rdzv_configs,
             local_addr=config.local_addr,

@@ -65,6 +65,8 @@ def format_summary(name: str, result: RunResult) -> str:
     out = ["=" * _WIDTH, f"elasticrun: {name} FAILED", "-" * _WIDTH]
     restarts = f"{result.restarts} restart(s)"
     out.append(f"after {result.attempts} attempt(s), {restarts}; logs under {result.log_dir}")
+    if result.message:
+        out.append(result.message)
     if root is not None:
         out += ["", *_block(root, "Root cause (first failure):")]
     others = [f for f in result.failures if f is not root]

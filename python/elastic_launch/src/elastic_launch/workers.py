@@ -208,6 +208,8 @@ class WorkerGroup:
                 elastic_core.HEARTBEAT_SLOT_ENV: str(local_rank),
                 bootstrap.STACK_FILE_ENV: w.stack_file,
                 "ELASTICRUN_ATTEMPT": str(attempt),
+                "ELASTICRUN_ROUND": str(info.round),
+                bootstrap.PARENT_ENV: str(os.getpid()),
             }
         )
         if c.virtual_local_rank:
@@ -360,6 +362,7 @@ class WorkerGroup:
                         os.dup2(source, fd)
                 os.environ.clear()
                 os.environ.update(env)
+                bootstrap.die_with_parent()
                 from elastic_launch.config import parse_signals
 
                 for sig in {

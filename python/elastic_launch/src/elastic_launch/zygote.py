@@ -86,6 +86,7 @@ def _child(
                 os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ["ELASTICRUN_PARENT_PID"] = str(os.getppid())  # the zygote: its parent
         os.chdir(request["cwd"])
         # A fresh interpreter seeds its random generators from the OS; forked ones would all
         # share the zygote's state. Python's `random` reseeds itself after fork; numpy does not.
@@ -123,6 +124,9 @@ def _child(
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
     sock = socket.socket(fileno=fd)
+    import elastic_core
+
+    elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
     start = time.monotonic()
     failed = {}
     for name in modules:
@@ -130,9 +134,7 @@ def serve(fd: int, modules: list[str]) -> None:
             __import__(name)
         except BaseException as e:  # reported to the agent, which then spawns normally
             failed[name] = f"{type(e).__name__}: {e}"
-    import elastic_core  # noqa: F401 - warm for the workers
-
-    from elastic_launch import bootstrap  # noqa: F401
+    from elastic_launch import bootstrap  # noqa: F401 - warm for the workers
 
     _send(sock, {"op": "ready", "seconds": time.monotonic() - start, "failed": failed})
     wakeup_r, wakeup_w = os.pipe()
@@ -219,6 +221,7 @@ class Zygote:
             [sys.executable, "-u", "-m", __name__, str(child.fileno()), *modules],
             pass_fds=[child.fileno()],
             start_new_session=True,
+            env={**os.environ, "ELASTICRUN_AGENT_PID": str(os.getpid())},
         )
         child.close()
         self._lock = threading.Lock()

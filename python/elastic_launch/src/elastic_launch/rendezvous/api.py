@@ -48,6 +48,7 @@ class RendezvousParameters:
     local_world_size: int
     config: Mapping[str, str] = field(default_factory=dict)
     local_addr: str | None = None
+    max_restarts: int = 0  # the job-wide restart budget
     # Only the static backend uses these.
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -64,6 +65,7 @@ class RendezvousInfo:
     local_world_sizes: tuple[int, ...]  # by group rank
     master_addr: str
     master_port: int
+    restart_count: int = 0  # restarts after failures so far (job-wide where the store allows)
 
     @property
     def world_size(self) -> int:
@@ -83,8 +85,10 @@ class RendezvousHandler(abc.ABC):
         """The backend's registered name."""
 
     @abc.abstractmethod
-    def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next round and wait until it closes; may raise RendezvousTimeoutError,
+    def next_rendezvous(self, reason: str = "start") -> RendezvousInfo:
+        """Join the next round and wait until it closes. `reason` is "start", "failure" (a
+        worker failed: counts against the restart budget; RendezvousClosedError once it is
+        spent) or "membership" (nodes came or went). May raise RendezvousTimeoutError,
         RendezvousClosedError or RendezvousConnectionError."""
 
     @abc.abstractmethod
@@ -92,8 +96,18 @@ class RendezvousHandler(abc.ABC):
         """True once the job has finished or failed: no more rounds."""
 
     @abc.abstractmethod
-    def set_closed(self) -> None:
+    def set_closed(self, reason: str = "closed") -> None:
         """Close the rendezvous for every agent (the job is over)."""
+
+    def membership_changed(self) -> bool:
+        """True once the current round is over for this node: a node joined, left or
+        failed, or the job was closed. The agent then restarts its workers."""
+        return False
+
+    def mark_done(self) -> bool:
+        """This node's workers all succeeded; True if the whole job has finished."""
+        self.set_closed("succeeded")
+        return True
 
     @abc.abstractmethod
     def num_nodes_waiting(self) -> int:
@@ -115,14 +129,20 @@ class FixedRendezvous(RendezvousHandler):
     def __init__(self, params: RendezvousParameters) -> None:
         self._params = params
         self._round = 0
+        self._restarts = 0
         self._closed = False
 
     def get_backend(self) -> str:
         return self._params.backend
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self, reason: str = "start") -> RendezvousInfo:
         if self._closed:
             raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
+        if reason == "failure":
+            self._restarts += 1
+            if self._restarts > self._params.max_restarts:
+                self._closed = True
+                raise RendezvousClosedError(f"restarts exhausted ({self._params.max_restarts})")
         self._round += 1
         return self._round_info(self._round)
 
@@ -133,7 +153,7 @@ class FixedRendezvous(RendezvousHandler):
     def is_closed(self) -> bool:
         return self._closed
 
-    def set_closed(self) -> None:
+    def set_closed(self, reason: str = "closed") -> None:
         self._closed = True
 
     def num_nodes_waiting(self) -> int:

@@ -49,10 +49,8 @@ class LocalRendezvous(FixedRendezvous):
         check_config_keys(params, CONFIG_KEYS)
         if params.max_nodes != 1:
             raise RendezvousConfigError(
-                f"--nnodes {params.min_nodes}:{params.max_nodes} with the {params.backend} "
-                "rendezvous needs its multi-node service, which is not available in this "
-                "version yet; run one node (--nnodes 1), or use --rdzv-backend static with "
-                "--node-rank, --master-addr and --master-port"
+                f"--nnodes {params.min_nodes}:{params.max_nodes}: the in-process rendezvous "
+                "serves one node only"
             )
         if params.endpoint:
             from elastic_launch.config import parse_endpoint
@@ -69,4 +67,5 @@ class LocalRendezvous(FixedRendezvous):
             local_world_sizes=(self._params.local_world_size,),
             master_addr=self._host,
             master_port=free_port(self._host),
+            restart_count=self._restarts,
         )

@@ -38,19 +38,32 @@ def _static(params: RendezvousParameters) -> RendezvousHandler:
     return StaticRendezvous(params)
 
 
-def _not_yet(params: RendezvousParameters) -> RendezvousHandler:
-    raise RendezvousConfigError(
-        f"--rdzv-backend {params.backend}: this backend is not available in this version yet; "
-        "use embedded (one node) or static (fixed nodes)"
-    )
+def _embedded(params: RendezvousParameters) -> RendezvousHandler:
+    if params.max_nodes == 1:  # one node: in-process, no server to start
+        return _local(params)
+    from elastic_launch.rendezvous.backends import EmbeddedRendezvous
+
+    return EmbeddedRendezvous(params)
+
+
+def _etcd(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_launch.rendezvous.backends import create_etcd
+
+    return create_etcd(params)
+
+
+def _etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_launch.rendezvous.backends import create_etcd_v2
+
+    return create_etcd_v2(params)
 
 
 _BUILTIN: dict[str, HandlerFactory] = {
-    "embedded": _local,
-    "c10d": _local,  # torchrun's default dynamic backend: same role, same command lines
+    "embedded": _embedded,
+    "c10d": _embedded,  # torchrun's default dynamic backend: same role, same command lines
     "static": _static,
-    "etcd": _not_yet,
-    "etcd-v2": _not_yet,
+    "etcd": _etcd,
+    "etcd-v2": _etcd_v2,
 }
 
 

@@ -51,4 +51,5 @@ class StaticRendezvous(FixedRendezvous):
             local_world_sizes=(self._params.local_world_size,) * n,
             master_addr=self._params.master_addr,
             master_port=self._params.master_port or DEFAULT_MASTER_PORT,
+            restart_count=self._restarts,
         )

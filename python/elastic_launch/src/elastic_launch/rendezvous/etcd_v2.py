@@ -1,0 +1,272 @@
+"""The store over etcd's v2 API (python-etcd), for clusters that still serve it (etcd started with
+``--enable-v2``; etcd 3.6 removed it). Versions are v2 modified indexes; ephemeral keys are TTL
+keys refreshed in the background (v2 has no leases); watches are long polls that continue from
+the last index they saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from elastic_launch.rendezvous.store import Change, KeyValue, Store, StoreError, Watch
+
+logger = logging.getLogger(__name__)
+
+_NOT_V2 = (
+    "does not serve the etcd v2 API (etcd 3.4 and 3.5 need --enable-v2; 3.6 removed it): use "
+    "--rdzv-backend etcd, which speaks the v3 API, or start etcd with --enable-v2"
+)
+
+
+def _import_etcd() -> Any:
+    try:
+        import etcd
+    except ImportError:
+        raise StoreError(
+            "the etcd-v2 rendezvous needs python-etcd: pip install 'elasticrun-launch[etcd-v2]' "
+            "(or use --rdzv-backend etcd, which needs nothing more)"
+        ) from None
+    return etcd
+
+
+class EtcdV2Store(Store):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: str,
+        protocol: str = "http",
+        user: str | None = None,
+        password: str | None = None,
+        ca_cert: str | None = None,
+        cert: tuple[str, str] | None = None,
+        retry_for: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.etcd = _import_etcd()
+        self.name = name
+        self.retry_for = retry_for
+        self._args = {
+            "host": host,
+            "port": port,
+            "protocol": protocol,
+            "username": user,
+            "password": password,
+            "ca_cert": ca_cert,
+            "cert": cert,
+            "read_timeout": 10,
+        }
+        self.client = self._client()
+        self._ttl = 0
+        self._ephemeral: set[str] = set()
+        self._lock = threading.Lock()
+        self._lost = False
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+        self._call(lambda c: c.read("/", recursive=False))  # reachable, and speaks v2?
+
+    def _client(self) -> Any:
+        return self.etcd.Client(**{k: v for k, v in self._args.items() if v is not None})
+
+    def _call(self, fn: Any, client: Any = None) -> Any:
+        """One request, retried while etcd is unreachable (a restart), up to retry_for."""
+        e = self.etcd
+        until = time.monotonic() + self.retry_for
+        delay = 0.05
+        while True:
+            self._count()
+            try:
+                return fn(client or self.client)
+            except e.EtcdConnectionFailed as error:
+                if time.monotonic() + delay > until:
+                    raise StoreError(
+                        f"{self.name} is unreachable ({error}); check that it runs and that "
+                        "--rdzv-endpoint is right"
+                    ) from None
+            except e.EtcdInsufficientPermissions as error:
+                raise StoreError(
+                    f"{self.name} refused the request: {error}; check the "
+                    "user and password in --rdzv-conf"
+                ) from None
+            except (
+                e.EtcdKeyNotFound,
+                e.EtcdAlreadyExist,
+                e.EtcdCompareFailed,
+                e.EtcdWatchTimedOut,
+                e.EtcdEventIndexCleared,
+            ):
+                raise
+            except e.EtcdException as error:
+                if "404 page not found" in str(getattr(error, "payload", "") or error):
+                    raise StoreError(f"{self.name} {_NOT_V2}") from None
+                if "Unauthorized" in str(error) or "401" in str(error):
+                    raise StoreError(
+                        f"{self.name} refused the request: {error}; check the "
+                        "user and password in --rdzv-conf"
+                    ) from None
+                raise StoreError(f"{self.name}: {error}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    @staticmethod
+    def _kv(node: Any) -> KeyValue:
+        return KeyValue(
+            node.key, (node.value or "").encode(), node.modifiedIndex, node.createdIndex
+        )
+
+    def get(self, key: str) -> KeyValue | None:
+        try:
+            return self._kv(self._call(lambda c: c.read(key)))
+        except self.etcd.EtcdKeyNotFound:
+            return None
+
+    def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        base = prefix.rstrip("/") or "/"
+        try:
+            result = self._call(lambda c: c.read(base, recursive=True))
+        except self.etcd.EtcdKeyNotFound as error:
+            return [], int((getattr(error, "payload", None) or {}).get("index", 0))
+        nodes = [self._kv(n) for n in result.leaves if not n.dir and n.key.startswith(prefix)]
+        return nodes, int(result.etcd_index)
+
+    def _ttl_for(self, key: str, ephemeral: bool) -> int | None:
+        if not ephemeral:
+            return None
+        if not self._ttl:
+            raise StoreError("an ephemeral key needs start_liveness() first")
+        with self._lock:
+            self._ephemeral.add(key)
+        return self._ttl
+
+    def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
+        ttl = self._ttl_for(key, ephemeral)
+        return int(self._call(lambda c: c.write(key, value.decode(), ttl=ttl)).modifiedIndex)
+
+    def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
+        ttl = self._ttl_for(key, ephemeral)
+        try:
+            self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
+        except self.etcd.EtcdAlreadyExist:
+            return False
+        return True
+
+    def cas(self, key: str, value: bytes, version: int) -> bool:
+        try:
+            self._call(lambda c: c.write(key, value.decode(), prevIndex=version))
+        except (self.etcd.EtcdCompareFailed, self.etcd.EtcdKeyNotFound):
+            return False
+        return True
+
+    def delete(self, key: str, prefix: bool = False) -> None:
+        with self._lock:
+            self._ephemeral.discard(key)
+        with contextlib.suppress(self.etcd.EtcdKeyNotFound):
+            if prefix:
+                self._call(lambda c: c.delete(key.rstrip("/"), recursive=True, dir=True))
+            else:
+                self._call(lambda c: c.delete(key))
+
+    def start_liveness(self, ttl: float) -> None:
+        self._ttl = max(round(ttl), 1)
+        self._refresher = threading.Thread(target=self._refresh, name="elasticrun-ttl", daemon=True)
+        self._refresher.start()
+
+    def _refresh(self) -> None:
+        client = self._client()
+        while not self._stop.wait(max(self._ttl / 3.0, 0.2)):
+            with self._lock:
+                keys = list(self._ephemeral)
+            for key in keys:
+                try:
+                    self._call(lambda c, k=key: c.refresh(k, self._ttl), client)
+                except self.etcd.EtcdKeyNotFound:
+                    logger.warning("the rendezvous key %s expired; this node will rejoin", key)
+                    self._lost = True
+                    with self._lock:
+                        self._ephemeral.discard(key)
+                except StoreError:
+                    pass  # unreachable for now: try again next tick
+
+    def liveness_lost(self) -> bool:
+        return self._lost
+
+    def reset_liveness(self) -> None:
+        self._lost = False
+
+    def watch(self, prefix: str, after_revision: int) -> Watch:
+        return _V2Watch(self, prefix, after_revision)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=15)
+        with self._lock:
+            keys = list(self._ephemeral)
+        for key in keys:  # what a revoked lease would do
+            with contextlib.suppress(Exception):
+                self.client.delete(key)
+
+
+class _V2Watch(Watch):
+    def __init__(self, store: EtcdV2Store, prefix: str, after: int) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._index = after + 1
+        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elasticrun-v2watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        e = self._store.etcd
+        client = self._store._client()
+        base = self._prefix.rstrip("/") or "/"
+        while not self._closed.is_set():
+            try:
+                result = self._store._call(
+                    lambda c: c.read(
+                        base, wait=True, recursive=True, waitIndex=self._index, timeout=1.0
+                    ),
+                    client,
+                )
+            except (e.EtcdWatchTimedOut, e.EtcdKeyNotFound):
+                continue
+            except e.EtcdEventIndexCleared:
+                self._changes.put(
+                    StoreError(f"{self._store.name}: watch lost: index {self._index} was cleared")
+                )
+                return
+            except StoreError as error:
+                if not self._closed.is_set():
+                    self._changes.put(error)
+                return
+            except Exception as error:  # read timeouts surface as urllib3 errors
+                if "timed out" in str(error).lower() or "Read timed out" in str(error):
+                    continue
+                if not self._closed.is_set():
+                    self._changes.put(StoreError(f"{self._store.name}: watch failed: {error}"))
+                return
+            self._index = int(result.modifiedIndex) + 1
+            if not result.key.startswith(self._prefix) and result.key != base:
+                continue
+            gone = result.action in ("delete", "expire", "compareAndDelete")
+            value = None if gone else (result.value or "").encode()
+            self._changes.put([Change(result.key, value, int(result.modifiedIndex))])
+
+    def next(self, timeout: float) -> list[Change] | None:
+        try:
+            item = self._changes.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,340 @@
+"""The store over etcd's v3 API (gRPC, the project's own subset in :mod:`.etcdpb`).
+
+Works against etcd 3.4 to 3.6 and against the embedded rendezvous service, which serves the same
+subset. Calls retry while the store is unreachable (an etcd restart), up to a deadline; the lease
+is renewed in the background; watches reconnect from the last revision they delivered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.store import Change, KeyValue, Store, StoreError, Watch
+
+logger = logging.getLogger(__name__)
+
+_CALL_TIMEOUT = 5.0
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range_end for "every key starting with prefix"."""
+    end = bytearray(prefix)
+    for i in reversed(range(len(end))):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _kv(kv: kv_pb2.KeyValue) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision)
+
+
+class EtcdV3Store(Store):
+    """`target` is host:port; `token` a shared secret sent as gRPC metadata (the embedded
+    service); `user`/`password` authenticate against etcd; `tls` is (ca, cert, key) paths, any
+    of which may be None; `retry_for` bounds how long a call keeps retrying an unreachable
+    store."""
+
+    def __init__(
+        self,
+        target: str,
+        name: str,
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        tls: tuple[str | None, str | None, str | None] | None = None,
+        retry_for: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self.name = name  # what the store is, in messages ("etcd at host:port", ...)
+        self.retry_for = retry_for
+        options = [("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000)]
+        if tls is not None:
+            ca, cert, key = (_read(p) if p else None for p in tls)
+            creds = grpc.ssl_channel_credentials(ca, key, cert)
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._kv = rpc_pb2_grpc.KVStub(self._channel)
+        self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
+        self._watch = rpc_pb2_grpc.WatchStub(self._channel)
+        self._auth = rpc_pb2_grpc.AuthStub(self._channel)
+        self._user, self._password = user, password
+        self._metadata: list[tuple[str, str]] = [("token", token)] if token else []
+        if user is not None:
+            self._authenticate()
+        self._lease_id = 0
+        self._lease_ttl = 0.0
+        self._lease_lost = False
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def _authenticate(self) -> None:
+        try:
+            reply = self._auth.Authenticate(
+                rpc_pb2.AuthenticateRequest(name=self._user or "", password=self._password or ""),
+                timeout=_CALL_TIMEOUT,
+            )
+        except grpc.RpcError as e:
+            raise StoreError(
+                f"{self.name} refused user '{self._user}': {e.details()}; check the user and "
+                "password given in --rdzv-conf (user=..., password=...)"
+            ) from None
+        self._metadata = [("token", reply.token)]
+
+    def _call(self, method: Callable[..., Any], request: Any, deadline: float | None = None) -> Any:
+        """One RPC, retried while the store is unreachable, until `deadline` (monotonic)."""
+        until = deadline if deadline is not None else time.monotonic() + self.retry_for
+        delay = 0.05
+        reauthenticated = False
+        while True:
+            self._count()
+            try:
+                return method(request, timeout=_CALL_TIMEOUT, metadata=self._metadata)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._user and not reauthenticated:
+                    self._authenticate()  # etcd's simple tokens expire
+                    reauthenticated = True
+                    continue
+                if code not in _RETRYABLE or time.monotonic() + delay > until:
+                    raise self._error(e) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _error(self, e: grpc.RpcError) -> StoreError:
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return StoreError(
+                f"{self.name} is unreachable ({details}); check that it runs and that "
+                "--rdzv-endpoint is right"
+            )
+        if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in details:
+            return StoreError(
+                f"{self.name} refused the request: {details}; give the right token or "
+                "user/password in --rdzv-conf"
+            )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return StoreError(f"{self.name}: permission denied ({details})")
+        return StoreError(f"{self.name}: {code.name}: {details}")
+
+    # ---- key-value ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        reply = self._call(self._kv.Range, rpc_pb2.RangeRequest(key=key.encode()))
+        return _kv(reply.kvs[0]) if reply.kvs else None
+
+    def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        p = prefix.encode()
+        reply = self._call(self._kv.Range, rpc_pb2.RangeRequest(key=p, range_end=prefix_end(p)))
+        return [_kv(kv) for kv in reply.kvs], reply.header.revision
+
+    def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
+        request = rpc_pb2.PutRequest(
+            key=key.encode(), value=value, lease=self._lease_for(ephemeral)
+        )
+        return int(self._call(self._kv.Put, request).header.revision)
+
+    def _lease_for(self, ephemeral: bool) -> int:
+        if not ephemeral:
+            return 0
+        if not self._lease_id:
+            raise StoreError("an ephemeral key needs start_liveness() first")
+        return self._lease_id
+
+    def _txn(self, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> bool:
+        request = rpc_pb2.TxnRequest(
+            compare=[compare], success=[rpc_pb2.RequestOp(request_put=put)]
+        )
+        return bool(self._call(self._kv.Txn, request).succeeded)
+
+    def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
+        k = key.encode()
+        compare = rpc_pb2.Compare(
+            key=k,
+            target=rpc_pb2.Compare.CREATE,
+            result=rpc_pb2.Compare.EQUAL,
+            create_revision=0,
+        )
+        put = rpc_pb2.PutRequest(key=k, value=value, lease=self._lease_for(ephemeral))
+        return self._txn(compare, put)
+
+    def cas(self, key: str, value: bytes, version: int) -> bool:
+        k = key.encode()
+        compare = rpc_pb2.Compare(
+            key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=version
+        )
+        return self._txn(compare, rpc_pb2.PutRequest(key=k, value=value))
+
+    def delete(self, key: str, prefix: bool = False) -> None:
+        k = key.encode()
+        request = rpc_pb2.DeleteRangeRequest(key=k, range_end=prefix_end(k) if prefix else b"")
+        self._call(self._kv.DeleteRange, request)
+
+    # ---- lease ---------------------------------------------------------------------------
+
+    def start_liveness(self, ttl: float) -> None:
+        self._lease_ttl = ttl
+        self._grant()
+        self._keeper = threading.Thread(
+            target=self._keep_alive, name="elasticrun-lease", daemon=True
+        )
+        self._keeper.start()
+
+    def _grant(self) -> None:
+        reply = self._call(
+            self._lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(self._lease_ttl))
+        )
+        if reply.error:
+            raise StoreError(f"{self.name} refused a lease: {reply.error}")
+        self._lease_id = reply.ID
+
+    def _keep_alive(self) -> None:
+        interval = max(self._lease_ttl / 3.0, 0.2)
+        while not self._stop.wait(interval):
+            request = rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id)
+            try:
+                self._count()
+                replies = self._lease.LeaseKeepAlive(
+                    iter([request]), timeout=_CALL_TIMEOUT, metadata=self._metadata
+                )
+                reply = next(iter(replies), None)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and self._user:
+                    with contextlib.suppress(StoreError):
+                        self._authenticate()
+                continue  # unreachable for now: try again next tick, the TTL has slack
+            if reply is not None and reply.TTL <= 0:
+                logger.warning("the rendezvous lease expired; this node will rejoin")
+                self._lease_lost = True
+                with contextlib.suppress(StoreError):
+                    self._grant()
+
+    def liveness_lost(self) -> bool:
+        return self._lease_lost
+
+    def reset_liveness(self) -> None:
+        self._lease_lost = False
+
+    # ---- watch ---------------------------------------------------------------------------
+
+    def watch(self, prefix: str, after_revision: int) -> Watch:
+        return _EtcdWatch(self, prefix, after_revision)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._lease_id:
+            with contextlib.suppress(grpc.RpcError):
+                self._lease.LeaseRevoke(
+                    rpc_pb2.LeaseRevokeRequest(ID=self._lease_id),
+                    timeout=2.0,
+                    metadata=self._metadata,
+                )
+        if self._keeper is not None:
+            self._keeper.join(timeout=_CALL_TIMEOUT + 1)
+        self._channel.close()
+
+
+class _EtcdWatch(Watch):
+    """A watch stream with a reader thread; reconnects from the last delivered revision."""
+
+    def __init__(self, store: EtcdV3Store, prefix: str, after_revision: int) -> None:
+        self._store = store
+        self._key = prefix.encode()
+        self._next_revision = after_revision + 1
+        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+        self._closed = threading.Event()
+        self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name="elasticrun-watch", daemon=True)
+        self._thread.start()
+
+    def _request_stream(self) -> Iterator[rpc_pb2.WatchRequest]:
+        create = rpc_pb2.WatchCreateRequest(
+            key=self._key, range_end=prefix_end(self._key), start_revision=self._next_revision
+        )
+        yield rpc_pb2.WatchRequest(create_request=create)
+        while True:  # keep the stream open until closed
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def _run(self) -> None:
+        delay = 0.05
+        failing_since: float | None = None
+        while not self._closed.is_set():
+            self._store._count()
+            try:
+                self._call = self._store._watch.Watch(
+                    self._request_stream(), metadata=self._store._metadata
+                )
+                for reply in self._call:
+                    delay = 0.05
+                    failing_since = None
+                    if reply.canceled:
+                        reason = reply.cancel_reason or (
+                            f"revision {self._next_revision} was compacted"
+                            if reply.compact_revision
+                            else "canceled by the server"
+                        )
+                        self._changes.put(StoreError(f"{self._store.name}: watch lost: {reason}"))
+                        return
+                    batch = []
+                    for ev in reply.events:
+                        value = None if ev.type == kv_pb2.Event.DELETE else ev.kv.value
+                        batch.append(Change(ev.kv.key.decode(), value, ev.kv.mod_revision))
+                        self._next_revision = ev.kv.mod_revision + 1
+                    if batch:
+                        self._changes.put(batch)
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
+                    self._changes.put(self._store._error(e))
+                    return
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self._store.retry_for:
+                    self._changes.put(self._store._error(e))
+                    return
+            self._requests.put(None)  # end the old request stream
+            self._requests = queue.Queue()
+            if self._closed.wait(delay):
+                return
+            delay = min(delay * 2, 1.0)
+
+    def next(self, timeout: float) -> list[Change] | None:
+        try:
+            item = self._changes.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._requests.put(None)
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=5)

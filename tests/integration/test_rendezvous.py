@@ -1,0 +1,319 @@
+"""Several agents on loopback, one job: every elastic backend, scaling, lost nodes, spares,
+a store that restarts, and the errors (real etcd, real gRPC, real workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from launcher_util import alive, finish, free_port, kill_all, start, wait_for, worker_args
+
+FAST = "heartbeat_timeout=2,last_call_timeout=1,join_timeout=60"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path):
+    """Starts agents ("nodes"), each with its own output directory; ends all they left."""
+    started: list[tuple[object, Path]] = []
+
+    def launch(
+        name: str,
+        rdzv: list[str],
+        *worker: str,
+        nnodes: str = "2",
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        out = tmp_path / name
+        out.mkdir(exist_ok=True)
+        proc = start(
+            [
+                "--nnodes",
+                nnodes,
+                "--nproc-per-node",
+                "1",
+                "--monitor-interval",
+                "0.05",
+                *rdzv,
+                *(extra or []),
+                *worker_args(out, *worker),
+            ],
+            env=env,
+        )
+        started.append((proc, out))
+        return proc, out
+
+    yield launch
+    for proc, out in started:
+        if proc.poll() is None:  # type: ignore[attr-defined]
+            os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            proc.wait()  # type: ignore[attr-defined]
+        kill_all([int(p.read_text()) for p in out.glob("*.pid") if p.read_text()])
+
+
+def rdzv_args(backend: str, endpoint: str, conf: str = FAST) -> list[str]:
+    run_id = f"test-{os.urandom(4).hex()}"
+    return [
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        conf,
+    ]
+
+
+def envs(out: Path) -> list[dict[str, str]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.env.json"))]
+
+
+def worlds(out: Path) -> list[int]:
+    return [int(e["WORLD_SIZE"]) for e in envs(out)]
+
+
+@pytest.fixture(params=["embedded", "etcd", "etcd-v2"])
+def backend(request, tmp_path):
+    """(name, --rdzv-* flags) of each elastic backend, with its store running."""
+    if request.param == "embedded":
+        yield "c10d", f"127.0.0.1:{free_port()}"
+    else:
+        server = request.getfixturevalue("etcd" if request.param == "etcd" else "etcd_v2")
+        yield request.param, server.endpoint
+
+
+@pytest.mark.timeout(180)
+def test_two_node_job(nodes, backend):
+    rdzv = rdzv_args(*backend)
+    a = nodes("a", rdzv, "--dist")
+    b = nodes("b", rdzv, "--dist")
+    for proc, _ in (a, b):
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+    ranks = set()
+    for _, out in (a, b):
+        (d,) = [json.loads(p.read_text()) for p in out.glob("*.dist.json")]
+        assert d["world"] == 2 and d["sum"] == 2.0
+        ranks.add(d["rank"])
+    assert ranks == {0, 1}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("store", ["embedded", "etcd"])
+def test_scale_up_while_training(nodes, store, request):
+    endpoint = (
+        f"127.0.0.1:{free_port()}"
+        if store == "embedded"
+        else request.getfixturevalue("etcd").endpoint
+    )
+    rdzv = rdzv_args("c10d" if store == "embedded" else "etcd", endpoint)
+    a = nodes("a", rdzv, "--dist", "--hold-round", "1", nnodes="1:2")
+    assert wait_for((a[1] / "0-0.dist.json").exists), "A did not start alone"
+    b = nodes("b", rdzv, "--dist", "--hold-round", "1", nnodes="1:2")
+    errors = []
+    for proc, _ in (a, b):
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+        errors.append(err)
+    assert worlds(a[1]) == [1, 2], "A ran alone, then with B"
+    assert worlds(b[1]) == [2]
+    assert "the job now has 2 node(s)" in errors[0]
+
+
+@pytest.mark.timeout(180)
+def test_scale_down_when_a_node_dies(nodes, etcd):
+    rdzv = rdzv_args("etcd", etcd.endpoint)
+    agents = [nodes(n, rdzv, "--dist", "--hold-round", "1", nnodes="2:3") for n in "abc"]
+    assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in agents))
+    victim, victim_out = agents[2]
+    worker_pid = int(next(victim_out.glob("*.pid")).read_text())
+    os.killpg(victim.pid, signal.SIGKILL)  # the agent dies; its worker dies with it
+    assert wait_for(lambda: not alive(worker_pid), 10), "the dead agent's worker died with it"
+    for proc, out in agents[:2]:
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+        assert worlds(out) == [3, 2], "trained with three, then with the two survivors"
+        assert "left the job" in err
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_takes_a_lost_nodes_place(nodes):
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = rdzv_args("c10d", endpoint)
+    a = nodes("a", rdzv, "--dist", "--hold-round", "1")
+    assert wait_for(lambda: _listening(endpoint)), "A hosts the rendezvous"
+    b = nodes("b", rdzv, "--dist", "--hold-round", "1")
+    assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in (a, b)))
+    spare = nodes("spare", rdzv, "--dist", "--hold-round", "1")
+    assert not wait_for(lambda: list(spare[1].glob("*.pid")), 3), "the spare must wait"
+    os.killpg(b[0].pid, signal.SIGKILL)
+    for proc, _out in (a, spare):
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+    assert worlds(spare[1]) == [2]
+    a_ranks = [int(e["GROUP_RANK"]) for e in envs(a[1])]
+    assert a_ranks[0] == a_ranks[-1], "the survivor kept its rank"
+
+
+@pytest.mark.timeout(120)
+def test_losing_the_embedded_service_is_a_clear_error(nodes):
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
+    host = nodes("host", rdzv, "--dist", "--hold-round", "1")
+    assert wait_for(lambda: _listening(endpoint))
+    other = nodes("other", rdzv, "--dist", "--hold-round", "1")
+    assert wait_for(lambda: list(other[1].glob("*.dist.json")))
+    os.killpg(host[0].pid, signal.SIGKILL)
+    code, _, err = finish(other[0], timeout=60)
+    assert code == 1
+    assert f"the rendezvous service at {endpoint} is unreachable" in err
+
+
+@pytest.mark.timeout(180)
+def test_etcd_restart_mid_job(nodes, etcd):
+    rdzv = rdzv_args("etcd", etcd.endpoint, "heartbeat_timeout=10,last_call_timeout=1")
+    a = nodes("a", rdzv, "--dist", "--sleep", "6")
+    b = nodes("b", rdzv, "--dist", "--sleep", "6")
+    assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in (a, b)))
+    etcd.restart()
+    for proc, out in (a, b):
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+        assert worlds(out) == [2], "the job went on without a restart"
+
+
+@pytest.mark.timeout(120)
+def test_min_never_reached_times_out(nodes):
+    rdzv = rdzv_args("c10d", f"127.0.0.1:{free_port()}", "join_timeout=2,heartbeat_timeout=2")
+    proc, out = nodes("a", rdzv)
+    code, _, err = finish(proc)
+    assert code == 1
+    assert "timed out after 2 s: 1 node(s) joined, at least 2 needed" in err
+    assert not list(out.glob("*.pid"))
+
+
+@pytest.mark.timeout(120)
+def test_etcd_v2_backend_against_etcd_without_v2(nodes, etcd):
+    proc, _ = nodes("a", rdzv_args("etcd-v2", etcd.endpoint))
+    code, _, err = finish(proc)
+    assert code == 1
+    assert "does not serve the etcd v2 API" in err
+    assert "--rdzv-backend etcd" in err and "--enable-v2" in err
+
+
+@pytest.mark.timeout(120)
+def test_wrong_token_is_refused(nodes):
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_id = ["--rdzv-id", "tokens"]
+    host = nodes(
+        "host",
+        [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            *run_id,
+            "--rdzv-conf",
+            "token=right,join_timeout=3",
+        ],
+    )
+    assert wait_for(lambda: _listening(endpoint), 30)
+    intruder = nodes(
+        "intruder",
+        [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            *run_id,
+            "--rdzv-conf",
+            "join_timeout=3",
+        ],
+        env={"ELASTICRUN_RDZV_TOKEN": "wrong"},
+    )
+    code, _, err = finish(intruder[0])
+    assert code == 1
+    assert "invalid rendezvous token" in err
+    code, _, err = finish(host[0])
+    assert code == 1 and "timed out" in err
+
+
+def _listening(endpoint: str) -> bool:
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.timeout(120)
+def test_etcd_authentication(nodes, etcd):
+    etcd.gateway("auth/user/add", {"name": "root", "password": "s3cret"})
+    etcd.gateway("auth/role/add", {"name": "root"})
+    etcd.gateway("auth/user/grant", {"user": "root", "role": "root"})
+    etcd.gateway("auth/enable", {})
+    bad = nodes("bad", rdzv_args("etcd", etcd.endpoint, "user=root,password=nope"), nnodes="1")
+    code, _, err = finish(bad[0])
+    assert code == 1
+    assert "refused user 'root'" in err and "invalid user ID or password" in err
+    anonymous = nodes("anon", rdzv_args("etcd", etcd.endpoint, "join_timeout=5"), nnodes="1")
+    code, _, err = finish(anonymous[0])
+    assert code == 1
+    assert "refused the request" in err
+    good = nodes(
+        "good", rdzv_args("etcd", etcd.endpoint, "user=root,password=s3cret"), "--dist", nnodes="1"
+    )
+    code, _, err = finish(good[0])
+    assert code == 0, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_etcd_and_bad_endpoints(nodes):
+    dead = f"127.0.0.1:{free_port()}"
+    proc, _ = nodes("a", rdzv_args("etcd", dead, "join_timeout=2"))
+    code, _, err = finish(proc)
+    assert code == 1
+    assert f"etcd at {dead} is unreachable" in err
+    proc, _ = nodes("b", rdzv_args("etcd", "etcd0:port"))
+    code, _, err = finish(proc)
+    assert code == 2
+    assert "--rdzv-endpoint 'etcd0:port': port 'port' is not a number" in err
+    proc, _ = nodes("c", ["--rdzv-backend", "c10d"])
+    code, _, err = finish(proc)
+    assert code == 2
+    assert "needs --rdzv-endpoint HOST:PORT" in err
+    proc, _ = nodes("d", rdzv_args("etcd", dead, "heartbeat_timeout=1"))
+    code, _, err = finish(proc)
+    assert code == 2
+    assert "heartbeat_timeout=1: the lease needs at least 2 seconds" in err
+
+
+@pytest.mark.timeout(180)
+def test_restart_budget_is_job_wide(nodes):
+    rdzv = rdzv_args("c10d", f"127.0.0.1:{free_port()}")
+    procs = [
+        nodes(
+            n,
+            rdzv,
+            "--fail-rank",
+            "1",
+            "--fail-until",
+            "99",
+            "--dist",
+            extra=["--max-restarts", "1"],
+        )
+        for n in "ab"
+    ]
+    errs = []
+    for proc, _ in procs:
+        code, _, err = finish(proc)
+        assert code == 1, err[-2000:]
+        errs.append(err)
+    text = "\n".join(errs)
+    assert "restart 1 of 1" in text
+    assert "restarts exhausted (1)" in text
+    assert "restart 2 of" not in text
