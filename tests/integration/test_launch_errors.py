@@ -52,10 +52,7 @@ from launcher_util import run, worker_args
         (["--event-log-handler", "kafka"], "--event-log-handler 'kafka' is not supported"),
         (["--module", "--no-python"], "Don't use both the '--no-python' flag and the '--module'"),
         (["--health-port", "99999"], "--health-port '99999' is not a port number"),
-        (
-            ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"],
-            "needs its multi-node service, which is not available in this version yet",
-        ),
+        (["--nnodes", "2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
         (["--nnodes", "1:2", "--rdzv-backend", "static"], "the static rendezvous has a fixed size"),
         (
             [
