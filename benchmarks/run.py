@@ -16,11 +16,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_launch
+import bench_rendezvous
 
 import bench_core
 from common import REPO, format_table, save
 
-SECTIONS = {"core": bench_core.run, "launch": bench_launch.run}
+SECTIONS = {
+    "core": bench_core.run,
+    "launch": bench_launch.run,
+    "rendezvous": bench_rendezvous.run,
+}
 
 
 def main() -> int:

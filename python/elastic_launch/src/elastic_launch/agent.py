@@ -243,10 +243,21 @@ class ElasticAgent:
         detected_ns: int | None = None
         reason = "start"
         while True:
+            joined_at = time.time()
             try:
                 info = self.rdzv.next_rendezvous(reason)
             except RendezvousClosedError as e:
                 return self._closed(e)
+            self.events.emit(
+                "rendezvous_done",
+                self.attempt + 1,
+                round=info.round,
+                nodes=info.group_world_size,
+                group_rank=info.group_rank,
+                joined_at=joined_at,
+                formed_at=time.time(),
+                store_requests=getattr(getattr(self.rdzv, "store", None), "requests", None),
+            )
             self.attempt += 1
             self.restarts = info.restart_count
             if reason == "failure":

@@ -219,12 +219,13 @@ class _V2Watch(Watch):
         self._index = after + 1
         self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
         self._closed = threading.Event()
+        self._client = store._client()  # its own connection, so close() can cut a long poll
         self._thread = threading.Thread(target=self._run, name="elasticrun-v2watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         e = self._store.etcd
-        client = self._store._client()
+        client = self._client
         base = self._prefix.rstrip("/") or "/"
         while not self._closed.is_set():
             try:
@@ -269,4 +270,7 @@ class _V2Watch(Watch):
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(timeout=5)
+        # The thread ends when its pending long poll returns (within a second); waiting for
+        # it would delay every caller by that much.
+        with contextlib.suppress(Exception):
+            self._client.http.clear()
