@@ -237,7 +237,8 @@ def death_recovery(launcher: str, backend: str, endpoint: str) -> float | None:
 
 def _children(pid: int) -> list[int]:
     """Every descendant of `pid` (workers live in their own sessions)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    ps = ["ps", "-e", "-o", "pid=,ppid="]
+    out = subprocess.run(ps, capture_output=True, text=True, check=True).stdout
     parents: dict[int, list[int]] = {}
     for line in out.splitlines():
         child, parent = map(int, line.split())
