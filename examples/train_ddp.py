@@ -5,13 +5,16 @@ gloo on CPU, checkpoints that let a restarted group resume where the last one st
 
 It is an ordinary torchrun script: it reads RANK/WORLD_SIZE from the environment and calls
 ``init_process_group()``; elasticrun adds hang detection (a beat on every optimizer step) and
-restarts without any change here. ``--crash-at-step`` and ``--hang-at-step`` inject a failure on
-the first attempt, to watch the recovery.
+restarts without any change here. elastic_sampler makes the resume exact: the sampler continues
+the epoch where the checkpoint says (on any number of workers) and checkpoints are atomic,
+checked, and written in the background. ``--crash-at-step`` and ``--hang-at-step`` inject a
+failure on the first attempt, to watch the recovery.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -21,12 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's convention
+from elastic_sampler import CheckpointManager, ElasticDistributedSampler, broadcast_latest
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 
-class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
+class SyntheticImages(Dataset[tuple[torch.Tensor, int, int]]):
     """ImageNet-like samples (3 x size x size, `classes` labels) made from a seed: each class
     has a fixed pattern, and every sample is its pattern plus noise, so the task is learnable."""
 
@@ -40,11 +44,11 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         label = int(self.labels[index])
         noise = torch.randn(self.patterns.shape[1:], generator=g)
-        return self.patterns[label] + noise, label
+        return self.patterns[label] + noise, label, index
 
 
 class SmallCNN(nn.Module):
@@ -67,22 +71,19 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def save_checkpoint(path: Path, state: dict[str, object]) -> None:
-    """Atomic: a crash mid-save leaves the previous checkpoint intact."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def training_state(
-    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, epoch: int, step: int
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    sampler: ElasticDistributedSampler,
+    step: int,
+    epoch_steps: int,
+    batch_size: int,
 ) -> dict[str, object]:
+    """Everything a restarted (or resized) job needs to continue exactly where this one is."""
     return {
         "model": model.module.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "epoch": epoch,
+        "sampler": sampler.state_dict(steps=epoch_steps, batch_size=batch_size),
         "step": step,
     }
 
@@ -128,6 +129,18 @@ def main() -> None:
         default=None,
         help="on the first attempt, the last rank stops making progress here",
     )
+    p.add_argument(
+        "--record-samples",
+        type=Path,
+        default=None,
+        help="directory: each rank writes the sample ids of every step it trains",
+    )
+    p.add_argument(
+        "--final-weights",
+        type=Path,
+        default=None,
+        help="where rank 0 saves the final model weights",
+    )
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -136,31 +149,44 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
+    # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
+    sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     model = DistributedDataParallel(SmallCNN(args.classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = args.checkpoint_dir / "latest.pt"
-    epoch, step = 0, 0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu")
+    # Rank 0 writes checkpoints; every rank resumes from the newest intact one (sent by the
+    # rank that has it, should the directory be local to each node).
+    checkpoints = CheckpointManager(args.checkpoint_dir, keep_last=3)
+    step = 0
+    latest = broadcast_latest(checkpoints)
+    if latest is not None:
+        state, _ = latest
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        epoch, step = int(state["epoch"]), int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+        step = int(state["step"])
         if rank == 0:
-            print(f"attempt {attempt}: resumed from epoch {epoch}, step {step}", flush=True)
+            s = state["sampler"]
+            print(
+                f"attempt {attempt}: resumed from epoch {s['epoch']}, step {step} "
+                f"({s['consumed']} samples of the epoch done)",
+                flush=True,
+            )
+    record = None
+    if args.record_samples is not None:
+        args.record_samples.mkdir(parents=True, exist_ok=True)
+        record = open(args.record_samples / f"attempt{attempt}-rank{rank}.txt", "a")  # noqa: SIM115
 
-    steps_per_epoch = len(loader)
-    progress = Progress(args.epochs * steps_per_epoch, rank == 0)
+    first_epoch = sampler.epoch
+    per_epoch = math.ceil(math.ceil(args.samples / world) / args.batch_size)
+    left_now = math.ceil(len(sampler) / args.batch_size) if first_epoch < args.epochs else 0
+    total = step + left_now + per_epoch * max(0, args.epochs - first_epoch - 1)
+    progress = Progress(total, rank == 0)
     loss = torch.tensor(0.0)
-    while epoch < args.epochs:
-        sampler.set_epoch(epoch)
-        skip = step - epoch * steps_per_epoch  # batches this epoch already trained
-        for i, (images, labels) in enumerate(loader):
-            if i < skip:
-                continue
+    for epoch in range(first_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # keeps a resumed position within the same epoch
+        for epoch_steps, (images, labels, ids) in enumerate(loader, start=1):
             if attempt == 0 and rank == world - 1:
                 if step == args.crash_at_step:
                     print(f"rank {rank}: simulating a crash at step {step}", flush=True)
@@ -173,30 +199,28 @@ def main() -> None:
             loss.backward()
             optimizer.step()  # elasticrun beats here
             step += 1
+            if record is not None:
+                record.write(f"{epoch} {step} {','.join(map(str, ids.tolist()))}\n")
+                record.flush()
             progress.update(step, f"epoch {epoch} loss {loss.item():.3f}")
             if step % args.checkpoint_every == 0 and rank == 0:
-                save_checkpoint(
-                    ckpt,
-                    {
-                        "model": model.module.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "epoch": epoch,
-                        "step": step,
-                    },
+                checkpoints.save(
+                    training_state(model, optimizer, sampler, step, epoch_steps, args.batch_size),
+                    step,
+                    background=True,
                 )
-        epoch += 1
+        sampler.set_epoch(epoch + 1)  # the epoch is done: a checkpoint now starts the next
         if rank == 0:
-            save_checkpoint(
-                ckpt,
-                {
-                    "model": model.module.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "epoch": epoch,
-                    "step": step,
-                },
+            checkpoints.save(
+                training_state(model, optimizer, sampler, step, 0, args.batch_size),
+                step,
+                background=True,
             )
+    checkpoints.close()
     dist.barrier()
     if rank == 0:
+        if args.final_weights is not None:
+            torch.save(model.module.state_dict(), args.final_weights)
         print(f"done: {step} steps, {args.epochs} epochs, final loss {loss.item():.3f}", flush=True)
     dist.destroy_process_group()
 

@@ -249,8 +249,13 @@ class ElasticRendezvous(RendezvousHandler):
         if state_kv is None:
             return None
         state, sversion = json.loads(state_kv.value), state_kv.version
-        watch = self.store.watch(self.prefix + "/", revision)
+        # The first to join leads the round and counts the others; the rest only need the
+        # state (so each change reaches N watchers once, not N x N).
+        leader = min(joined, key=lambda n: joined[n])
+        leading = leader == self.node
+        watch = self.store.watch(self.prefix + "/" if leading else self._state_key, revision)
         last_call_at: float | None = None
+        next_check = time.monotonic() + 1.0
         try:
             while True:
                 if state["version"] != v or state["status"] != JOINABLE:
@@ -261,15 +266,23 @@ class ElasticRendezvous(RendezvousHandler):
                     ):
                         return self._confirm(state, sversion, watch)
                     return None
-                leader = min(joined, key=lambda n: joined[n]) if joined else None
                 now = time.monotonic()
-                if leader == self.node and len(joined) >= self.params.min_nodes:
+                if not leading and now >= next_check:
+                    next_check = now + 1.0
+                    if self.store.get(join_prefix + leader) is None:
+                        return None  # the leader died: look again, another leads
+                    if self.store.liveness_lost() and self.store.get(me) is None:
+                        self.store.reset_liveness()  # our lease expired: join again
+                        self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
+                if leading and len(joined) >= self.params.min_nodes:
                     if last_call_at is None:
                         last_call_at = now + self.t.last_call
                     if len(joined) >= self.params.max_nodes or now >= last_call_at:
                         self._freeze(state, sversion, joined, join_prefix)
                         last_call_at = None
                 if now >= deadline:
+                    if not leading:
+                        joined = {kv.key: kv.created for kv in self.store.range(join_prefix)[0]}
                     with contextlib.suppress(StoreError):
                         self.store.delete(me)
                     raise RendezvousTimeoutError(
@@ -278,8 +291,8 @@ class ElasticRendezvous(RendezvousHandler):
                         f"{self.params.min_nodes} needed (--nnodes {self.params.min_nodes}:"
                         f"{self.params.max_nodes}); start more nodes or raise join_timeout"
                     )
-                wait = min(deadline, last_call_at or deadline) - now
-                for change in watch.next(max(0.05, min(wait, 1.0))) or []:
+                wait = min(deadline, last_call_at or deadline, now + 1.0) - now
+                for change in watch.next(max(0.05, wait)) or []:
                     if change.key == self._state_key:
                         if change.value is None:
                             return None

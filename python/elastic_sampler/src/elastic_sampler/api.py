@@ -1,0 +1,19 @@
+"""Errors of elastic_sampler."""
+
+from __future__ import annotations
+
+
+class ElasticSamplerError(Exception):
+    """Base of elastic_sampler's errors."""
+
+
+class SamplerStateError(ElasticSamplerError, ValueError):
+    """A sampler state that does not fit this sampler (another dataset, seed or order)."""
+
+
+class CheckpointError(ElasticSamplerError, OSError):
+    """A checkpoint could not be written or read; the message says which file and why."""
+
+
+class CheckpointMismatchError(ElasticSamplerError, ValueError):
+    """A checkpoint that does not fit the model it is loaded into."""

@@ -1,0 +1,179 @@
+"""Checkpoints: atomic and verified, pruned safely, saved in the background, shared across
+ranks; clear errors for unwritable or full storage and for another model's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_sampler import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def model_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    return {"model": torch.nn.Linear(4, 3).state_dict(), "step": seed}
+
+
+def test_save_load_and_keep_last(tmp_path):
+    m = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    for step in (10, 20, 30):
+        m.save(model_state(step), step)
+    assert m.steps() == [20, 30], "older ones go once a newer one is on disk"
+    state, step = m.load_latest()
+    assert step == 30 and state["step"] == 30
+    meta = json.loads((tmp_path / "ckpt" / "checkpoint-000000000030.pt.meta.json").read_text())
+    assert meta["size"] == (tmp_path / "ckpt" / "checkpoint-000000000030.pt").stat().st_size
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("damage", ["torn", "corrupt", "no-checksum"])
+def test_a_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
+    m = CheckpointManager(tmp_path, keep_last=3)
+    m.save(model_state(1), 1)
+    m.save(model_state(2), 2)
+    newest = m.path(2)
+    if damage == "torn":
+        with open(newest, "r+b") as f:
+            f.truncate(newest.stat().st_size // 2)
+    elif damage == "corrupt":
+        data = bytearray(newest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    else:
+        Path(str(newest) + ".meta.json").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, step = m.load_latest()
+    assert step == 1 and state["step"] == 1
+    reason = {"torn": "torn", "corrupt": "corrupt", "no-checksum": "did not finish"}[damage]
+    assert any(reason in str(w.message) and str(newest) in str(w.message) for w in caught)
+
+
+def test_background_save_copies_first_and_writes_later(tmp_path):
+    m = CheckpointManager(tmp_path)
+    weights = torch.zeros(1000)
+    m.save({"w": weights}, 1, background=True)
+    weights.add_(5)  # training goes on at once
+    m.save({"w": weights}, 2, background=True)  # waits for the first: one write in flight
+    m.wait()
+    assert torch.equal(load_checkpoint(m.path(1))["w"], torch.zeros(1000))
+    assert torch.equal(load_checkpoint(m.path(2))["w"], torch.full((1000,), 5.0))
+    m.close()
+
+
+def test_background_errors_surface_on_the_next_call(tmp_path):
+    directory = tmp_path / "gone"
+    m = CheckpointManager(directory)
+    shutil.rmtree(directory)
+    m.save({"w": torch.ones(3)}, 1, background=True)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        m.save({"w": torch.ones(3)}, 2)
+
+
+def test_unwritable_directory_is_a_clear_error():
+    with pytest.raises(CheckpointError, match="cannot write checkpoints to '/proc/elastic-x'"):
+        CheckpointManager("/proc/elastic-x")
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from elastic_sampler import CheckpointManager, CheckpointError
+        m = CheckpointManager({str(tmp_path)!r})
+        m.save({{"w": torch.ones(10)}}, 1)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))  # a nearly full disk
+        try:
+            m.save({{"w": torch.ones(1_000_000)}}, 2)
+        except CheckpointError as e:
+            print("ERROR", e)
+        state, step = m.load_latest()
+        print("LATEST", step, float(state["w"].sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "ERROR cannot write checkpoint" in out
+    assert "File too large (the disk or quota is full)" in out
+    assert "(checkpoint step 1 is intact)" in out
+    assert "LATEST 1 10.0" in out
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "nothing half-written left"
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    m = CheckpointManager(tmp_path)
+    m.save(model_state(1), 1)
+    other = torch.nn.Linear(5, 3)
+    with pytest.raises(CheckpointMismatchError, match="saved from another model") as e:
+        m.load_latest(model=other)
+    assert "weight: checkpoint (3, 4) vs model (3, 5)" in str(e.value)
+    state, _ = m.load_latest(model=torch.nn.Linear(4, 3))
+    assert "model" in state
+
+
+def test_single_file_helpers(tmp_path):
+    path = tmp_path / "one.pt"
+    save_checkpoint(path, {"x": 1})
+    assert load_checkpoint(path) == {"x": 1}
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot be used: it is torn"):
+        load_checkpoint(path)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="prefix='a/b'"):
+        CheckpointManager(tmp_path, prefix="a/b")
+    with pytest.raises(ValueError, match="step=-1"):
+        CheckpointManager(tmp_path).save({}, -1)
+
+
+BROADCAST = """
+import os, sys, torch, torch.distributed as dist
+from elastic_sampler import CheckpointManager, broadcast_latest
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank,
+                        world_size=2)
+m = CheckpointManager(sys.argv[3] + "/rank" + str(rank))
+m.save({"step": 5}, 5)
+if rank == 0:
+    m.save({"step": 10, "w": torch.arange(1000)}, 10)
+state, step = broadcast_latest(m)
+print("RESULT", rank, step, state["step"], m.steps(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "RESULT 0 10 10 [5, 10]" in outs[0]
+    assert "RESULT 1 10 10 [5, 10]" in outs[1], "rank 1 received step 10 and kept a copy"
+    assert os.path.exists(tmp_path / "rank1" / "checkpoint-000000000010.pt.meta.json")

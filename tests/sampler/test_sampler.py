@@ -1,0 +1,170 @@
+"""ElasticDistributedSampler: torch's order at the start, every remaining sample exactly once
+after a resize, in both permutation modes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler
+
+from elastic_sampler import ElasticDistributedSampler, FeistelPermutation, SamplerStateError
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("n", [1, 7, 10, 64, 101])
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_same_indices_as_torch(n, replicas, shuffle, drop_last):
+    data = Data(n)
+    for epoch in (0, 3):
+        for rank in range(replicas):
+            kw = dict(num_replicas=replicas, rank=rank, shuffle=shuffle, seed=11,
+                      drop_last=drop_last)
+            theirs = DistributedSampler(data, **kw)
+            ours = ElasticDistributedSampler(data, **kw)
+            theirs.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            assert list(ours) == list(theirs)
+            assert len(ours) == len(theirs)
+
+
+def test_works_under_a_dataloader_with_workers():
+    data = Data(50)
+    sampler = ElasticDistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    sampler.set_epoch(2)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+    got = [int(i) for batch in loader for i in batch]
+    expected = DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    expected.set_epoch(2)
+    assert got == list(expected)
+
+
+def consume(n, replicas, steps, batch, shuffle, drop_last, seed, epoch, permutation):
+    """Run `steps` synchronous steps on `replicas` ranks; returns (consumed ids, state)."""
+    data = Data(n)
+    samplers = [ElasticDistributedSampler(data, replicas, r, shuffle, seed, drop_last,
+                                          permutation=permutation) for r in range(replicas)]
+    consumed = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        consumed += list(s)[: steps * batch]
+    return consumed, samplers[0].state_dict(steps=steps, batch_size=batch)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 400),
+    before=st.integers(1, 16),
+    after=st.integers(1, 16),
+    batch=st.integers(1, 8),
+    steps=st.integers(0, 40),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    permutation=st.sampled_from(["torch", "feistel"]),
+    seed=st.integers(0, 2**31),
+)
+def test_resize_yields_the_rest_of_the_epoch_exactly_once(
+    n, before, after, batch, steps, shuffle, drop_last, permutation, seed
+):
+    epoch = 5
+    per_rank = (n // before) if drop_last else -(-n // before)
+    steps = min(steps, per_rank // batch)
+    consumed, state = consume(n, before, steps, batch, shuffle, drop_last, seed, epoch,
+                              permutation)
+    assert len(consumed) == state["consumed"] == steps * batch * before
+    assert len(set(consumed)) == len(consumed), "no sample twice before the resize"
+    data = Data(n)
+    rest = []
+    lengths = set()
+    for r in range(after):
+        s = ElasticDistributedSampler(data, after, r, shuffle, seed, drop_last,
+                                      permutation=permutation)
+        s.load_state_dict(state)
+        s.set_epoch(epoch)  # the loop calls it again: the position is kept
+        got = list(s)
+        assert len(got) == len(s)
+        lengths.add(len(got))
+        rest += got
+    assert len(lengths) <= 1, "every rank gets as many samples"
+    remaining = set(range(n)) - set(consumed)
+    counts = Counter(rest)
+    assert not set(counts) & set(consumed), "nothing consumed before comes again"
+    m = n - len(consumed)
+    if drop_last:
+        assert len(rest) == (m // after) * after
+        assert max(counts.values(), default=1) == 1, "none twice"
+        assert len(remaining - set(counts)) == m % after, "only the tail is left out"
+    else:
+        assert set(counts) == remaining, "none skipped"
+        extra = sum(c - 1 for c in counts.values())
+        assert extra == len(rest) - m < after, "only torch's padding repeats"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097, 65536, 100003])
+@pytest.mark.parametrize("seed", [0, 1, 123456789])
+def test_feistel_is_a_permutation(n, seed):
+    perm = FeistelPermutation(n, seed, epoch=2)
+    values = perm.map(torch.arange(n, dtype=torch.int64))
+    assert sorted(values.tolist()) == list(range(n))
+
+
+def test_feistel_is_deterministic_and_depends_on_seed_and_epoch():
+    pos = torch.arange(1000, dtype=torch.int64)
+    a = FeistelPermutation(1000, 7, 0).map(pos)
+    assert torch.equal(a, FeistelPermutation(1000, 7, 0).map(pos))
+    assert not torch.equal(a, FeistelPermutation(1000, 8, 0).map(pos))
+    assert not torch.equal(a, FeistelPermutation(1000, 7, 1).map(pos))
+    assert not torch.equal(a, pos), "it shuffles"
+
+
+def test_feistel_handles_a_billion_samples_lazily():
+    data = Data(10**9)
+    sampler = ElasticDistributedSampler(data, 8, 3, permutation="feistel", seed=1)
+    it = iter(sampler)
+    first = [next(it) for _ in range(1000)]
+    assert len(set(first)) == 1000 and all(0 <= i < 10**9 for i in first)
+    assert len(sampler) == 10**9 // 8
+
+
+def test_bad_arguments_and_states():
+    data = Data(10)
+    with pytest.raises(ValueError, match="permutation='fast' is not one of torch, feistel"):
+        ElasticDistributedSampler(data, 2, 0, permutation="fast")
+    with pytest.raises(ValueError, match="start_index=11 is outside the epoch"):
+        ElasticDistributedSampler(data, 2, 0, start_index=11)
+    s = ElasticDistributedSampler(data, 2, 0, seed=1)
+    state = s.state_dict(steps=2, batch_size=2)
+    other = ElasticDistributedSampler(Data(12), 2, 0, seed=1)
+    with pytest.raises(SamplerStateError, match="dataset_size=10, this sampler has dataset_size=12"):
+        other.load_state_dict(state)
+    with pytest.raises(SamplerStateError, match="seed=1"):
+        ElasticDistributedSampler(data, 2, 0, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="give both steps and batch_size"):
+        s.state_dict(steps=3)
+    with pytest.raises(ValueError):  # torch's own check
+        ElasticDistributedSampler(data, 2, 5)
+
+
+def test_counts_what_it_handed_out_without_steps():
+    data = Data(20)
+    s = ElasticDistributedSampler(data, 2, 0, shuffle=False)
+    it = iter(s)
+    [next(it) for _ in range(3)]
+    assert s.state_dict()["consumed"] == 6
+    s.set_epoch(1)
+    assert s.start_index == 0, "a new epoch starts from its beginning"
