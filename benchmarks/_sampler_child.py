@@ -42,5 +42,4 @@ for _ in sampler:
     if count == limit:
         break
 elapsed = time.perf_counter() - t0
-print(json.dumps({"seconds": elapsed, "count": count,
-                  "peak_mb": (rss_kb("VmHWM") - base) / 1024}))
+print(json.dumps({"seconds": elapsed, "count": count, "peak_mb": (rss_kb("VmHWM") - base) / 1024}))

@@ -22,8 +22,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def _iterate(kind: str, n: int, limit: int = 0) -> dict:
-    return run_json([sys.executable, str(HERE / "_sampler_child.py"), kind, str(n), "8",
-                     str(limit)], timeout=1800)
+    return run_json(
+        [sys.executable, str(HERE / "_sampler_child.py"), kind, str(n), "8", str(limit)],
+        timeout=1800,
+    )
 
 
 def sampler_rows() -> list[Row]:
@@ -34,13 +36,38 @@ def sampler_rows() -> list[Row]:
         for kind in ("torch", "feistel"):
             ours = _iterate(kind, n)
             label = f"{n:.0e} samples, 8 replicas, permutation={kind}"
-            rows.append(Row("sampler", f"{label}: time", ours["seconds"], theirs["seconds"],
-                            "torch DistributedSampler", "s"))
-            rows.append(Row("sampler", f"{label}: peak memory", ours["peak_mb"],
-                            theirs["peak_mb"], "torch DistributedSampler", "MB"))
+            rows.append(
+                Row(
+                    "sampler",
+                    f"{label}: time",
+                    ours["seconds"],
+                    theirs["seconds"],
+                    "torch DistributedSampler",
+                    "s",
+                )
+            )
+            rows.append(
+                Row(
+                    "sampler",
+                    f"{label}: peak memory",
+                    ours["peak_mb"],
+                    theirs["peak_mb"],
+                    "torch DistributedSampler",
+                    "MB",
+                )
+            )
     big = _iterate("feistel", 10**9, 10**6)
-    rows.append(Row("sampler", "1e9 samples, feistel: peak memory (first 1e6 indices)",
-                    big["peak_mb"], None, "", "MB", f"{big['seconds']:.1f} s"))
+    rows.append(
+        Row(
+            "sampler",
+            "1e9 samples, feistel: peak memory (first 1e6 indices)",
+            big["peak_mb"],
+            None,
+            "",
+            "MB",
+            f"{big['seconds']:.1f} s",
+        )
+    )
     return rows
 
 
@@ -66,10 +93,23 @@ def save_rows() -> list[Row]:
         manager.wait()
         total = time.perf_counter() - t0
         return [
-            Row("save", "500 MB save, synchronous (atomic, fsync, checksum)", sync, plain,
-                "plain torch.save + sync", "s"),
-            Row("save", "500 MB save, background: training blocked", blocked, plain,
-                "plain torch.save + sync", "s", f"written in {total:.2f} s in all"),
+            Row(
+                "save",
+                "500 MB save, synchronous (atomic, fsync, checksum)",
+                sync,
+                plain,
+                "plain torch.save + sync",
+                "s",
+            ),
+            Row(
+                "save",
+                "500 MB save, background: training blocked",
+                blocked,
+                plain,
+                "plain torch.save + sync",
+                "s",
+                f"written in {total:.2f} s in all",
+            ),
         ]
     finally:
         shutil.rmtree(directory, ignore_errors=True)

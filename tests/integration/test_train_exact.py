@@ -12,17 +12,42 @@ from launcher_util import run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 SAMPLES, WORLD, BATCH, EPOCHS = 512, 2, 16, 2
-SMALL = ["--samples", str(SAMPLES), "--image-size", "16", "--classes", "10",
-         "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--checkpoint-every", "5"]
+SMALL = [
+    "--samples",
+    str(SAMPLES),
+    "--image-size",
+    "16",
+    "--classes",
+    "10",
+    "--epochs",
+    str(EPOCHS),
+    "--batch-size",
+    str(BATCH),
+    "--checkpoint-every",
+    "5",
+]
 
 
 def train(out: Path, tmp: Path, name: str, *extra: str):
     result = run(
-        ["--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", "2", str(EXAMPLE),
-         *SMALL, "--checkpoint-dir", str(tmp / f"{name}-ckpt"),
-         "--record-samples", str(tmp / f"{name}-samples"),
-         "--final-weights", str(tmp / f"{name}.pt"), *extra],
-        out, timeout=200,
+        [
+            "--standalone",
+            "--nproc-per-node",
+            str(WORLD),
+            "--max-restarts",
+            "2",
+            str(EXAMPLE),
+            *SMALL,
+            "--checkpoint-dir",
+            str(tmp / f"{name}-ckpt"),
+            "--record-samples",
+            str(tmp / f"{name}-samples"),
+            "--final-weights",
+            str(tmp / f"{name}.pt"),
+            *extra,
+        ],
+        out,
+        timeout=200,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -32,7 +57,9 @@ def trained_samples(directory: Path) -> dict[int, Counter]:
     """Per epoch, the samples of the steps the final model went through: a step re-done after
     a restart counts once, with the last attempt's samples."""
     steps: dict[tuple[int, int, int], list[int]] = {}
-    for f in sorted(directory.glob("attempt*-rank*.txt"), key=lambda p: int(p.name[7:].split("-")[0])):
+    for f in sorted(
+        directory.glob("attempt*-rank*.txt"), key=lambda p: int(p.name[7:].split("-")[0])
+    ):
         rank = int(f.stem.split("rank")[1])
         for line in f.read_text().splitlines():
             epoch, step, ids = line.split(" ")

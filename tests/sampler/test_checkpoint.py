@@ -105,8 +105,9 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
         state, step = m.load_latest()
         print("LATEST", step, float(state["w"].sum()))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert "ERROR cannot write checkpoint" in out
     assert "File too large (the disk or quota is full)" in out
     assert "(checkpoint step 1 is intact)" in out
@@ -165,8 +166,14 @@ def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:

@@ -33,8 +33,9 @@ def test_same_indices_as_torch(n, replicas, shuffle, drop_last):
     data = Data(n)
     for epoch in (0, 3):
         for rank in range(replicas):
-            kw = dict(num_replicas=replicas, rank=rank, shuffle=shuffle, seed=11,
-                      drop_last=drop_last)
+            kw = dict(
+                num_replicas=replicas, rank=rank, shuffle=shuffle, seed=11, drop_last=drop_last
+            )
             theirs = DistributedSampler(data, **kw)
             ours = ElasticDistributedSampler(data, **kw)
             theirs.set_epoch(epoch)
@@ -57,8 +58,12 @@ def test_works_under_a_dataloader_with_workers():
 def consume(n, replicas, steps, batch, shuffle, drop_last, seed, epoch, permutation):
     """Run `steps` synchronous steps on `replicas` ranks; returns (consumed ids, state)."""
     data = Data(n)
-    samplers = [ElasticDistributedSampler(data, replicas, r, shuffle, seed, drop_last,
-                                          permutation=permutation) for r in range(replicas)]
+    samplers = [
+        ElasticDistributedSampler(
+            data, replicas, r, shuffle, seed, drop_last, permutation=permutation
+        )
+        for r in range(replicas)
+    ]
     consumed = []
     for s in samplers:
         s.set_epoch(epoch)
@@ -82,18 +87,19 @@ def test_resize_yields_the_rest_of_the_epoch_exactly_once(
     n, before, after, batch, steps, shuffle, drop_last, permutation, seed
 ):
     epoch = 5
-    per_rank = (n // before) if drop_last else -(-n // before)
-    steps = min(steps, per_rank // batch)
-    consumed, state = consume(n, before, steps, batch, shuffle, drop_last, seed, epoch,
-                              permutation)
+    # A resize happens mid-epoch: what was consumed lies within the epoch's real samples (the
+    # padding at its very end is consumed only when the epoch is over).
+    steps = min(steps, n // (batch * before))
+    consumed, state = consume(n, before, steps, batch, shuffle, drop_last, seed, epoch, permutation)
     assert len(consumed) == state["consumed"] == steps * batch * before
     assert len(set(consumed)) == len(consumed), "no sample twice before the resize"
     data = Data(n)
     rest = []
     lengths = set()
     for r in range(after):
-        s = ElasticDistributedSampler(data, after, r, shuffle, seed, drop_last,
-                                      permutation=permutation)
+        s = ElasticDistributedSampler(
+            data, after, r, shuffle, seed, drop_last, permutation=permutation
+        )
         s.load_state_dict(state)
         s.set_epoch(epoch)  # the loop calls it again: the position is kept
         got = list(s)
@@ -150,7 +156,9 @@ def test_bad_arguments_and_states():
     s = ElasticDistributedSampler(data, 2, 0, seed=1)
     state = s.state_dict(steps=2, batch_size=2)
     other = ElasticDistributedSampler(Data(12), 2, 0, seed=1)
-    with pytest.raises(SamplerStateError, match="dataset_size=10, this sampler has dataset_size=12"):
+    with pytest.raises(
+        SamplerStateError, match="dataset_size=10, this sampler has dataset_size=12"
+    ):
         other.load_state_dict(state)
     with pytest.raises(SamplerStateError, match="seed=1"):
         ElasticDistributedSampler(data, 2, 0, seed=2).load_state_dict(state)

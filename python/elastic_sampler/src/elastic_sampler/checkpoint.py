@@ -42,13 +42,18 @@ class _ChecksumWriter(io.RawIOBase):
         self.f = f
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None  # what the file system said, if a write failed
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
-        self.f.write(view)
+        try:
+            self.f.write(view)
+        except OSError as e:
+            self.error = e  # torch.save turns it into a RuntimeError: keep the real cause
+            raise
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
         return view.nbytes
@@ -78,6 +83,7 @@ def _atomic_write(path: Path, write: Any) -> tuple[int, int]:
     """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
     (size, crc32) of what was written. Leaves nothing behind on failure."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    w: _ChecksumWriter | None = None
     try:
         with open(tmp, "wb") as raw:
             w = _ChecksumWriter(raw)
@@ -85,10 +91,13 @@ def _atomic_write(path: Path, write: Any) -> tuple[int, int]:
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if w is not None and w.error is not None and w.error is not e:
+            raise w.error from e
         raise
+    assert w is not None
     return w.size, w.crc
 
 
@@ -315,7 +324,11 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Steps with a checkpoint file here (not verified), oldest first."""
         out = []
-        for p in self.directory.iterdir():
+        try:
+            names = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return []
+        for p in names:
             m = self._pattern.fullmatch(p.name)
             if m:
                 out.append(int(m.group(1)))
