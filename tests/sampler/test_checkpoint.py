@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from elastic_sampler import (
     CheckpointError,
     CheckpointManager,
