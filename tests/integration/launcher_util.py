@@ -86,17 +86,9 @@ def run(
     cwd: str | None = None,
     launcher: list[str] | None = None,
 ) -> Run:
-    """Run a launcher to completion (bounded); afterwards nothing it started may be running."""
-    proc = start(args, env, cwd, launcher)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        raise AssertionError(
-            f"launcher did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}"
-        ) from None
-    return Run(proc.returncode, stdout, stderr, out)
+    """Run a launcher to completion (bounded)."""
+    code, stdout, stderr = finish(start(args, env, cwd, launcher), timeout)
+    return Run(code, stdout, stderr, out)
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_util import alive, kill_all, run, start, wait_gone, worker_args
+from launcher_util import alive, kill_all, run, start, wait_for, wait_gone, worker_args
 
 BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
 
@@ -173,15 +173,6 @@ def test_automatic_hang_timeout_learns_from_the_steps(out):
     assert "failure    : hung: worker 0" in result.stderr
     assert "(timeout 1000 ms)" in result.stderr
     assert "stuck_in_the_data_loader" in result.stderr, "the stack is in the summary"
-
-
-def wait_for(pred, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])

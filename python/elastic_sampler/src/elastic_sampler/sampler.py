@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from elastic_sampler.api import SamplerStateError
 from elastic_sampler.permutation import PERMUTATIONS, make_permutation
 
-_CHUNK = 1 << 16
+_CHUNK = 1 << 14  # indices computed at a time: bounds memory, amortises torch calls
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):

@@ -65,7 +65,6 @@ class EtcdV2Store(Store):
         self._ttl = 0
         self._ephemeral: set[str] = set()
         self._lock = threading.Lock()
-        self._lost = False
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
         self._call(lambda c: c.read("/", recursive=False))  # reachable, and speaks v2?
@@ -191,12 +190,6 @@ class EtcdV2Store(Store):
                         self._ephemeral.discard(key)
                 except StoreError:
                     pass  # unreachable for now: try again next tick
-
-    def liveness_lost(self) -> bool:
-        return self._lost
-
-    def reset_liveness(self) -> None:
-        self._lost = False
 
     def watch(self, prefix: str, after_revision: int) -> Watch:
         return _V2Watch(self, prefix, after_revision)

@@ -82,7 +82,6 @@ class EtcdV3Store(Store):
             self._authenticate()
         self._lease_id = 0
         self._lease_ttl = 0.0
-        self._lease_lost = False
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
 
@@ -225,15 +224,9 @@ class EtcdV3Store(Store):
                 continue  # unreachable for now: try again next tick, the TTL has slack
             if reply is not None and reply.TTL <= 0:
                 logger.warning("the rendezvous lease expired; this node will rejoin")
-                self._lease_lost = True
+                self._lost = True
                 with contextlib.suppress(StoreError):
                     self._grant()
-
-    def liveness_lost(self) -> bool:
-        return self._lease_lost
-
-    def reset_liveness(self) -> None:
-        self._lease_lost = False
 
     # ---- watch ---------------------------------------------------------------------------
 

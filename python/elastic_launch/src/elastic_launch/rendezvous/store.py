@@ -52,6 +52,7 @@ class Store(abc.ABC):
 
     def __init__(self) -> None:
         self.retry_for = 30.0  # seconds a request keeps retrying an unreachable store
+        self._lost = False  # set by the lease keeper when the lease expired
         self._requests = 0
         self._count_lock = threading.Lock()
 
@@ -94,13 +95,13 @@ class Store(abc.ABC):
     def start_liveness(self, ttl: float) -> None:
         """Start this client's lease (renewed in the background every ttl/3 seconds)."""
 
-    @abc.abstractmethod
     def liveness_lost(self) -> bool:
         """True once the lease expired (the store may have dropped our ephemeral keys)."""
+        return self._lost
 
-    @abc.abstractmethod
     def reset_liveness(self) -> None:
         """Forget a past expiry (a new lease is in place and the caller rejoined)."""
+        self._lost = False
 
     @abc.abstractmethod
     def close(self) -> None:
