@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-import torch  # noqa: F401 - the baseline includes torch
+import torch
 from elastic_sampler import ElasticDistributedSampler
 
 

@@ -96,11 +96,12 @@ def nvml_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 class EtcdServer:
     """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir."""
 
-    def __init__(self, data_dir: Path, enable_v2: bool) -> None:
+    def __init__(self, data_dir: Path, enable_v2: bool, tls: dict[str, Path] | None = None) -> None:
         import socket
 
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
+        self.tls = tls  # {"cert", "key", "ca"}: serve clients over https
         ports = []
         for _ in range(2):
             with socket.socket() as s:
@@ -112,11 +113,13 @@ class EtcdServer:
         self.log = data_dir.parent / f"etcd-{self.port}.log"
 
     def start(self, timeout: float = 30.0) -> None:
+        import ssl
         import time
         import urllib.request
 
         binary = shutil.which("etcd")
         assert binary, "etcd is not installed: `make test` installs Debian's etcd-server"
+        scheme = "https" if self.tls else "http"
         args = [
             binary,
             "--name",
@@ -124,9 +127,9 @@ class EtcdServer:
             "--data-dir",
             str(self.data_dir),
             "--listen-client-urls",
-            f"http://{self.endpoint}",
+            f"{scheme}://{self.endpoint}",
             "--advertise-client-urls",
-            f"http://{self.endpoint}",
+            f"{scheme}://{self.endpoint}",
             "--listen-peer-urls",
             f"http://127.0.0.1:{self.peer_port}",
             "--initial-advertise-peer-urls",
@@ -136,12 +139,16 @@ class EtcdServer:
         ]
         if self.enable_v2:
             args.append("--enable-v2")
+        if self.tls:
+            args += ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"])]
+        context = ssl.create_default_context(cafile=str(self.tls["ca"])) if self.tls else None
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                url = f"{scheme}://{self.endpoint}/health"
+                with urllib.request.urlopen(url, timeout=1, context=context) as r:
                     if b"true" in r.read():
                         return
             except OSError:
@@ -195,6 +202,67 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd serving the v2 API too (--enable-v2)."""
     server = EtcdServer(tmp_path / "etcd-v2-data", enable_v2=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_tls(tmp_path: Path) -> Iterator[EtcdServer]:
+    """etcd serving clients over TLS, with a certificate from a throwaway CA."""
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=elasticrun-test-ca",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+    )
+    tls = {"cert": d / "server.pem", "key": d / "server.key", "ca": d / "ca.pem"}
+    server = EtcdServer(tmp_path / "etcd-tls-data", enable_v2=False, tls=tls)
     server.start()
     yield server
     server.stop()

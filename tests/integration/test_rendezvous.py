@@ -317,3 +317,47 @@ def test_restart_budget_is_job_wide(nodes):
     assert "restart 1 of 1" in text
     assert "restarts exhausted (1)" in text
     assert "restart 2 of" not in text
+
+
+@pytest.mark.timeout(120)
+def test_etcd_over_tls(nodes, etcd_tls):
+    ca = etcd_tls.tls["ca"]
+    good = nodes(
+        "tls",
+        rdzv_args("etcd", f"https://{etcd_tls.endpoint}", f"cacert={ca},join_timeout=30"),
+        "--dist",
+        nnodes="1",
+    )
+    code, _, err = finish(good[0])
+    assert code == 0, err[-3000:]
+    plain = nodes("plain", rdzv_args("etcd", etcd_tls.endpoint, "join_timeout=3"), nnodes="1")
+    code, _, err = finish(plain[0])
+    assert code == 1
+    assert f"etcd at {etcd_tls.endpoint} is unreachable" in err
+
+
+@pytest.mark.timeout(120)
+def test_static_two_nodes(nodes):
+    port = str(free_port())
+    procs = [
+        nodes(
+            f"n{r}",
+            [
+                "--rdzv-backend",
+                "static",
+                "--node-rank",
+                str(r),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ],
+            "--dist",
+        )
+        for r in (0, 1)
+    ]
+    for proc, out in procs:
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+        (d,) = [json.loads(p.read_text()) for p in out.glob("*.dist.json")]
+        assert d["world"] == 2 and d["sum"] == 2.0

@@ -195,6 +195,8 @@ class EtcdV2Store(Store):
         return _V2Watch(self, prefix, after_revision)
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # closed already
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join(timeout=15)

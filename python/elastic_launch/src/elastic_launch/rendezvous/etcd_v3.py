@@ -234,6 +234,8 @@ class EtcdV3Store(Store):
         return _EtcdWatch(self, prefix, after_revision)
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # closed already
         self._stop.set()
         if self._lease_id:
             with contextlib.suppress(grpc.RpcError):

@@ -105,4 +105,4 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Revoke the lease (ephemeral keys go at once) and disconnect."""
+        """Revoke the lease (ephemeral keys go at once) and disconnect; idempotent."""
