@@ -203,7 +203,8 @@ def main() -> None:
                 record.write(f"{epoch} {step} {','.join(map(str, ids.tolist()))}\n")
                 record.flush()
             progress.update(step, f"epoch {epoch} loss {loss.item():.3f}")
-            if step % args.checkpoint_every == 0 and rank == 0:
+            # (the epoch's last step is saved below, as the start of the next epoch)
+            if step % args.checkpoint_every == 0 and rank == 0 and epoch_steps < len(loader):
                 checkpoints.save(
                     training_state(model, optimizer, sampler, step, epoch_steps, args.batch_size),
                     step,

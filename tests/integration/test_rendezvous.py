@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,24 @@ def test_losing_the_embedded_service_is_a_clear_error(nodes):
     code, _, err = finish(other[0], timeout=60)
     assert code == 1
     assert f"the rendezvous service at {endpoint} is unreachable" in err
+
+
+@pytest.mark.timeout(120)
+def test_the_host_outlives_the_nodes_still_running(nodes):
+    # The hosting node finishes first; the other's last writes still need the service.
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
+    host = nodes("host", rdzv, "--dist")
+    assert wait_for(lambda: _listening(endpoint))
+    other = nodes("other", rdzv, "--dist", "--sleep", "4")
+    assert wait_for(lambda: list(host[1].glob("*.dist.json")))
+    pids = [int(p.read_text()) for p in host[1].glob("*.pid")]
+    assert wait_for(lambda: not any(alive(pid) for pid in pids))  # the host's work is done
+    time.sleep(1)
+    assert other[0].poll() is None and host[0].poll() is None, "the host stopped serving early"
+    for proc, _ in (other, host):
+        code, _, err = finish(proc, timeout=60)
+        assert code == 0, err[-3000:]
 
 
 @pytest.mark.timeout(180)

@@ -152,14 +152,22 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], ra
 m = CheckpointManager(sys.argv[3] + "/rank" + str(rank))
 m.save({"step": 5}, 5)
 if rank == 0:
-    m.save({"step": 10, "w": torch.arange(1000)}, 10)
-state, step = broadcast_latest(m)
-print("RESULT", rank, step, state["step"], m.steps(), flush=True)
+    m.save({"step": 10, "w": torch.arange(1000)}, 10, background=True)  # broadcast waits
+    if sys.argv[4] == "unreadable":
+        import pathlib
+        def refuse(self):
+            raise PermissionError(13, "Permission denied", str(self))
+        pathlib.Path.read_bytes = refuse
+try:
+    state, step = broadcast_latest(m)
+    print("RESULT", rank, step, state["step"], m.steps(), flush=True)
+except Exception as e:
+    print("ERROR", rank, e, flush=True)
 dist.destroy_process_group()
 """
 
 
-def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
+def _broadcast(tmp_path: Path, mode: str) -> list[str]:
     import socket
 
     with socket.socket() as s:
@@ -167,7 +175,7 @@ def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path)],
+            [sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path), mode],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -180,6 +188,48 @@ def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return outs
+
+
+def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
+    outs = _broadcast(tmp_path, "readable")
     assert "RESULT 0 10 10 [5, 10]" in outs[0]
     assert "RESULT 1 10 10 [5, 10]" in outs[1], "rank 1 received step 10 and kept a copy"
     assert os.path.exists(tmp_path / "rank1" / "checkpoint-000000000010.pt.meta.json")
+
+
+def test_a_holder_that_cannot_read_fails_every_rank(tmp_path):
+    outs = _broadcast(tmp_path, "unreadable")
+    why = "rank 0 holds checkpoint step 10 but could not read it"
+    assert f"ERROR 0 {why}: Permission denied" in outs[0], outs
+    assert f"ERROR 1 {why} (rank 0's error says why)" in outs[1], outs
+
+
+def test_an_older_save_never_prunes_itself(tmp_path):
+    # Resumed from step 50 because step 100 is corrupt: saving 60 must keep 60.
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.save(model_state(50), 50)
+    m.save(model_state(100), 100)
+    (tmp_path / "checkpoint-000000000100.pt").write_bytes(b"garbage")
+    m.save(model_state(60), 60)
+    assert m.steps() == [60, 100]
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        _, step = m.load_latest()
+    assert step == 60
+
+
+def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    ours = tmp_path / f".checkpoint-000000000001.pt.tmp-{host}-{dead.pid}-1"
+    theirs = tmp_path / f".checkpoint-000000000001.pt.tmp-other-host-{dead.pid}-1"
+    running = tmp_path / f".checkpoint-000000000002.pt.tmp-{host}-{os.getpid()}-1"
+    for p in (ours, theirs, running):
+        p.write_bytes(b"partial")
+    CheckpointManager(tmp_path)
+    assert not ours.exists(), "a dead writer's temporary on this host is removed"
+    assert theirs.exists(), "another host's writer may still be writing"
+    assert running.exists(), "a live writer's temporary is kept"

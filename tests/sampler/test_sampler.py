@@ -175,3 +175,20 @@ def test_counts_what_it_handed_out_without_steps():
     assert s.state_dict()["consumed"] == 6
     s.set_epoch(1)
     assert s.start_index == 0, "a new epoch starts from its beginning"
+
+
+def test_a_constructor_start_index_belongs_to_the_first_epoch_set():
+    data = Data(20)
+    s = ElasticDistributedSampler(data, 2, 0, shuffle=False, start_index=10)
+    s.set_epoch(3)  # a loop resuming in epoch 3 names it first: the start stays
+    assert list(s) == [10, 12, 14, 16, 18]
+    s.set_epoch(4)
+    assert s.start_index == 0 and len(list(s)) == 10
+
+
+def test_iterating_again_without_set_epoch_gives_the_whole_epoch():
+    data = Data(20)
+    s = ElasticDistributedSampler(data, 2, 1, shuffle=False, start_index=16)
+    assert list(s) == [17, 19]
+    assert s.state_dict()["consumed"] == 20, "the epoch is complete"
+    assert list(s) == list(range(1, 20, 2)), "a second pass is a full epoch, as torch's"

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import warnings
 import zlib
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _FORMAT = 1
 _BLOCK = 1 << 22
+_HOST = socket.gethostname().replace("/", "_")
 
 
 class _ChecksumWriter(io.RawIOBase):
@@ -82,7 +84,8 @@ def _why(e: OSError) -> str:
 def _atomic_write(path: Path, write: Any) -> tuple[int, int]:
     """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
     (size, crc32) of what was written. Leaves nothing behind on failure."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    # The host in the name: on shared storage, only this host can tell whether pid lives.
+    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}")
     w: _ChecksumWriter | None = None
     try:
         with open(tmp, "wb") as raw:
@@ -234,9 +237,12 @@ class CheckpointManager:
         self._remove_stale_temporaries()
 
     def _remove_stale_temporaries(self) -> None:
-        """Temporary files of writers that died mid-save (a killed worker)."""
+        """Temporary files of this host's writers that died mid-save (a killed worker)."""
         for p in self.directory.glob(f".{self.prefix}-*.tmp-*"):
-            pid = p.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+            parts = p.name.rsplit(".tmp-", 1)[1].rsplit("-", 2)
+            if len(parts) != 3 or parts[0] != _HOST:
+                continue  # another host's (on shared storage): it may still be writing
+            pid = parts[1]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 with contextlib.suppress(OSError):
                     p.unlink()
@@ -249,7 +255,11 @@ class CheckpointManager:
     def save(self, state: Any, step: int, background: bool = False) -> Path:
         """Write `state` as checkpoint `step`. With `background`, the state is copied first
         (so training may change it right away) and written by a worker thread; at most one
-        write is in flight, and its error surfaces on the next call."""
+        write is in flight, and its error surfaces on the next call.
+
+        Saving a step that exists already replaces it; a crash during that replacement
+        leaves the step unverifiable (the others stay intact), so with ``keep_last=1`` give
+        each save a new step."""
         if step < 0:
             raise ValueError(f"step={step} is negative")
         self.wait()  # one write at a time; raises a background error
@@ -274,21 +284,24 @@ class CheckpointManager:
 
     def _write(self, state: Any, step: int) -> Path:
         target = self.path(step)
-        previous = self.latest_step()
         try:
             write_verified(target, state)
         except CheckpointError as e:
+            previous = self.latest_step()  # only now: it reads every byte to verify
             keep = (
                 f"checkpoint step {previous} is intact"
                 if previous is not None
                 else "there is no earlier checkpoint"
             )
             raise CheckpointError(f"{e} ({keep})") from e.__cause__
-        self._prune()
+        self._prune(step)
         return target
 
-    def _prune(self) -> None:
-        for step in self.steps()[: -self.keep_last]:
+    def _prune(self, written: int) -> None:
+        # Only up to the step just written: a newer one (of a timeline we resumed before)
+        # never pushes out the checkpoint we just made.
+        older = [s for s in self.steps() if s <= written]
+        for step in older[: -self.keep_last]:
             for p in (
                 self.path(step),
                 self.path(step).with_name(self.path(step).name + ".meta.json"),
@@ -379,6 +392,7 @@ def broadcast_latest(
     a checkpoint. Every rank of `group` must call it."""
     import torch.distributed as dist
 
+    manager.wait()  # a background write of this rank's must be complete (or fail here)
     local = manager.latest_step()
     best = torch.tensor([-1 if local is None else local], dtype=torch.int64)
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
@@ -390,9 +404,20 @@ def broadcast_latest(
     dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
     src = int(holder.item())
     path = manager.path(step)
-    data = path.read_bytes() if me == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    data, problem = b"", ""
+    if me == src:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            problem = _why(e)
+    # -1: the holder could not read it; every rank raises rather than waiting forever.
+    size = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
+    if int(size.item()) < 0:
+        raise CheckpointError(
+            f"rank {src} holds checkpoint step {step} but could not read it"
+            + (f": {problem}" if problem else f" (rank {src}'s error says why)")
+        )
     buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     if me == src:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

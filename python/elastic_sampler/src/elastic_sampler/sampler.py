@@ -55,6 +55,8 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         self.permutation = permutation
         self.dataset_size = len(dataset)  # type: ignore[arg-type]
         self._set_start(start_index)
+        # The epoch of `start_index` is the one the first set_epoch names: keep the start.
+        self._start_pending = start_index > 0
 
     # ---- the remaining positions -------------------------------------------------------------
 
@@ -66,6 +68,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             )
         self.start_index = start_index
         self._handed_out = 0
+        self._pass_done = False  # the iterator ran to the end of the epoch
         remaining = n - start_index
         if self.drop_last:
             self.num_samples = remaining // self.num_replicas
@@ -77,6 +80,9 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        if self._pass_done:  # iterated again without set_epoch: the whole epoch, as torch's
+            self._set_start(0)
+        self._start_pending = False
         n, start, replicas = self.dataset_size, self.start_index, self.num_replicas
         remaining = n - start
         perm = make_permutation(self.permutation, n, self.seed, self.epoch, self.shuffle)
@@ -88,11 +94,14 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             for index in perm.map(positions).tolist():
                 self._handed_out += 1
                 yield index
+        self._pass_done = True
 
     def set_epoch(self, epoch: int) -> None:
-        """Like torch's; a new epoch starts from its first sample."""
-        if epoch != self.epoch:
+        """Like torch's; a new epoch starts from its first sample (except the first call after
+        constructing with `start_index`, which names the epoch that index belongs to)."""
+        if epoch != self.epoch and not self._start_pending:
             self._set_start(0)
+        self._start_pending = False
         super().set_epoch(epoch)
 
     # ---- state -------------------------------------------------------------------------------
@@ -134,3 +143,4 @@ class ElasticDistributedSampler(DistributedSampler[int]):
                 )
         self.epoch = int(state["epoch"])
         self._set_start(int(state["consumed"]))
+        self._start_pending = False

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "ELASTICRUN_RDZV_TOKEN"
 DEFAULT_EMBEDDED_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
+HOST_LINGER_S = 300.0  # torchrun's exit barrier waits as long
 
 _TIMEOUT_KEYS: dict[str, Callable[[str], object]] = {
     "timeout": positive_seconds,  # torch's name for the join timeout
@@ -175,6 +177,16 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self._release_lock()
 
     def shutdown(self) -> bool:
+        if self.server is not None and self._finished_first:
+            # The others' last writes (done, the closing state) go through this service:
+            # keep it up until they finish, as torchrun's exit barrier does.
+            logger.info(
+                "waiting up to %.0f s for the other nodes to finish (this node hosts the "
+                "rendezvous service)",
+                HOST_LINGER_S,
+            )
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop waiting
+                self.wait_for_others(HOST_LINGER_S)
         super().shutdown()
         self._stop_serving()
         return True

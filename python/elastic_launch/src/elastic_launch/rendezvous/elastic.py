@@ -130,6 +130,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._done: set[str] = set()
         self._members: dict[str, Any] = {}
         self._was_waiting = False
+        self._finished_first = False  # we succeeded while other members still ran
         self._watcher: threading.Thread | None = None
         self._watch: Watch | None = None
         self._stop = threading.Event()
@@ -272,8 +273,7 @@ class ElasticRendezvous(RendezvousHandler):
                     if self.store.get(join_prefix + leader) is None:
                         return None  # the leader died: look again, another leads
                     if self.store.liveness_lost() and self.store.get(me) is None:
-                        self.store.reset_liveness()  # our lease expired: join again
-                        self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
+                        self._rejoin(me)
                 if leading and len(joined) >= self.params.min_nodes:
                     if last_call_at is None:
                         last_call_at = now + self.t.last_call
@@ -302,21 +302,27 @@ class ElasticRendezvous(RendezvousHandler):
                         if change.value is not None:
                             joined.setdefault(node, change.revision)
                         elif node == self.node:  # our lease expired: join again
-                            self.store.reset_liveness()
-                            self.store.create(
-                                me, json.dumps(self._my_info()).encode(), ephemeral=True
-                            )
+                            self._rejoin(me)
                         else:
                             joined.pop(node, None)
         finally:
             watch.close()
+
+    def _rejoin(self, me: str) -> None:
+        """Our lease expired while we waited: a new lease, then our join key again."""
+        self.store.ensure_lease()
+        self.store.reset_liveness()
+        self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
 
     def _freeze(
         self, state: dict[str, Any], version: int, joined: dict[str, int], join_prefix: str
     ) -> None:
         kvs, _ = self.store.range(join_prefix)
         infos = {kv.key[len(join_prefix) :]: json.loads(kv.value) for kv in kvs}
-        order = sorted(infos, key=lambda n: joined.get(n, 0))[: self.params.max_nodes]
+        created = {kv.key[len(join_prefix) :]: kv.created for kv in kvs}
+        # First come, first in; the first member leads the confirm phase (normally this
+        # node, unless it rejoined late after its lease expired).
+        order = sorted(infos, key=lambda n: created[n])[: self.params.max_nodes]
         if len(order) < self.params.min_nodes:
             return
         nxt = {
@@ -324,7 +330,7 @@ class ElasticRendezvous(RendezvousHandler):
             "status": FROZEN,
             "nodes": {n: infos[n] for n in order},
             "ranks": assign_ranks(order, state.get("prev_ranks", {})),
-            "leader": self.node,
+            "leader": order[0],
         }
         self._write_state(nxt, version)
 
@@ -334,8 +340,12 @@ class ElasticRendezvous(RendezvousHandler):
         v = state["version"]
         confirm_prefix = f"{self.prefix}/v{v}/confirm/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
-        leading = state.get("leader") == self.node
-        until = time.monotonic() + self.t.close
+        leader = state.get("leader")
+        leading = leader == self.node
+        # The leader gives the members `close` seconds to confirm; should the leader itself
+        # vanish, the others give up a heartbeat later, or at once if its join key is gone.
+        until = time.monotonic() + self.t.close + (0.0 if leading else self.t.heartbeat)
+        next_check = time.monotonic() + 1.0
         kvs, _ = self.store.range(confirm_prefix)
         confirmed = {kv.key[len(confirm_prefix) :] for kv in kvs}
         while True:
@@ -343,15 +353,21 @@ class ElasticRendezvous(RendezvousHandler):
                 if state["version"] == v and state["status"] == FINAL:
                     return self._round_info(state)
                 return None
+            now = time.monotonic()
+            if not leading and now >= next_check:
+                next_check = now + 1.0
+                if self.store.get(f"{self.prefix}/v{v}/join/{leader}") is None:
+                    until = 0.0
             if leading and set(state["nodes"]) <= confirmed:
                 self._write_state({**state, "status": FINAL}, sversion)
                 with contextlib.suppress(StoreError):  # the previous round's keys
                     self.store.delete(f"{self.prefix}/v{v - 1}/", prefix=True)
-            elif leading and time.monotonic() >= until:
-                # A member never confirmed (it died while the round froze): start over.
+            elif now >= until:
+                # A member (or the leader) died while the round froze: start over.
                 nxt = {**state, "status": JOINABLE, "version": v + 1}
                 nxt.pop("nodes", None)
                 nxt.pop("ranks", None)
+                nxt.pop("leader", None)
                 self._write_state(nxt, sversion)
             for change in watch.next(0.5) or []:
                 if change.key == self._state_key:
@@ -429,6 +445,19 @@ class ElasticRendezvous(RendezvousHandler):
             target=self._watch_round, args=(self._watch,), name="elasticrun-rdzv", daemon=True
         )
         self._watcher.start()
+        # The watch sees changes after `revision`; whatever happened between the round going
+        # final and that range (a member gone, the round reopened) shows in the range itself.
+        state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
+        state = json.loads(state_kv.value) if state_kv is not None else None
+        join_prefix = f"{self.prefix}/v{self._version}/join/"
+        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        if state is None or state["version"] != self._version or state["status"] != FINAL:
+            if state is not None and state["status"] == CLOSED:
+                self._closed_reason = state.get("closed")
+            self._changed.set()
+        elif not set(self._members) - self._done <= present:
+            logger.warning("a node left the job as its round began")
+            self._changed.set()
         if self._admissible():
             self._changed.set()
 
@@ -516,9 +545,37 @@ class ElasticRendezvous(RendezvousHandler):
             if state is None or state["status"] == CLOSED:
                 return True
             if state["version"] != self._version or not set(state.get("nodes", {})) <= done:
+                self._finished_first = True
                 return False
             if self._write_state({**state, "status": CLOSED, "closed": SUCCEEDED}, version):
                 return True
+
+    def wait_for_others(self, timeout: float) -> bool:
+        """After this node succeeded: wait (up to `timeout`) until the job is closed or every
+        other member has finished or gone. True if none is left running."""
+        if not self._finished_first:
+            return True
+        join_prefix = f"{self.prefix}/v{self._version}/join/"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                state, _ = self._state()
+                if state is None or state["status"] == CLOSED:
+                    return True
+                kvs, _ = self.store.range(f"{self.prefix}/")
+            except StoreError:
+                return False
+            done = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/done/" in kv.key}
+            alive = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+            running = (set(self._members) & alive) - done - {self.node}
+            if not running:
+                return True
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "%d node(s) still running after %.0f s: stopping anyway", len(running), timeout
+                )
+                return False
+            time.sleep(0.2)
 
     def shutdown(self) -> bool:
         self._stop_watcher()

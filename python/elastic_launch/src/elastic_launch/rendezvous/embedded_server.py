@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import collections
 import hmac
+import itertools
 import logging
 import os
 import queue
@@ -58,7 +59,7 @@ class _Lease:
 class _Watcher:
     key: bytes
     end: bytes
-    out: queue.Queue[Any]
+    out: queue.Queue[Any]  # (watch_id, [events of one revision]) for the stream's sender
     watch_id: int
 
     def matches(self, key: bytes) -> bool:
@@ -79,6 +80,8 @@ class _State:
         self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque(
             maxlen=_HISTORY
         )
+        self.compacted = 0  # the newest revision with events dropped from the history
+        self.pending: list[kv_pb2.Event] = []  # the current revision's events
         self.watchers: list[_Watcher] = []
 
     def header(self) -> rpc_pb2.ResponseHeader:
@@ -92,14 +95,26 @@ class _State:
         return self.keys[lo:hi]
 
     def _emit(self, event: kv_pb2.Event) -> None:
-        self.history.append((self.revision, event))
-        for w in self.watchers:
-            if w.matches(event.kv.key):
-                w.out.put(event)
+        self.pending.append(event)
 
-    def put(self, key: bytes, value: bytes, lease: int) -> None:
+    def commit(self) -> None:
+        """Publish the current revision's events: to the history, and to each watcher as one
+        response (as etcd sends a transaction's or a lease expiry's events together)."""
+        events, self.pending = self.pending, []
+        for event in events:
+            if len(self.history) == self.history.maxlen:
+                self.compacted = self.history[0][0]
+            self.history.append((self.revision, event))
+        for w in self.watchers:
+            mine = [e for e in events if w.matches(e.kv.key)]
+            if mine:
+                w.out.put((w.watch_id, mine))
+
+    def check_lease(self, lease: int) -> None:
         if lease and lease not in self.leases:
             raise KeyError("etcdserver: requested lease not found")
+
+    def put(self, key: bytes, value: bytes, lease: int) -> None:
         old = self.data.get(key)
         if old is not None and old.lease and old.lease in self.leases:
             self.leases[old.lease].keys.discard(key)
@@ -128,7 +143,9 @@ class _State:
         entry = self.data.get(c.key)
         target = c.target
         if target == rpc_pb2.Compare.VALUE:
-            have: Any = entry.value if entry else b""
+            if entry is None:
+                return False  # as etcd: a missing key's value compares false, whatever the op
+            have: Any = entry.value
             want: Any = c.value
         else:
             attr = {
@@ -161,6 +178,7 @@ class _State:
         for key in sorted(lease.keys):
             if key in self.data:
                 self.delete(key)
+        self.commit()
 
 
 class _Service(
@@ -197,18 +215,24 @@ class _Service(
         with self.s.lock:
             return self._range(request)
 
-    def _put(self, r: rpc_pb2.PutRequest, context: Any) -> rpc_pb2.PutResponse:
-        try:
-            self.s.put(r.key, r.value, r.lease)
-        except KeyError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+    def _put(self, r: rpc_pb2.PutRequest) -> rpc_pb2.PutResponse:
+        self.s.put(r.key, r.value, r.lease)
         return rpc_pb2.PutResponse(header=self.s.header())
+
+    def _check_lease(self, lease: int, context: Any) -> None:
+        try:
+            self.s.check_lease(lease)
+        except KeyError as e:  # before any change: a refused request leaves no revision
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
 
     def Put(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._check(context)
         with self.s.lock:
+            self._check_lease(request.lease, context)
             self.s.revision += 1
-            return self._put(request, context)
+            reply = self._put(request)
+            self.s.commit()
+            return reply
 
     def _delete(self, r: rpc_pb2.DeleteRangeRequest) -> rpc_pb2.DeleteRangeResponse:
         keys = list(self.s.select(r.key, r.range_end))
@@ -221,13 +245,18 @@ class _Service(
         with self.s.lock:
             if self.s.select(request.key, request.range_end):
                 self.s.revision += 1
-            return self._delete(request)
+            reply = self._delete(request)
+            self.s.commit()
+            return reply
 
     def Txn(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._check(context)
         with self.s.lock:
             ok = all(self.s.compare(c) for c in request.compare)
             ops = request.success if ok else request.failure
+            for op in ops:
+                if op.WhichOneof("request") == "request_put":
+                    self._check_lease(op.request_put.lease, context)
             if any(op.WhichOneof("request") != "request_range" for op in ops):
                 self.s.revision += 1
             responses = []
@@ -238,15 +267,14 @@ class _Service(
                         rpc_pb2.ResponseOp(response_range=self._range(op.request_range))
                     )
                 elif kind == "request_put":
-                    responses.append(
-                        rpc_pb2.ResponseOp(response_put=self._put(op.request_put, context))
-                    )
+                    responses.append(rpc_pb2.ResponseOp(response_put=self._put(op.request_put)))
                 else:
                     responses.append(
                         rpc_pb2.ResponseOp(
                             response_delete_range=self._delete(op.request_delete_range)
                         )
                     )
+            self.s.commit()
             return rpc_pb2.TxnResponse(header=self.s.header(), succeeded=ok, responses=responses)
 
     # ---- leases --------------------------------------------------------------------------
@@ -276,7 +304,10 @@ class _Service(
                 if lease is not None:
                     lease.expires = time.monotonic() + lease.ttl
                     ttl = lease.ttl
-                yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=request.ID, TTL=ttl)
+                reply = rpc_pb2.LeaseKeepAliveResponse(
+                    header=self.s.header(), ID=request.ID, TTL=ttl
+                )
+            yield reply  # never under the lock: the client may be slow to read
 
     def LeaseTimeToLive(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._check(context)
@@ -317,14 +348,13 @@ class _Service(
                     item = out.get(timeout=1.0)
                 except queue.Empty:
                     continue
-                if isinstance(item, kv_pb2.Event):
-                    w = next((w for w in mine if w.matches(item.kv.key)), None)
-                    if w is not None:
+                kind, arg = item
+                if isinstance(kind, int):  # a watcher's events of one revision
+                    if any(w.watch_id == kind for w in mine):
                         yield rpc_pb2.WatchResponse(
-                            header=self.s.header(), watch_id=w.watch_id, events=[item]
+                            header=self.s.header(), watch_id=kind, events=arg
                         )
                     continue
-                kind, arg = item
                 if kind == "end":
                     return
                 if kind == "cancel":
@@ -335,29 +365,33 @@ class _Service(
                     continue
                 create = arg
                 w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
+                start = create.start_revision
                 with self.s.lock:
-                    oldest = self.s.history[0][0] if self.s.history else self.s.revision + 1
-                    start = create.start_revision
-                    if start and start < oldest and start <= self.s.revision:
-                        yield rpc_pb2.WatchResponse(
-                            header=self.s.header(),
-                            watch_id=w.watch_id,
-                            created=True,
-                            canceled=True,
-                            compact_revision=oldest,
-                        )
-                        continue
-                    past = [
-                        ev
-                        for rev, ev in self.s.history
-                        if start and rev >= start and w.matches(ev.kv.key)
-                    ]
-                    self.s.watchers.append(w)
-                    mine.append(w)
                     header = self.s.header()
+                    compacted = bool(start) and start <= self.s.compacted
+                    past: list[tuple[int, kv_pb2.Event]] = []
+                    if not compacted:
+                        past = [
+                            (rev, ev)
+                            for rev, ev in self.s.history
+                            if start and rev >= start and w.matches(ev.kv.key)
+                        ]
+                        self.s.watchers.append(w)
+                        mine.append(w)
+                if compacted:  # events from `start` on are gone: the client must re-read
+                    yield rpc_pb2.WatchResponse(
+                        header=header,
+                        watch_id=w.watch_id,
+                        created=True,
+                        canceled=True,
+                        compact_revision=self.s.compacted + 1,
+                    )
+                    continue
                 yield rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True)
-                for ev in past:
-                    yield rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, events=[ev])
+                for _, group in itertools.groupby(past, key=lambda p: p[0]):
+                    yield rpc_pb2.WatchResponse(
+                        header=header, watch_id=w.watch_id, events=[ev for _, ev in group]
+                    )
         finally:
             with self.s.lock:
                 self.s.watchers = [w for w in self.s.watchers if w not in mine]

@@ -81,6 +81,8 @@ class EtcdV2Store(Store):
             self._count()
             try:
                 return fn(client or self.client)
+            except e.EtcdWatchTimedOut:
+                raise  # a quiet long poll, not a failure (it subclasses EtcdConnectionFailed)
             except e.EtcdConnectionFailed as error:
                 if time.monotonic() + delay > until:
                     raise StoreError(
@@ -96,7 +98,6 @@ class EtcdV2Store(Store):
                 e.EtcdKeyNotFound,
                 e.EtcdAlreadyExist,
                 e.EtcdCompareFailed,
-                e.EtcdWatchTimedOut,
                 e.EtcdEventIndexCleared,
             ):
                 raise
@@ -133,25 +134,32 @@ class EtcdV2Store(Store):
         nodes = [self._kv(n) for n in result.leaves if not n.dir and n.key.startswith(prefix)]
         return nodes, int(result.etcd_index)
 
-    def _ttl_for(self, key: str, ephemeral: bool) -> int | None:
+    def _ttl_for(self, ephemeral: bool) -> int | None:
         if not ephemeral:
             return None
         if not self._ttl:
             raise StoreError("an ephemeral key needs start_liveness() first")
-        with self._lock:
-            self._ephemeral.add(key)
         return self._ttl
 
+    def _keep_alive(self, key: str, ephemeral: bool) -> None:
+        # Registered once written: the refresher must never see it before it exists.
+        if ephemeral:
+            with self._lock:
+                self._ephemeral.add(key)
+
     def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
-        ttl = self._ttl_for(key, ephemeral)
-        return int(self._call(lambda c: c.write(key, value.decode(), ttl=ttl)).modifiedIndex)
+        ttl = self._ttl_for(ephemeral)
+        result = self._call(lambda c: c.write(key, value.decode(), ttl=ttl))
+        self._keep_alive(key, ephemeral)
+        return int(result.modifiedIndex)
 
     def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
-        ttl = self._ttl_for(key, ephemeral)
+        ttl = self._ttl_for(ephemeral)
         try:
             self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
         except self.etcd.EtcdAlreadyExist:
             return False
+        self._keep_alive(key, ephemeral)
         return True
 
     def cas(self, key: str, value: bytes, version: int) -> bool:
@@ -163,7 +171,10 @@ class EtcdV2Store(Store):
 
     def delete(self, key: str, prefix: bool = False) -> None:
         with self._lock:
-            self._ephemeral.discard(key)
+            if prefix:
+                self._ephemeral = {k for k in self._ephemeral if not k.startswith(key)}
+            else:
+                self._ephemeral.discard(key)
         with contextlib.suppress(self.etcd.EtcdKeyNotFound):
             if prefix:
                 self._call(lambda c: c.delete(key.rstrip("/"), recursive=True, dir=True))

@@ -207,6 +207,11 @@ class EtcdV3Store(Store):
             raise StoreError(f"{self.name} refused a lease: {reply.error}")
         self._lease_id = reply.ID
 
+    def ensure_lease(self) -> None:
+        request = rpc_pb2.LeaseTimeToLiveRequest(ID=self._lease_id)
+        if self._call(self._lease.LeaseTimeToLive, request).TTL <= 0:
+            self._grant()
+
     def _keep_alive(self) -> None:
         interval = max(self._lease_ttl / 3.0, 0.2)
         while not self._stop.wait(interval):
@@ -263,13 +268,15 @@ class _EtcdWatch(Watch):
         self._thread = threading.Thread(target=self._run, name="elasticrun-watch", daemon=True)
         self._thread.start()
 
-    def _request_stream(self) -> Iterator[rpc_pb2.WatchRequest]:
+    def _request_stream(
+        self, requests: queue.Queue[rpc_pb2.WatchRequest | None]
+    ) -> Iterator[rpc_pb2.WatchRequest]:
         create = rpc_pb2.WatchCreateRequest(
             key=self._key, range_end=prefix_end(self._key), start_revision=self._next_revision
         )
         yield rpc_pb2.WatchRequest(create_request=create)
-        while True:  # keep the stream open until closed
-            item = self._requests.get()
+        while True:  # keep the stream open until closed (its own queue: one per stream)
+            item = requests.get()
             if item is None:
                 return
             yield item
@@ -277,15 +284,17 @@ class _EtcdWatch(Watch):
     def _run(self) -> None:
         delay = 0.05
         failing_since: float | None = None
+        reauthenticated = False
         while not self._closed.is_set():
             self._store._count()
             try:
                 self._call = self._store._watch.Watch(
-                    self._request_stream(), metadata=self._store._metadata
+                    self._request_stream(self._requests), metadata=self._store._metadata
                 )
                 for reply in self._call:
                     delay = 0.05
                     failing_since = None
+                    reauthenticated = False
                     if reply.canceled:
                         reason = reply.cancel_reason or (
                             f"revision {self._next_revision} was compacted"
@@ -304,6 +313,17 @@ class _EtcdWatch(Watch):
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
+                user = self._store._user
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and user and not reauthenticated:
+                    reauthenticated = True  # etcd's simple tokens expire: log in once more
+                    try:
+                        self._store._authenticate()
+                    except StoreError as error:
+                        self._changes.put(error)
+                        return
+                    self._requests.put(None)
+                    self._requests = queue.Queue()
+                    continue
                 if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
                     self._changes.put(self._store._error(e))
                     return

@@ -103,6 +103,10 @@ class Store(abc.ABC):
         """Forget a past expiry (a new lease is in place and the caller rejoined)."""
         self._lost = False
 
+    def ensure_lease(self) -> None:  # noqa: B027 - optional: TTL-key stores (v2) need nothing
+        """Make sure the lease is valid now (grant a new one if it expired), before writing
+        ephemeral keys again after an expiry."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Revoke the lease (ephemeral keys go at once) and disconnect; idempotent."""
