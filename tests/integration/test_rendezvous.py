@@ -333,9 +333,9 @@ def test_restart_budget_is_job_wide(nodes):
         assert code == 1, err[-2000:]
         errs.append(err)
     text = "\n".join(errs)
-    assert "restart 1 of 1" in text
-    assert "restarts exhausted (1)" in text
-    assert "restart 2 of" not in text
+    assert "restart 1 of 1" in text, text[-6000:]
+    assert "restarts exhausted (1)" in text, text[-6000:]
+    assert "restart 2 of" not in text, text[-6000:]
 
 
 @pytest.mark.timeout(120)

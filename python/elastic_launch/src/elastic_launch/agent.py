@@ -345,11 +345,14 @@ class ElasticAgent:
             if reason == "failure" and self.restarts >= self.config.max_restarts:
                 self.state = "failed"
                 self.events.emit("job_failed", self.attempt, restarts=self.restarts)
-                self.rdzv.set_closed(
+                why = (
                     f"failed: restarts exhausted ({self.config.max_restarts}); root cause on "
                     f"{self.host}: {self._root_line()}"
                 )
-                return self._result(RunState.FAILED)
+                self.rdzv.set_closed(why)  # (a no-op if another node closed it first)
+                result = self._result(RunState.FAILED)
+                result.message = f"the job {why}"
+                return result
 
     def _closed(self, error: RendezvousClosedError) -> RunResult:
         """The job was closed (by another node, or by the budget): stop as it says."""
