@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from typing import Any
 
-from elastic_launch.rendezvous.store import Change, KeyValue, Store, StoreError, Watch
+from elastic_launch.rendezvous.store import (
+    Change,
+    KeyValue,
+    QueuedWatch,
+    Store,
+    StoreError,
+    Watch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +224,12 @@ class EtcdV2Store(Store):
                 self.client.delete(key)
 
 
-class _V2Watch(Watch):
+class _V2Watch(QueuedWatch):
     def __init__(self, store: EtcdV2Store, prefix: str, after: int) -> None:
         self._store = store
         self._prefix = prefix
         self._index = after + 1
-        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+        super().__init__()
         self._closed = threading.Event()
         self._client = store._client()  # its own connection, so close() can cut a long poll
         self._thread = threading.Thread(target=self._run, name="elasticrun-v2watch", daemon=True)
@@ -264,15 +270,6 @@ class _V2Watch(Watch):
             gone = result.action in ("delete", "expire", "compareAndDelete")
             value = None if gone else (result.value or "").encode()
             self._changes.put([Change(result.key, value, int(result.modifiedIndex))])
-
-    def next(self, timeout: float) -> list[Change] | None:
-        try:
-            item = self._changes.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if isinstance(item, Exception):
-            raise item
-        return item
 
     def close(self) -> None:
         self._closed.set()

@@ -18,7 +18,14 @@ from typing import Any
 import grpc
 
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.store import Change, KeyValue, Store, StoreError, Watch
+from elastic_launch.rendezvous.store import (
+    Change,
+    KeyValue,
+    QueuedWatch,
+    Store,
+    StoreError,
+    Watch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -254,14 +261,14 @@ class EtcdV3Store(Store):
         self._channel.close()
 
 
-class _EtcdWatch(Watch):
+class _EtcdWatch(QueuedWatch):
     """A watch stream with a reader thread; reconnects from the last delivered revision."""
 
     def __init__(self, store: EtcdV3Store, prefix: str, after_revision: int) -> None:
         self._store = store
         self._key = prefix.encode()
         self._next_revision = after_revision + 1
-        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+        super().__init__()
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
         self._call: Any = None
@@ -337,15 +344,6 @@ class _EtcdWatch(Watch):
             if self._closed.wait(delay):
                 return
             delay = min(delay * 2, 1.0)
-
-    def next(self, timeout: float) -> list[Change] | None:
-        try:
-            item = self._changes.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if isinstance(item, Exception):
-            raise item
-        return item
 
     def close(self) -> None:
         self._closed.set()

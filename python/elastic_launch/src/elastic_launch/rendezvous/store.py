@@ -11,6 +11,7 @@ after a given revision, in order, with the new value.
 from __future__ import annotations
 
 import abc
+import queue
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,23 @@ class Watch(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+class QueuedWatch(Watch):
+    """A watch whose reader thread puts batches of changes (or the error that ended it) on a
+    queue; `next` hands them out and raises the error."""
+
+    def __init__(self) -> None:
+        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+
+    def next(self, timeout: float) -> list[Change] | None:
+        try:
+            item = self._changes.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
 
 
 class Store(abc.ABC):
