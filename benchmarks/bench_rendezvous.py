@@ -134,9 +134,10 @@ def _rdzv_flags(launcher: str, backend: str, n: str, endpoint: str, run_id: str)
 
 def round_time(
     launcher: str, backend: str, n: int, endpoint: str, etcd: Etcd
-) -> tuple[float | None, int, float | None]:
+) -> tuple[float | None, int, tuple[float, float] | None]:
     """(seconds from the last agent's start to every worker running, store requests per
-    agent, elasticrun's own last-join-to-final seconds)."""
+    agent, elasticrun's own seconds from the last join to the median and to the last agent
+    seeing the round final)."""
     out = Path(tempfile.mkdtemp(prefix="bench-round-"))
     events = out / "events"
     events.mkdir()
@@ -184,7 +185,9 @@ def round_time(
                     if e["event"] == "rendezvous_done":
                         joined.append(e)
             if joined:
-                internal = max(e["formed_at"] for e in joined) - max(e["joined_at"] for e in joined)
+                last_join = max(e["joined_at"] for e in joined)
+                formed = sorted(e["formed_at"] - last_join for e in joined)
+                internal = (formed[len(formed) // 2], formed[-1])
         return elapsed, requests // n if backend != "c10d" else 0, internal
     finally:
         _end(procs, out)
@@ -273,7 +276,12 @@ def run(cpp_build: Path) -> list[Row]:
                     else (theirs, "torchrun c10d")
                 )
                 name = "embedded" if backend == "c10d" else backend
-                note = f"last join to final {internal * 1000:.0f} ms" if internal else ""
+                note = (
+                    f"last join to final: median agent {internal[0] * 1000:.0f} ms, "
+                    f"last {internal[1] * 1000:.0f} ms"
+                    if internal
+                    else ""
+                )
                 rows.append(
                     Row(
                         "rdzv",

@@ -50,9 +50,11 @@ def test_get_put_create_cas_delete(store):
     assert not store.create("/t/a", b"2"), "create only if absent"
     kv = store.get("/t/a")
     assert kv is not None and kv.value == b"1"
-    assert store.cas("/t/a", b"3", kv.version)
+    new_version = store.cas("/t/a", b"3", kv.version)
+    assert new_version > kv.version
     assert not store.cas("/t/a", b"4", kv.version), "the version moved on"
-    assert store.get("/t/a").value == b"3"
+    assert store.get("/t/a").value == b"3" and store.get("/t/a").version == new_version
+    assert store.cas("/t/a", b"5", new_version), "the returned version is the CAS token"
     store.put("/t/b/c", b"x")
     store.put("/t/b/d", b"y")
     kvs, revision = store.range("/t/b/")
@@ -80,6 +82,29 @@ def test_watch_delivers_changes_after_a_revision_in_order(store):
         assert watch.next(0.1) is None
     finally:
         watch.close()
+
+
+def test_closing_a_watch_wakes_its_reader_and_ends_its_thread(store):
+    import threading
+
+    def watch_threads() -> int:
+        return sum(t.name == "elasticrun-watch" and t.is_alive() for t in threading.enumerate())
+
+    before = watch_threads()
+    store.watch("/c/", store.range("/c/")[1]).close()  # closed before its stream is up
+    watch = store.watch("/c/", store.range("/c/")[1])
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(watch.next(30.0)))
+    reader.start()
+    time.sleep(0.2)
+    watch.close()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "a reader waiting on a closed watch sat out its timeout"
+    assert got == [[]]
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    if isinstance(store, EtcdV3Store):  # v2's reader ends with its pending long poll
+        assert watch_threads() == before, "a closed watch left its thread running"
 
 
 @pytest.mark.timeout(60)

@@ -134,6 +134,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._watcher: threading.Thread | None = None
         self._watch: Watch | None = None
         self._stop = threading.Event()
+        self._watch_lock = threading.Lock()
         self.store.start_liveness(self.t.heartbeat)
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -144,10 +145,12 @@ class ElasticRendezvous(RendezvousHandler):
             return None, 0
         return json.loads(kv.value), kv.version
 
-    def _write_state(self, state: dict[str, Any], version: int) -> bool:
+    def _write_state(self, state: dict[str, Any], version: int) -> int:
+        """Write the state if it is still at `version` (0: absent): its new version, or 0 when
+        someone moved it on first."""
         data = json.dumps(state).encode()
         if version == 0:
-            return self.store.create(self._state_key, data)
+            return 1 if self.store.create(self._state_key, data) else 0
         return self.store.cas(self._state_key, data, version)
 
     def _closed_error(self, reason: str) -> RendezvousClosedError:
@@ -203,7 +206,7 @@ class ElasticRendezvous(RendezvousHandler):
             else:
                 info = self._wait_as_spare(v)
             if info is not None:
-                self._start_watcher(info)
+                self._start_watcher()
                 return info
 
     def _reopen(self, reason: str) -> None:
@@ -278,8 +281,11 @@ class ElasticRendezvous(RendezvousHandler):
                     if last_call_at is None:
                         last_call_at = now + self.t.last_call
                     if len(joined) >= self.params.max_nodes or now >= last_call_at:
-                        self._freeze(state, sversion, joined, join_prefix)
+                        frozen = self._freeze(state, sversion, join_prefix)
                         last_call_at = None
+                        if frozen is not None:  # go on at once, not when the watch brings it
+                            state, sversion = frozen
+                            continue
                 if now >= deadline:
                     if not leading:
                         joined = {kv.key: kv.created for kv in self.store.range(join_prefix)[0]}
@@ -315,8 +321,10 @@ class ElasticRendezvous(RendezvousHandler):
         self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
 
     def _freeze(
-        self, state: dict[str, Any], version: int, joined: dict[str, int], join_prefix: str
-    ) -> None:
+        self, state: dict[str, Any], version: int, join_prefix: str
+    ) -> tuple[dict[str, Any], int] | None:
+        """Fix the round's members and ranks: the frozen state and its version, or None if too
+        few are left or the state moved on."""
         kvs, _ = self.store.range(join_prefix)
         infos = {kv.key[len(join_prefix) :]: json.loads(kv.value) for kv in kvs}
         created = {kv.key[len(join_prefix) :]: kv.created for kv in kvs}
@@ -324,7 +332,7 @@ class ElasticRendezvous(RendezvousHandler):
         # node, unless it rejoined late after its lease expired).
         order = sorted(infos, key=lambda n: created[n])[: self.params.max_nodes]
         if len(order) < self.params.min_nodes:
-            return
+            return None
         nxt = {
             **state,
             "status": FROZEN,
@@ -332,7 +340,8 @@ class ElasticRendezvous(RendezvousHandler):
             "ranks": assign_ranks(order, state.get("prev_ranks", {})),
             "leader": order[0],
         }
-        self._write_state(nxt, version)
+        written = self._write_state(nxt, version)
+        return (nxt, written) if written else None
 
     def _confirm(self, state: dict[str, Any], sversion: int, watch: Watch) -> RendezvousInfo | None:
         """A frozen round with us in it: confirm, and (the leader) make it final once every
@@ -346,8 +355,10 @@ class ElasticRendezvous(RendezvousHandler):
         # vanish, the others give up a heartbeat later, or at once if its join key is gone.
         until = time.monotonic() + self.t.close + (0.0 if leading else self.t.heartbeat)
         next_check = time.monotonic() + 1.0
-        kvs, _ = self.store.range(confirm_prefix)
-        confirmed = {kv.key[len(confirm_prefix) :] for kv in kvs}
+        confirmed: set[str] = set()
+        if leading:  # the others only follow the state
+            kvs, _ = self.store.range(confirm_prefix)
+            confirmed = {kv.key[len(confirm_prefix) :] for kv in kvs}
         while True:
             if state["version"] != v or state["status"] != FROZEN:
                 if state["version"] == v and state["status"] == FINAL:
@@ -358,17 +369,26 @@ class ElasticRendezvous(RendezvousHandler):
                 next_check = now + 1.0
                 if self.store.get(f"{self.prefix}/v{v}/join/{leader}") is None:
                     until = 0.0
+            nxt: dict[str, Any] | None = None
             if leading and set(state["nodes"]) <= confirmed:
-                self._write_state({**state, "status": FINAL}, sversion)
-                with contextlib.suppress(StoreError):  # the previous round's keys
-                    self.store.delete(f"{self.prefix}/v{v - 1}/", prefix=True)
+                nxt = {**state, "status": FINAL}
             elif now >= until:
                 # A member (or the leader) died while the round froze: start over.
                 nxt = {**state, "status": JOINABLE, "version": v + 1}
                 nxt.pop("nodes", None)
                 nxt.pop("ranks", None)
                 nxt.pop("leader", None)
-                self._write_state(nxt, sversion)
+            if nxt is not None:
+                written = self._write_state(nxt, sversion)
+                if written and nxt["status"] == FINAL:
+                    with contextlib.suppress(StoreError):  # the previous round's keys
+                        self.store.delete(f"{self.prefix}/v{v - 1}/", prefix=True)
+                # Go on from what we wrote, or from what got there first, at once.
+                current, sversion = (nxt, written) if written else self._state()
+                if current is None:
+                    return None
+                state = current
+                continue
             for change in watch.next(0.5) or []:
                 if change.key == self._state_key:
                     if change.value is None:
@@ -434,17 +454,33 @@ class ElasticRendezvous(RendezvousHandler):
 
     # ---- while the workers run -------------------------------------------------------------------
 
-    def _start_watcher(self, info: RendezvousInfo) -> None:
+    def _start_watcher(self) -> None:
+        """Follow the running round from a thread, so that its first range and watch are off
+        the path to the workers' start."""
         self._changed.clear()
-        self._stop.clear()
-        kvs, revision = self.store.range(f"{self.prefix}/")
-        self._done = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/done/" in kv.key}
-        self._waiting = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/waiting/" in kv.key}
-        self._watch = self.store.watch(f"{self.prefix}/", revision)
+        self._waiting, self._done = set(), set()  # the thread's range fills them in
+        self._stop = stop = threading.Event()  # this watcher's own: a late one cannot revive
         self._watcher = threading.Thread(
-            target=self._watch_round, args=(self._watch,), name="elasticrun-rdzv", daemon=True
+            target=self._follow_round, args=(stop,), name="elasticrun-rdzv", daemon=True
         )
         self._watcher.start()
+
+    def _follow_round(self, stop: threading.Event) -> None:
+        try:
+            kvs, revision = self.store.range(f"{self.prefix}/")
+            watch = self.store.watch(f"{self.prefix}/", revision)
+        except StoreError as e:
+            if not stop.is_set():
+                logger.warning("rendezvous watch: %s", e)
+                self._changed.set()
+            return
+        with self._watch_lock:
+            if stop.is_set():
+                watch.close()
+                return
+            self._watch = watch
+        self._done = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/done/" in kv.key}
+        self._waiting = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/waiting/" in kv.key}
         # The watch sees changes after `revision`; whatever happened between the round going
         # final and that range (a member gone, the round reopened) shows in the range itself.
         state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
@@ -460,19 +496,20 @@ class ElasticRendezvous(RendezvousHandler):
             self._changed.set()
         if self._admissible():
             self._changed.set()
+        self._watch_round(watch, stop)
 
     def _admissible(self) -> bool:
         return bool(self._waiting) and len(self._members) < self.params.max_nodes
 
-    def _watch_round(self, watch: Watch) -> None:
+    def _watch_round(self, watch: Watch, stop: threading.Event) -> None:
         join_prefix = f"{self.prefix}/v{self._version}/join/"
-        while not self._stop.is_set():
+        while not stop.is_set():
             if self.store.liveness_lost():
                 self._changed.set()  # our lease expired: the others think we are gone
             try:
                 changes = watch.next(0.5) or []
             except StoreError as e:
-                if not self._stop.is_set():
+                if not stop.is_set():
                     logger.warning("rendezvous watch: %s", e)
                     self._changed.set()
                 return
@@ -506,9 +543,10 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _stop_watcher(self) -> None:
         self._stop.set()
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        with self._watch_lock:
+            watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
             self._watcher = None

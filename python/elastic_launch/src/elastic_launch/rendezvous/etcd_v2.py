@@ -168,12 +168,12 @@ class EtcdV2Store(Store):
         self._keep_alive(key, ephemeral)
         return True
 
-    def cas(self, key: str, value: bytes, version: int) -> bool:
+    def cas(self, key: str, value: bytes, version: int) -> int:
         try:
-            self._call(lambda c: c.write(key, value.decode(), prevIndex=version))
+            result = self._call(lambda c: c.write(key, value.decode(), prevIndex=version))
         except (self.etcd.EtcdCompareFailed, self.etcd.EtcdKeyNotFound):
-            return False
-        return True
+            return 0
+        return int(result.modifiedIndex)
 
     def delete(self, key: str, prefix: bool = False) -> None:
         with self._lock:
@@ -273,6 +273,7 @@ class _V2Watch(QueuedWatch):
 
     def close(self) -> None:
         self._closed.set()
+        self._wake_reader()
         # The thread ends when its pending long poll returns (within a second); waiting for
         # it would delay every caller by that much.
         with contextlib.suppress(Exception):

@@ -167,11 +167,13 @@ class EtcdV3Store(Store):
             raise StoreError("an ephemeral key needs start_liveness() first")
         return self._lease_id
 
-    def _txn(self, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> bool:
+    def _txn(self, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> int:
+        """The put if `compare` holds: the revision it made, or 0."""
         request = rpc_pb2.TxnRequest(
             compare=[compare], success=[rpc_pb2.RequestOp(request_put=put)]
         )
-        return bool(self._call(self._kv.Txn, request).succeeded)
+        response = self._call(self._kv.Txn, request)
+        return int(response.header.revision) if response.succeeded else 0
 
     def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
         k = key.encode()
@@ -182,9 +184,9 @@ class EtcdV3Store(Store):
             create_revision=0,
         )
         put = rpc_pb2.PutRequest(key=k, value=value, lease=self._lease_for(ephemeral))
-        return self._txn(compare, put)
+        return bool(self._txn(compare, put))
 
-    def cas(self, key: str, value: bytes, version: int) -> bool:
+    def cas(self, key: str, value: bytes, version: int) -> int:
         k = key.encode()
         compare = rpc_pb2.Compare(
             key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=version
@@ -298,6 +300,8 @@ class _EtcdWatch(QueuedWatch):
                 self._call = self._store._watch.Watch(
                     self._request_stream(self._requests), metadata=self._store._metadata
                 )
+                if self._closed.is_set():  # closed before the call existed to be cancelled
+                    self._call.cancel()
                 for reply in self._call:
                     delay = 0.05
                     failing_since = None
@@ -350,4 +354,5 @@ class _EtcdWatch(QueuedWatch):
         self._requests.put(None)
         if self._call is not None:
             self._call.cancel()
+        self._wake_reader()
         self._thread.join(timeout=5)

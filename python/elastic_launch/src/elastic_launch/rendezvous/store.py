@@ -64,6 +64,10 @@ class QueuedWatch(Watch):
             raise item
         return item
 
+    def _wake_reader(self) -> None:
+        """On close: a `next` waiting now returns (an empty batch) instead of timing out."""
+        self._changes.put([])
+
 
 class Store(abc.ABC):
     """One agent's connection to the store. Thread-safe."""
@@ -99,8 +103,9 @@ class Store(abc.ABC):
         """Write `key` only if it does not exist."""
 
     @abc.abstractmethod
-    def cas(self, key: str, value: bytes, version: int) -> bool:
-        """Replace `key` only if its version is still `version`."""
+    def cas(self, key: str, value: bytes, version: int) -> int:
+        """Replace `key` only if its version is still `version`: the key's new version, or 0
+        if it had moved on."""
 
     @abc.abstractmethod
     def delete(self, key: str, prefix: bool = False) -> None: ...
