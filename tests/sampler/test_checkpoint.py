@@ -75,6 +75,30 @@ def test_background_save_copies_first_and_writes_later(tmp_path):
     m.close()
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_background_saves_reuse_the_previous_copy(tmp_path, reuse):
+    m = CheckpointManager(tmp_path, keep_last=5, reuse_buffers=reuse)
+    weights, bias = torch.zeros(1000), torch.zeros(3)
+    m.save({"model": {"w": weights, "b": bias}, "step": 1, "extra": [bias]}, 1, background=True)
+    m.wait()
+    first = m._staging["model"]["w"] if reuse else None
+    weights.add_(1)
+    # `b` changes shape: a new buffer for it, the old one for `w`.
+    m.save({"model": {"w": weights, "b": torch.ones(4)}, "step": 2, "extra": []}, 2, True)
+    weights.add_(1)  # training goes on while the copy is written
+    m.wait()
+    if reuse:
+        assert m._staging["model"]["w"] is first, "the buffer of the last copy was reused"
+    else:
+        assert m._staging is None
+    one, two = load_checkpoint(m.path(1)), load_checkpoint(m.path(2))
+    assert torch.equal(one["model"]["w"], torch.zeros(1000)), "a written copy never changes"
+    assert torch.equal(two["model"]["w"], torch.ones(1000)) and two["step"] == 2
+    assert torch.equal(two["model"]["b"], torch.ones(4)) and two["extra"] == []
+    m.close()
+    assert m._staging is None, "close frees the buffers"
+
+
 def test_background_errors_surface_on_the_next_call(tmp_path):
     directory = tmp_path / "gone"
     m = CheckpointManager(directory)

@@ -188,30 +188,59 @@ def read_verified(
     return state
 
 
-def snapshot(state: Any) -> Any:
+def _reusable(buffer: Any, tensor: torch.Tensor) -> bool:
+    return (
+        type(buffer) is torch.Tensor
+        and buffer.device.type == "cpu"
+        and buffer.shape == tensor.shape
+        and buffer.dtype == tensor.dtype
+        and buffer.layout == tensor.layout == torch.strided
+        and not tensor.is_quantized
+    )
+
+
+def snapshot(state: Any, reuse: Any = None) -> Any:
     """A copy of `state` that training can no longer change: tensors are copied to the CPU,
-    containers rebuilt, anything else deep-copied."""
+    containers rebuilt, anything else deep-copied.
+
+    `reuse` is an earlier snapshot nobody uses any more: its tensors that match in place,
+    shape and dtype are copied into rather than allocated anew (fresh memory costs a page
+    fault per 4 KiB, which makes a copy about 3x slower)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        source = state.detach()
+        if _reusable(reuse, source):
+            return reuse.copy_(source)
+        return source.to("cpu", copy=True)
     if isinstance(state, dict):
-        items = [(k, snapshot(v)) for k, v in state.items()]
+        old = reuse if isinstance(reuse, dict) else {}
+        items = [(k, snapshot(v, old.get(k))) for k, v in state.items()]
         try:
             return type(state)(items)  # dict, OrderedDict (state_dict's type)
         except TypeError:
             return dict(items)
-    if isinstance(state, list):
-        return [snapshot(v) for v in state]
-    if isinstance(state, tuple) and not hasattr(state, "_fields"):
-        return tuple(snapshot(v) for v in state)
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        old_items = list(reuse) if isinstance(reuse, (list, tuple)) else []
+        old_items += [None] * (len(state) - len(old_items))
+        copied = [snapshot(v, r) for v, r in zip(state, old_items)]
+        return copied if isinstance(state, list) else tuple(copied)
     return copy.deepcopy(state)
 
 
 class CheckpointManager:
     """The checkpoints of one job in one directory: save, keep the last K, load the newest
-    that verifies."""
+    that verifies.
+
+    With `reuse_buffers` (the default), a background save copies the state into the buffers
+    of the previous background save where shapes match, which blocks training about a third
+    as long; those buffers (one copy of the state, which every background save needs anyway)
+    stay allocated until `close()`. ``reuse_buffers=False`` frees them after each write."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], keep_last: int = 3, prefix: str = "checkpoint"
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int = 3,
+        prefix: str = "checkpoint",
+        reuse_buffers: bool = True,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint")
@@ -231,6 +260,8 @@ class CheckpointManager:
                 f"cannot write checkpoints to '{self.directory}': {_why(e)}; choose a writable "
                 "directory"
             ) from e
+        self.reuse_buffers = reuse_buffers
+        self._staging: Any = None  # the last background copy, once written: the next one's buffers
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -265,7 +296,8 @@ class CheckpointManager:
         self.wait()  # one write at a time; raises a background error
         if not background:
             return self._write(state, step)
-        copied = snapshot(state)
+        copied = snapshot(state, self._staging)
+        self._staging = copied if self.reuse_buffers else None
         self._thread = threading.Thread(
             target=self._write_in_background,
             args=(copied, step),
@@ -323,7 +355,8 @@ class CheckpointManager:
             raise error
 
     def close(self) -> None:
-        """Finish any background write (raising its error)."""
+        """Finish any background write (raising its error) and free the copy's buffers."""
+        self._staging = None
         self.wait()
 
     def __enter__(self) -> CheckpointManager:
