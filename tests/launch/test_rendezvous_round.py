@@ -20,7 +20,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-TIMEOUTS = Timeouts(join=30.0, last_call=0.5, heartbeat=5.0, close=10.0, reconnect=5.0)
+# MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
+TIMEOUTS = Timeouts(join=30.0, last_call=10.0, heartbeat=5.0, close=10.0, reconnect=5.0)
 
 
 class CountingStore(EtcdV3Store):
@@ -63,8 +64,15 @@ def handlers(endpoint: tuple[str, str | None], n: int, run_id: str) -> list[Elas
 
 
 def form_round(members: list[ElasticRendezvous]) -> list[RendezvousInfo]:
-    with ThreadPoolExecutor(len(members)) as pool:
+    pool = ThreadPoolExecutor(len(members))
+    try:
         return list(pool.map(lambda h: h.next_rendezvous(), members, timeout=60))
+    finally:
+        pool.shutdown(wait=False)  # a thread still waiting ends when the test shuts it down
+
+
+def watcher_threads() -> int:
+    return sum(t.name == "elasticrun-rdzv" and t.is_alive() for t in threading.enumerate())
 
 
 def test_a_round_of_max_nodes_writes_the_state_twice(endpoint, request):
@@ -84,13 +92,18 @@ def test_a_round_of_max_nodes_writes_the_state_twice(endpoint, request):
             h.shutdown()
 
 
-def test_the_members_see_a_node_leave_after_the_round(endpoint, request):
-    members = handlers(endpoint, 3, f"leave-{request.node.callspec.id}-{time.monotonic_ns()}")
+@pytest.mark.parametrize("settle", [0.0, 0.3], ids=["at-once", "later"])
+def test_the_members_see_a_node_leave_after_the_round(endpoint, request, settle):
+    run_id = f"leave-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 3, run_id)
     try:
         form_round(members)
-        time.sleep(0.3)
-        assert not any(h.membership_changed() for h in members)
-        members[0].shutdown()  # its lease is revoked: its join key goes at once
+        if settle:
+            time.sleep(settle)
+            assert not any(h.membership_changed() for h in members)
+        # Its lease is revoked: its join key goes at once, before or after the others'
+        # watchers have taken their first look.
+        members[0].shutdown()
         deadline = time.monotonic() + 10
         while not all(h.membership_changed() for h in members[1:]):
             assert time.monotonic() < deadline, "the others never noticed the node leave"
@@ -98,3 +111,72 @@ def test_the_members_see_a_node_leave_after_the_round(endpoint, request):
     finally:
         for h in members:
             h.shutdown()
+    assert watcher_threads() == 0, "a watcher outlived its handler"
+
+
+def test_a_new_round_right_after_one_formed_starts_clean(endpoint, request):
+    members = handlers(endpoint, 2, f"again-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        first = form_round(members)
+        second = form_round(members)  # at once, while the first round's watchers start
+        assert {i.round for i in second} == {first[0].round + 1}
+        time.sleep(0.3)
+        assert not any(h.membership_changed() for h in members), "a stale change was reported"
+        assert watcher_threads() == len(members), "one watcher per handler, the old ones gone"
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+class SlowConfirmStore(EtcdV3Store):
+    def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
+        if "/confirm/" in key:
+            time.sleep(0.5)
+        return super().put(key, value, ephemeral)
+
+
+def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoint, request):
+    """The join's leader loses its key and rejoins, so another member comes first in the
+    frozen round and leads the confirmations with a watch on the state alone: it must still
+    see every confirmation, not wait out the close timeout and start the round over."""
+    address, token = endpoint
+    run_id = f"confirm-{request.node.callspec.id}-{time.monotonic_ns()}"
+    params = RendezvousParameters("etcd", address, run_id, 2, 3, 1, local_addr="127.0.0.1")
+    raw = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    # The other two confirm late, after the confirmations' leader has read them once.
+    stores = [SlowConfirmStore, EtcdV3Store, SlowConfirmStore]
+    members = [
+        ElasticRendezvous(
+            params, store(address, "s", token=token, retry_for=5), TIMEOUTS, "127.0.0.1"
+        )
+        for store in stores
+    ]
+    join_prefix = f"/elasticrun/{run_id}/v1/join/"
+
+    def joined() -> list[tuple[int, str]]:
+        return sorted((kv.created, kv.key) for kv in raw.range(join_prefix)[0])
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    pool = ThreadPoolExecutor(3)
+    try:
+        first = pool.submit(members[0].next_rendezvous)
+        wait_for(lambda: len(joined()) == 1, "the first node never joined")
+        second = pool.submit(members[1].next_rendezvous)
+        wait_for(lambda: len(joined()) == 2, "the second node never joined")
+        leader_key = joined()[0][1]
+        raw.delete(leader_key)  # as if its lease had expired: it joins again, now second
+        wait_for(lambda: [k for _, k in joined()][-1:] == [leader_key], "it never rejoined")
+        third = pool.submit(members[2].next_rendezvous)
+        infos = [f.result(timeout=30) for f in (first, second, third)]
+        assert [i.round for i in infos] == [1, 1, 1], "the round was started over"
+        assert sorted(i.group_rank for i in infos) == [0, 1, 2]
+    finally:
+        for h in members:
+            h.shutdown()
+        raw.close()
+        pool.shutdown(wait=False)

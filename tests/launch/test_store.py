@@ -46,10 +46,11 @@ def store(request):
 
 def test_get_put_create_cas_delete(store):
     assert store.get("/t/a") is None
-    assert store.create("/t/a", b"1")
+    created = store.create("/t/a", b"1")
+    assert created
     assert not store.create("/t/a", b"2"), "create only if absent"
     kv = store.get("/t/a")
-    assert kv is not None and kv.value == b"1"
+    assert kv is not None and kv.value == b"1" and kv.version == created
     new_version = store.cas("/t/a", b"3", kv.version)
     assert new_version > kv.version
     assert not store.cas("/t/a", b"4", kv.version), "the version moved on"

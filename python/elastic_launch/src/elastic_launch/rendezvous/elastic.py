@@ -150,7 +150,7 @@ class ElasticRendezvous(RendezvousHandler):
         someone moved it on first."""
         data = json.dumps(state).encode()
         if version == 0:
-            return 1 if self.store.create(self._state_key, data) else 0
+            return self.store.create(self._state_key, data)
         return self.store.cas(self._state_key, data, version)
 
     def _closed_error(self, reason: str) -> RendezvousClosedError:
@@ -195,7 +195,7 @@ class ElasticRendezvous(RendezvousHandler):
             elif state["status"] == FROZEN and self.node in state["nodes"]:
                 watch = self.store.watch(self.prefix + "/", version)
                 try:
-                    info = self._confirm(state, version, watch)
+                    info = self._confirm(state, version, watch, whole=True)
                 finally:
                     watch.close()
             elif state["status"] == FINAL and self.node in state["nodes"] and v != self._version:
@@ -268,7 +268,7 @@ class ElasticRendezvous(RendezvousHandler):
                         and state["status"] == FROZEN
                         and (self.node in state["nodes"])
                     ):
-                        return self._confirm(state, sversion, watch)
+                        return self._confirm(state, sversion, watch, whole=leading)
                     return None
                 now = time.monotonic()
                 if not leading and now >= next_check:
@@ -343,9 +343,30 @@ class ElasticRendezvous(RendezvousHandler):
         written = self._write_state(nxt, version)
         return (nxt, written) if written else None
 
-    def _confirm(self, state: dict[str, Any], sversion: int, watch: Watch) -> RendezvousInfo | None:
+    def _confirm(
+        self, state: dict[str, Any], sversion: int, watch: Watch, whole: bool
+    ) -> RendezvousInfo | None:
         """A frozen round with us in it: confirm, and (the leader) make it final once every
-        member has; a member that vanishes sends the round back to joinable."""
+        member has; a member that vanishes sends the round back to joinable. `whole`: the
+        watch covers the whole job, not only its state."""
+        own_watch = None
+        try:
+            if state.get("leader") == self.node and not whole:
+                # We lead the confirmations without having led the join (the join's leader
+                # rejoined late): we need to see every member's keys.
+                kvs, revision = self.store.range(f"{self.prefix}/")
+                state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
+                if state_kv is None or state_kv.version != sversion:
+                    return None  # it moved on meanwhile: the caller looks again
+                own_watch = watch = self.store.watch(f"{self.prefix}/", revision)
+            return self._confirm_round(state, sversion, watch)
+        finally:
+            if own_watch is not None:
+                own_watch.close()
+
+    def _confirm_round(
+        self, state: dict[str, Any], sversion: int, watch: Watch
+    ) -> RendezvousInfo | None:
         v = state["version"]
         confirm_prefix = f"{self.prefix}/v{v}/confirm/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
@@ -467,13 +488,15 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _follow_round(self, stop: threading.Event) -> None:
         try:
-            kvs, revision = self.store.range(f"{self.prefix}/")
-            watch = self.store.watch(f"{self.prefix}/", revision)
-        except StoreError as e:
+            self._follow(stop)
+        except Exception as e:  # any failure: the agent must hear of it, not a dead thread
             if not stop.is_set():
                 logger.warning("rendezvous watch: %s", e)
                 self._changed.set()
-            return
+
+    def _follow(self, stop: threading.Event) -> None:
+        kvs, revision = self.store.range(f"{self.prefix}/")
+        watch = self.store.watch(f"{self.prefix}/", revision)
         with self._watch_lock:
             if stop.is_set():
                 watch.close()
@@ -506,14 +529,7 @@ class ElasticRendezvous(RendezvousHandler):
         while not stop.is_set():
             if self.store.liveness_lost():
                 self._changed.set()  # our lease expired: the others think we are gone
-            try:
-                changes = watch.next(0.5) or []
-            except StoreError as e:
-                if not stop.is_set():
-                    logger.warning("rendezvous watch: %s", e)
-                    self._changed.set()
-                return
-            for c in changes:
+            for c in watch.next(0.5) or []:
                 node = c.key.rsplit("/", 1)[1]
                 if c.key == self._state_key:
                     state = json.loads(c.value) if c.value is not None else None

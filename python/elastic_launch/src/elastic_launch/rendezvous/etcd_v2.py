@@ -159,14 +159,14 @@ class EtcdV2Store(Store):
         self._keep_alive(key, ephemeral)
         return int(result.modifiedIndex)
 
-    def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
+    def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
         ttl = self._ttl_for(ephemeral)
         try:
-            self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
+            result = self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
         except self.etcd.EtcdAlreadyExist:
-            return False
+            return 0
         self._keep_alive(key, ephemeral)
-        return True
+        return int(result.modifiedIndex)
 
     def cas(self, key: str, value: bytes, version: int) -> int:
         try:

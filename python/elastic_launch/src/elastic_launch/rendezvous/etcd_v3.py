@@ -175,7 +175,7 @@ class EtcdV3Store(Store):
         response = self._call(self._kv.Txn, request)
         return int(response.header.revision) if response.succeeded else 0
 
-    def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
+    def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
         k = key.encode()
         compare = rpc_pb2.Compare(
             key=k,
@@ -184,7 +184,7 @@ class EtcdV3Store(Store):
             create_revision=0,
         )
         put = rpc_pb2.PutRequest(key=k, value=value, lease=self._lease_for(ephemeral))
-        return bool(self._txn(compare, put))
+        return self._txn(compare, put)
 
     def cas(self, key: str, value: bytes, version: int) -> int:
         k = key.encode()

@@ -99,8 +99,8 @@ class Store(abc.ABC):
         """Write `key`; returns the new revision."""
 
     @abc.abstractmethod
-    def create(self, key: str, value: bytes, ephemeral: bool = False) -> bool:
-        """Write `key` only if it does not exist."""
+    def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
+        """Write `key` only if it does not exist: its version, or 0 if it existed."""
 
     @abc.abstractmethod
     def cas(self, key: str, value: bytes, version: int) -> int:
