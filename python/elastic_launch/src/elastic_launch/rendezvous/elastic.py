@@ -40,7 +40,7 @@ from elastic_launch.rendezvous.api import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from elastic_launch.rendezvous.store import Store, StoreError, Watch
+from elastic_launch.rendezvous.store import KeyValue, Store, StoreError, Watch
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,11 @@ class ElasticRendezvous(RendezvousHandler):
             return None, 0
         return json.loads(kv.value), kv.version
 
+    def _state_in(self, kvs: list[KeyValue]) -> tuple[dict[str, Any] | None, int]:
+        """The state among the keys of a range (None if absent), and its version."""
+        kv = next((kv for kv in kvs if kv.key == self._state_key), None)
+        return (json.loads(kv.value), kv.version) if kv is not None else (None, 0)
+
     def _write_state(self, state: dict[str, Any], version: int) -> int:
         """Write the state if it is still at `version` (0: absent): its new version, or 0 when
         someone moved it on first."""
@@ -195,7 +200,7 @@ class ElasticRendezvous(RendezvousHandler):
             elif state["status"] == FROZEN and self.node in state["nodes"]:
                 watch = self.store.watch(self.prefix + "/", version)
                 try:
-                    info = self._confirm(state, version, watch, whole=True)
+                    info = self._confirm(state, version, watch)
                 finally:
                     watch.close()
             elif state["status"] == FINAL and self.node in state["nodes"] and v != self._version:
@@ -249,10 +254,10 @@ class ElasticRendezvous(RendezvousHandler):
         joined = {
             kv.key[len(join_prefix) :]: kv.created for kv in kvs if kv.key.startswith(join_prefix)
         }
-        state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
-        if state_kv is None:
+        found, sversion = self._state_in(kvs)
+        if found is None:
             return None
-        state, sversion = json.loads(state_kv.value), state_kv.version
+        state = found
         # The first to join leads the round and counts the others; the rest only need the
         # state (so each change reaches N watchers once, not N x N).
         leader = min(joined, key=lambda n: joined[n])
@@ -267,8 +272,11 @@ class ElasticRendezvous(RendezvousHandler):
                         state["version"] == v
                         and state["status"] == FROZEN
                         and (self.node in state["nodes"])
+                        # Leading the confirmations without having led the join (its leader
+                        # rejoined late) needs a watch on the whole job: the caller opens one.
+                        and (leading or state.get("leader") != self.node)
                     ):
-                        return self._confirm(state, sversion, watch, whole=leading)
+                        return self._confirm(state, sversion, watch)
                     return None
                 now = time.monotonic()
                 if not leading and now >= next_check:
@@ -343,30 +351,9 @@ class ElasticRendezvous(RendezvousHandler):
         written = self._write_state(nxt, version)
         return (nxt, written) if written else None
 
-    def _confirm(
-        self, state: dict[str, Any], sversion: int, watch: Watch, whole: bool
-    ) -> RendezvousInfo | None:
+    def _confirm(self, state: dict[str, Any], sversion: int, watch: Watch) -> RendezvousInfo | None:
         """A frozen round with us in it: confirm, and (the leader) make it final once every
-        member has; a member that vanishes sends the round back to joinable. `whole`: the
-        watch covers the whole job, not only its state."""
-        own_watch = None
-        try:
-            if state.get("leader") == self.node and not whole:
-                # We lead the confirmations without having led the join (the join's leader
-                # rejoined late): we need to see every member's keys.
-                kvs, revision = self.store.range(f"{self.prefix}/")
-                state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
-                if state_kv is None or state_kv.version != sversion:
-                    return None  # it moved on meanwhile: the caller looks again
-                own_watch = watch = self.store.watch(f"{self.prefix}/", revision)
-            return self._confirm_round(state, sversion, watch)
-        finally:
-            if own_watch is not None:
-                own_watch.close()
-
-    def _confirm_round(
-        self, state: dict[str, Any], sversion: int, watch: Watch
-    ) -> RendezvousInfo | None:
+        member has; a member that vanishes sends the round back to joinable."""
         v = state["version"]
         confirm_prefix = f"{self.prefix}/v{v}/confirm/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
@@ -506,13 +493,10 @@ class ElasticRendezvous(RendezvousHandler):
         self._waiting = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/waiting/" in kv.key}
         # The watch sees changes after `revision`; whatever happened between the round going
         # final and that range (a member gone, the round reopened) shows in the range itself.
-        state_kv = next((kv for kv in kvs if kv.key == self._state_key), None)
-        state = json.loads(state_kv.value) if state_kv is not None else None
+        state, _ = self._state_in(kvs)
         join_prefix = f"{self.prefix}/v{self._version}/join/"
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-        if state is None or state["version"] != self._version or state["status"] != FINAL:
-            if state is not None and state["status"] == CLOSED:
-                self._closed_reason = state.get("closed")
+        if not self._round_still_runs(state):
             self._changed.set()
         elif not set(self._members) - self._done <= present:
             logger.warning("a node left the job as its round began")
@@ -520,6 +504,12 @@ class ElasticRendezvous(RendezvousHandler):
         if self._admissible():
             self._changed.set()
         self._watch_round(watch, stop)
+
+    def _round_still_runs(self, state: dict[str, Any] | None) -> bool:
+        """Whether `state` is still our final round (noting the reason if the job closed)."""
+        if state is not None and state["status"] == CLOSED:
+            self._closed_reason = state.get("closed")
+        return state is not None and state["version"] == self._version and state["status"] == FINAL
 
     def _admissible(self) -> bool:
         return bool(self._waiting) and len(self._members) < self.params.max_nodes
@@ -532,14 +522,9 @@ class ElasticRendezvous(RendezvousHandler):
             for c in watch.next(0.5) or []:
                 node = c.key.rsplit("/", 1)[1]
                 if c.key == self._state_key:
-                    state = json.loads(c.value) if c.value is not None else None
-                    if (
-                        state is None
-                        or state["version"] != self._version
-                        or (state["status"] != FINAL)
+                    if not self._round_still_runs(
+                        json.loads(c.value) if c.value is not None else None
                     ):
-                        if state is not None and state["status"] == CLOSED:
-                            self._closed_reason = state.get("closed")
                         self._changed.set()
                 elif "/waiting/" in c.key:
                     if c.value is None:
