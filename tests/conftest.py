@@ -190,6 +190,21 @@ class EtcdServer:
 
 
 @pytest.fixture
+def embedded() -> Iterator[tuple[str, str]]:
+    """The embedded rendezvous service, in this process on a free port: (endpoint, token)."""
+    import socket
+
+    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = EmbeddedServer("127.0.0.1", port, token="t")
+    yield f"127.0.0.1:{port}", "t"
+    server.close()
+
+
+@pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd (v3 API only, like etcd 3.6) for one test."""
     server = EtcdServer(tmp_path / "etcd-data", enable_v2=False)

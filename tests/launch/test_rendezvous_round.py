@@ -3,7 +3,6 @@ store connection) against the embedded service and a real etcd."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,13 +11,6 @@ import pytest
 from elastic_launch.rendezvous.api import RendezvousInfo, RendezvousParameters
 from elastic_launch.rendezvous.elastic import ElasticRendezvous, Timeouts
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 # MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
 TIMEOUTS = Timeouts(join=30.0, last_call=10.0, heartbeat=5.0, close=10.0, reconnect=5.0)
@@ -39,27 +31,24 @@ class CountingStore(EtcdV3Store):
 @pytest.fixture(params=["embedded", "etcd"])
 def endpoint(request):
     if request.param == "etcd":
-        yield request.getfixturevalue("etcd").endpoint, None
-        return
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-
-    port = free_port()
-    server = EmbeddedServer("127.0.0.1", port, token="t")
-    yield f"127.0.0.1:{port}", "t"
-    server.close()
+        return request.getfixturevalue("etcd").endpoint, None
+    return request.getfixturevalue("embedded")
 
 
-def handlers(endpoint: tuple[str, str | None], n: int, run_id: str) -> list[ElasticRendezvous]:
+def handlers(
+    endpoint: tuple[str, str | None],
+    n: int,
+    run_id: str,
+    stores: list[type[EtcdV3Store]] | None = None,
+) -> list[ElasticRendezvous]:
+    """`n` handlers of a job of 2..n nodes, each with its own connection (of `stores`)."""
     address, token = endpoint
     params = RendezvousParameters("etcd", address, run_id, 2, n, 1, local_addr="127.0.0.1")
     return [
         ElasticRendezvous(
-            params,
-            CountingStore(address, "test store", token=token, retry_for=5),
-            TIMEOUTS,
-            "127.0.0.1",
+            params, store(address, "test store", token=token, retry_for=5), TIMEOUTS, "127.0.0.1"
         )
-        for _ in range(n)
+        for store in stores or [CountingStore] * n
     ]
 
 
@@ -69,6 +58,13 @@ def form_round(members: list[ElasticRendezvous]) -> list[RendezvousInfo]:
         return list(pool.map(lambda h: h.next_rendezvous(), members, timeout=60))
     finally:
         pool.shutdown(wait=False)  # a thread still waiting ends when the test shuts it down
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def watcher_threads() -> int:
@@ -104,10 +100,10 @@ def test_the_members_see_a_node_leave_after_the_round(endpoint, request, settle)
         # Its lease is revoked: its join key goes at once, before or after the others'
         # watchers have taken their first look.
         members[0].shutdown()
-        deadline = time.monotonic() + 10
-        while not all(h.membership_changed() for h in members[1:]):
-            assert time.monotonic() < deadline, "the others never noticed the node leave"
-            time.sleep(0.05)
+        wait_for(
+            lambda: all(h.membership_changed() for h in members[1:]),
+            "the others never noticed the node leave",
+        )
     finally:
         for h in members:
             h.shutdown()
@@ -141,26 +137,13 @@ def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoi
     see every confirmation, not wait out the close timeout and start the round over."""
     address, token = endpoint
     run_id = f"confirm-{request.node.callspec.id}-{time.monotonic_ns()}"
-    params = RendezvousParameters("etcd", address, run_id, 2, 3, 1, local_addr="127.0.0.1")
     raw = EtcdV3Store(address, "test store", token=token, retry_for=5)
     # The other two confirm late, after the confirmations' leader has read them once.
-    stores = [SlowConfirmStore, EtcdV3Store, SlowConfirmStore]
-    members = [
-        ElasticRendezvous(
-            params, store(address, "s", token=token, retry_for=5), TIMEOUTS, "127.0.0.1"
-        )
-        for store in stores
-    ]
+    members = handlers(endpoint, 3, run_id, [SlowConfirmStore, EtcdV3Store, SlowConfirmStore])
     join_prefix = f"/elasticrun/{run_id}/v1/join/"
 
     def joined() -> list[tuple[int, str]]:
         return sorted((kv.created, kv.key) for kv in raw.range(join_prefix)[0])
-
-    def wait_for(condition, what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.02)
 
     pool = ThreadPoolExecutor(3)
     try:

@@ -18,15 +18,11 @@ def free_port() -> int:
 
 @pytest.fixture(params=["embedded", "etcd", "etcd-v2"])
 def store(request):
-    closers = []
     if request.param == "embedded":
-        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-        port = free_port()
-        server = EmbeddedServer("127.0.0.1", port, token="t")
-        closers.append(server.close)
-        s: Store = EtcdV3Store(f"127.0.0.1:{port}", "embedded", token="t", retry_for=5)
+        endpoint, token = request.getfixturevalue("embedded")
+        s: Store = EtcdV3Store(endpoint, "embedded", token=token, retry_for=5)
     elif request.param == "etcd":
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
@@ -40,8 +36,6 @@ def store(request):
         s = EtcdV2Store(host, int(port), "etcd", retry_for=5)
     yield s
     s.close()
-    for close in closers:
-        close()
 
 
 def test_get_put_create_cas_delete(store):
