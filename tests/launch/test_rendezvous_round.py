@@ -163,3 +163,20 @@ def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoi
             h.shutdown()
         raw.close()
         pool.shutdown(wait=False)
+
+
+def test_a_node_that_finished_first_waits_for_the_job_to_close(endpoint, request):
+    """The embedded host lingers until the others' last writes are through: a member that
+    has written its done key but not yet closed the job still needs the service."""
+    members = handlers(endpoint, 2, f"linger-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        form_round(members)
+        first, last = members
+        assert not first.mark_done(), "the other member still runs"
+        last.store.put(f"{last.prefix}/done/{last.node}", b"1")  # mid-way through mark_done
+        assert not first.wait_for_others(1.0), "it left before the job was closed"
+        assert last.mark_done(), "the last to finish closes the job"
+        assert first.wait_for_others(10.0)
+    finally:
+        for h in members:
+            h.shutdown()

@@ -591,7 +591,8 @@ class ElasticRendezvous(RendezvousHandler):
 
     def wait_for_others(self, timeout: float) -> bool:
         """After this node succeeded: wait (up to `timeout`) until the job is closed or every
-        other member has finished or gone. True if none is left running."""
+        other member has gone. True if none is left running. A member that has finished but
+        is still there may yet be closing the job (the last to finish does): it counts."""
         if not self._finished_first:
             return True
         join_prefix = f"{self.prefix}/v{self._version}/join/"
@@ -601,12 +602,11 @@ class ElasticRendezvous(RendezvousHandler):
                 state, _ = self._state()
                 if state is None or state["status"] == CLOSED:
                     return True
-                kvs, _ = self.store.range(f"{self.prefix}/")
+                kvs, _ = self.store.range(join_prefix)
             except StoreError:
                 return False
-            done = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/done/" in kv.key}
             alive = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-            running = (set(self._members) & alive) - done - {self.node}
+            running = (set(self._members) & alive) - {self.node}
             if not running:
                 return True
             if time.monotonic() >= deadline:
