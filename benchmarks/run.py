@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_launch
 import bench_rendezvous
+import bench_replace
 import bench_sampler
 
 import bench_core
@@ -25,6 +26,7 @@ from common import REPO, format_table, save
 SECTIONS = {
     "core": bench_core.run,
     "launch": bench_launch.run,
+    "replace": bench_replace.run,
     "rendezvous": bench_rendezvous.run,
     "sampler": bench_sampler.run,
 }

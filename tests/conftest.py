@@ -15,6 +15,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+#: Fixtures that start real servers: a test that uses one is an integration test.
+_SLOW_FIXTURES = {"etcd", "etcd_v2", "etcd_tls"}
+#: Parameters for fixtures that pick a store by name (`request.getfixturevalue`).
+ETCD_PARAMS = [
+    pytest.param("etcd", marks=pytest.mark.slow),
+    pytest.param("etcd-v2", marks=pytest.mark.slow),
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`slow` marks the real thing: everything under integration/ (real launchers, workers,
+    clusters) and every test that starts an etcd server. `pytest -m "not slow"` is the unit
+    suite."""
+    integration = REPO / "tests" / "integration"
+    for item in items:
+        path = Path(str(item.fspath))
+        if integration in path.parents or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

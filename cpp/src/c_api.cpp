@@ -1,4 +1,5 @@
 // The C API: thin wrappers that turn C++ exceptions into status codes and a per-thread message.
+#include <cstddef>
 #include <cstring>
 #include <new>
 #include <string>
@@ -77,23 +78,58 @@ void to_c(const elastic::Event& ev, elastic_event* out) {
   elastic::detail::copy_string(out->detail, sizeof(out->detail), ev.detail);
 }
 
+// A caller compiled against an older elastic.h passes a smaller struct: only the fields that
+// fit in its struct_size are read, the others keep their defaults. A size that ends inside a
+// field, or one larger than this library knows, cannot be read safely.
 elastic::WatchdogOptions from_c(const elastic_watchdog_options* o) {
   elastic::WatchdogOptions opt;
   if (o == nullptr) return opt;
-  if (o->struct_size < sizeof(uint32_t) || o->struct_size > sizeof(elastic_watchdog_options)) {
-    throw elastic::Error(ELASTIC_ERR_INVALID_ARGUMENT,
-                         "elastic_watchdog_options.struct_size is " +
-                             std::to_string(o->struct_size) +
-                             ": initialise the struct with elastic_watchdog_options_init");
+  const size_t size = o->struct_size;
+  struct Field {
+    const char* name;
+    size_t offset;
+    size_t size;
+  };
+#define ELASTIC_FIELD(f) \
+  Field { #f, offsetof(elastic_watchdog_options, f), sizeof(o->f) }
+  const Field fields[] = {
+      ELASTIC_FIELD(struct_size),          ELASTIC_FIELD(default_hang_timeout_ms),
+      ELASTIC_FIELD(hang_check_interval_ms), ELASTIC_FIELD(death_detection),
+      ELASTIC_FIELD(poll_interval_ms),      ELASTIC_FIELD(reap),
+      ELASTIC_FIELD(gpu_check_interval_ms), ELASTIC_FIELD(gpu_check_timeout_ms),
+      ELASTIC_FIELD(queue_capacity),
+  };
+#undef ELASTIC_FIELD
+  if (size < sizeof(uint32_t) || size > sizeof(elastic_watchdog_options)) {
+    throw elastic::Error(
+        ELASTIC_ERR_INVALID_ARGUMENT,
+        "elastic_watchdog_options.struct_size is " + std::to_string(size) +
+            (size > sizeof(elastic_watchdog_options)
+                 ? ", larger than this library's " + std::to_string(sizeof(elastic_watchdog_options)) +
+                       " bytes (the caller was built against a newer elastic.h): link the "
+                       "library it was built for, or rebuild against this one"
+                 : ": initialise the struct with elastic_watchdog_options_init"));
   }
-  opt.default_hang_timeout_ms = o->default_hang_timeout_ms;
-  opt.hang_check_interval_ms = o->hang_check_interval_ms;
-  opt.death_detection = static_cast<elastic_death_detection>(o->death_detection);
-  opt.poll_interval_ms = o->poll_interval_ms == 0 ? 5 : o->poll_interval_ms;
-  opt.reap = o->reap != 0;
-  opt.gpu_check_interval_ms = o->gpu_check_interval_ms;
-  opt.gpu_check_timeout_ms = o->gpu_check_timeout_ms;
-  opt.queue_capacity = o->queue_capacity;
+  for (const Field& f : fields) {
+    if (f.offset < size && f.offset + f.size > size) {
+      throw elastic::Error(ELASTIC_ERR_INVALID_ARGUMENT,
+                           "elastic_watchdog_options.struct_size is " + std::to_string(size) +
+                               ", which ends inside the field " + f.name +
+                               ": initialise the struct with elastic_watchdog_options_init");
+    }
+  }
+  auto has = [&](size_t offset, size_t field_size) { return offset + field_size <= size; };
+#define ELASTIC_HAS(f) has(offsetof(elastic_watchdog_options, f), sizeof(o->f))
+  if (ELASTIC_HAS(default_hang_timeout_ms)) opt.default_hang_timeout_ms = o->default_hang_timeout_ms;
+  if (ELASTIC_HAS(hang_check_interval_ms)) opt.hang_check_interval_ms = o->hang_check_interval_ms;
+  if (ELASTIC_HAS(death_detection))
+    opt.death_detection = static_cast<elastic_death_detection>(o->death_detection);
+  if (ELASTIC_HAS(poll_interval_ms)) opt.poll_interval_ms = o->poll_interval_ms == 0 ? 5 : o->poll_interval_ms;
+  if (ELASTIC_HAS(reap)) opt.reap = o->reap != 0;
+  if (ELASTIC_HAS(gpu_check_interval_ms)) opt.gpu_check_interval_ms = o->gpu_check_interval_ms;
+  if (ELASTIC_HAS(gpu_check_timeout_ms)) opt.gpu_check_timeout_ms = o->gpu_check_timeout_ms;
+  if (ELASTIC_HAS(queue_capacity)) opt.queue_capacity = o->queue_capacity;
+#undef ELASTIC_HAS
   return opt;
 }
 

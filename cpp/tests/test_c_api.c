@@ -21,6 +21,55 @@ static int failures = 0;
     }                                                                 \
   } while (0)
 
+/* Options structs from older (smaller) and newer (larger) headers. The bytes past an old
+ * struct are garbage that must not be read: here an impossible death_detection value. */
+typedef struct old_options_v0 {
+  uint32_t struct_size;
+  uint64_t default_hang_timeout_ms;
+} old_options_v0;
+
+typedef struct old_options_v1 {
+  uint32_t struct_size;
+  uint64_t default_hang_timeout_ms;
+  uint32_t hang_check_interval_ms;
+  int32_t death_detection;
+} old_options_v1;
+
+static void check_struct_sizes(void) {
+  union {
+    elastic_watchdog_options current;
+    old_options_v0 v0;
+    old_options_v1 v1;
+    unsigned char bytes[sizeof(elastic_watchdog_options) + 16];
+  } buffer;
+  elastic_watchdog* wd = NULL;
+
+  memset(&buffer, 0x7f, sizeof buffer);
+  buffer.v0.struct_size = sizeof(old_options_v0);
+  buffer.v0.default_hang_timeout_ms = 0;
+  CHECK(elastic_watchdog_create(&buffer.current, &wd) == ELASTIC_OK);
+  CHECK(elastic_watchdog_death_detection(wd) == ELASTIC_DEATH_PIDFD); /* the default */
+  elastic_watchdog_destroy(wd);
+
+  memset(&buffer, 0x7f, sizeof buffer);
+  buffer.v1.struct_size = sizeof(old_options_v1);
+  buffer.v1.default_hang_timeout_ms = 0;
+  buffer.v1.hang_check_interval_ms = 0;
+  buffer.v1.death_detection = ELASTIC_DEATH_POLL;
+  CHECK(elastic_watchdog_create(&buffer.current, &wd) == ELASTIC_OK);
+  CHECK(elastic_watchdog_death_detection(wd) == ELASTIC_DEATH_POLL); /* a field it has */
+  elastic_watchdog_destroy(wd);
+
+  elastic_watchdog_options_init(&buffer.current);
+  buffer.current.struct_size = (uint32_t)sizeof buffer.bytes; /* from a newer header */
+  CHECK(elastic_watchdog_create(&buffer.current, &wd) == ELASTIC_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(elastic_last_error(), "newer elastic.h") != NULL);
+
+  buffer.current.struct_size = 12; /* ends inside default_hang_timeout_ms */
+  CHECK(elastic_watchdog_create(&buffer.current, &wd) == ELASTIC_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(elastic_last_error(), "inside the field default_hang_timeout_ms") != NULL);
+}
+
 int main(void) {
   char path[128];
   elastic_heartbeat_table* table = NULL;
@@ -65,6 +114,7 @@ int main(void) {
   CHECK(options.struct_size == sizeof(options));
   options.struct_size = 3;
   CHECK(elastic_watchdog_create(&options, &wd) == ELASTIC_ERR_INVALID_ARGUMENT);
+  check_struct_sizes();
   elastic_watchdog_options_init(&options);
   CHECK(elastic_watchdog_create(&options, &wd) == ELASTIC_OK);
   CHECK(elastic_watchdog_death_detection(wd) == ELASTIC_DEATH_PIDFD);

@@ -12,6 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_launch.net import free_port
+
+__all__ = ["free_port"]  # the tests import it from here
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "scripts" / "worker.py"
 ELASTICRUN = [sys.executable, "-m", "elastic_launch"]
@@ -89,14 +93,6 @@ def run(
     """Run a launcher to completion (bounded)."""
     code, stdout, stderr = finish(start(args, env, cwd, launcher), timeout)
     return Run(code, stdout, stderr, out)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(pred, timeout: float = 60.0) -> bool:

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from launcher_util import start, worker_args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from launcher_util import free_port, start, worker_args
 
 
 def get(url: str) -> tuple[int, str]:

@@ -61,7 +61,7 @@ def test_exhausted_restarts_print_the_root_cause(out):
     assert "failure    : exit code 1" in root
     assert "error      : RuntimeError: injected failure on rank 1 at restart 1" in root
     assert 'File "' in root and "in fail" in root, "the worker's traceback"
-    assert "bootstrap.py" not in root, "the bootstrap's own frames are not shown"
+    assert "worker_main.py" not in root, "the launcher's own frames are not shown"
     assert "rank 0 (local rank 0): stopped by elasticrun after the root cause (SIGTERM)" in err
     assert wait_gone(all_pids(out)) == []
 

@@ -17,7 +17,9 @@
  *     a negative timeout means "wait without limit" only where a function says so.
  *   - Option structs carry their own size (`struct_size`) so that later versions can add fields
  *     without breaking callers compiled against this one; initialise them with the matching
- *     `*_options_init` function.
+ *     `*_options_init` function. A struct from an older header (a smaller size) works: the
+ *     fields it lacks take their defaults. A size larger than the library's struct, or one that
+ *     ends inside a field, is ELASTIC_ERR_INVALID_ARGUMENT.
  *   - Handles are not thread-safe unless a function says so. The watchdog runs its own thread and
  *     its functions may be called from any thread.
  */

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic_launch.api import (
+        AgentState,
         ConfigError,
         FailureKind,
         LaunchConfig,
@@ -26,12 +27,14 @@ if TYPE_CHECKING:
         Std,
         WorkerFailedError,
         WorkerFailure,
+        WorkerState,
     )
     from elastic_launch.errors import record
 
-# Names are imported on first use: workers import this package (through the bootstrap) before
+# Names are imported on first use: workers import this package (through worker_main) before
 # their script, and every import here would be paid at each worker start.
 _LAZY = {
+    "AgentState": "api",
     "ConfigError": "api",
     "FailureKind": "api",
     "LaunchConfig": "api",
@@ -42,6 +45,7 @@ _LAZY = {
     "Std": "api",
     "WorkerFailedError": "api",
     "WorkerFailure": "api",
+    "WorkerState": "api",
     "record": "errors",
 }
 
@@ -58,14 +62,15 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(f"elastic_launch.{_LAZY[name]}"), name)
-    if name == "__version__":  # importlib.metadata alone costs ~40 ms
-        from importlib.metadata import version
+    if name == "__version__":
+        from elastic_launch._version import __version__
 
-        return version("elasticrun-launch")
+        return __version__
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
+    "AgentState",
     "ConfigError",
     "FailureKind",
     "LaunchConfig",
@@ -76,6 +81,7 @@ __all__ = [
     "Std",
     "WorkerFailedError",
     "WorkerFailure",
+    "WorkerState",
     "__version__",
     "launch",
     "record",

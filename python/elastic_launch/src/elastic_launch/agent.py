@@ -1,56 +1,62 @@
-"""The elastic agent: one per node. Rendezvous, start the workers, watch them, restart them.
+"""The elastic agent: one per node. A small loop over three steps::
 
-The agent never imports torch: it is elastic_core (heartbeats, the pidfd watchdog, NVML) plus
-the standard library, so that launching and restarting cost as little as the workers allow.
+    rendezvous -> attempt (start the workers, watch them) -> finish (stop, then restart or end)
+
+The agent owns no resource: the launcher opens them (log directory, heartbeat table, watchdog,
+spawner, rendezvous handler, servers) and hands them over; the worker group owns the workers.
+Its life is an :class:`~elastic_launch.api.AgentState`, changed in one place
+(:meth:`ElasticAgent._transition`), which also emits the ``state_changed`` event; ``/healthz``
+and the failure summary show the same names. The agent never imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
-import pickle
 import signal
 import socket
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import elastic_core
 
 from elastic_launch.api import (
+    AgentState,
     FailureKind,
     LaunchConfig,
     RunResult,
-    RunState,
     WorkerFailure,
+    root_cause,
 )
-from elastic_launch.config import random_id
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.errors import read_error_file
 from elastic_launch.events import Events
 from elastic_launch.hang import StepIntervalLearner
-from elastic_launch.logs import LogLayout
 from elastic_launch.rendezvous.api import (
+    CloseReason,
+    JobClosed,
     RendezvousClosedError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    RestartReason,
 )
-from elastic_launch.workers import Entrypoint, Worker, WorkerGroup
-
-if TYPE_CHECKING:
-    from elastic_launch.zygote import Zygote
+from elastic_launch.summary import describe
+from elastic_launch.workers import Finding, SpawnError, Worker, WorkerEvent, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-_KILL_WAIT = 10.0  # after SIGKILL, how long to wait for the kernel to report the exits
-_ZYGOTE_START_TIMEOUT = 300.0
 
+class Outcome(enum.Enum):
+    """How an attempt ended."""
 
-class _Outcome(enum.Enum):
-    SUCCEEDED = 1
-    FAILED = 2
-    SIGNALED = 3
-    MEMBERSHIP = 4  # nodes came or went: restart without counting it
+    SUCCEEDED = "succeeded"  # every worker exited with 0
+    FAILED = "failed"  # a worker failed (exit, signal, hang, GPU, could not start)
+    MEMBERSHIP = "membership"  # nodes came or went
+    CANCELLED = "cancelled"  # a signal to the launcher
+    UNUSABLE = "unusable"  # a GPU needs a reset: this node cannot go on
 
 
 class ElasticAgent:
@@ -59,367 +65,337 @@ class ElasticAgent:
     def __init__(
         self,
         config: LaunchConfig,
-        entrypoint: Entrypoint,
+        group: WorkerGroup,
         rendezvous: RendezvousHandler,
         events: Events,
+        *,
         run_id: str,
+        entrypoint: str,
+        cancel: CancelToken = NEVER,
+        gpu: elastic_core.GpuHealth | None = None,
+        log_dir: str | None = None,
+        host: str | None = None,
     ) -> None:
         self.config = config
-        self.entrypoint = entrypoint
+        self.group = group
         self.rdzv = rendezvous
         self.events = events
         self.run_id = run_id
-        self.host = socket.gethostname()
-        self.layout = LogLayout(config.log_dir, run_id)
-        self.state = "starting"
+        self.entrypoint = entrypoint
+        self.cancel = cancel
+        self.gpu = gpu
+        self.log_dir = log_dir
+        self.host = host or socket.gethostname()
+        self._state = AgentState.INIT
         self.attempt = -1
         self.restarts = 0
         self.failures: list[WorkerFailure] = []
-        self._signal: int | None = None
-        self._force = False
-        self._lock = threading.Lock()
         self.learner = StepIntervalLearner(config.hang_timeout_floor, config.hang_timeout_factor)
         self._hang_timeout_set: float | None = None
-        self.table = elastic_core.HeartbeatTable.create(
-            f"/dev/shm/elasticrun-{os.getpid()}-{os.urandom(4).hex()}", config.nproc_per_node
+        self._detected_ns: int | None = None  # when the last attempt's end was seen
+        self._restart_reason = RestartReason.START
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> AgentState:
+        return self._state
+
+    def _transition(self, new: AgentState, **data: Any) -> None:
+        """The one place the state changes; emits ``state_changed`` (and ``job_<state>`` for
+        the final states)."""
+        previous, self._state = self._state, new
+        self.events.emit(
+            "state_changed", self.attempt, state=new.value, previous=previous.value, **data
         )
-        self.zygote: Zygote | None = None
-        self._file_timer: Any = None
-        try:
-            self.gpu = self._open_gpu()
-            self.watchdog = elastic_core.Watchdog(
-                default_hang_timeout=0.0,
-                gpu=self.gpu,
-                gpu_check_interval=config.gpu_check_interval if self.gpu is not None else 0.0,
-            )
-            self.group = WorkerGroup(
-                config, entrypoint, run_id, self.layout, self.table, self.watchdog, None
-            )
-            if self.gpu is not None:
-                self.group.gpu_count = self.gpu.device_count
-            self.zygote = self._start_zygote()
-            self._file_timer = self._start_file_timer()
-        except BaseException:
-            self.close()
-            raise
-
-    # ---- set-up ----------------------------------------------------------------------------
-
-    def _open_gpu(self) -> elastic_core.GpuHealth | None:
-        if self.config.gpu_check_interval <= 0:
-            return None
-        gpu = elastic_core.GpuHealth(timeout=5.0)
-        if gpu.state != elastic_core.GpuState.HEALTHY:
-            logger.debug("GPU checks off: %s", gpu.detail)
-            return None
-        return gpu
-
-    def _start_zygote(self) -> Zygote | None:
-        c = self.config
-        wants_fork = c.preload or (
-            self.entrypoint.kind in ("script", "module")
-            and c.start_method in ("fork", "forkserver")
-        )
-        if self.entrypoint.kind == "function" and c.start_method == "forkserver":
-            wants_fork = True
-        if not wants_fork or not self.entrypoint.is_python:
-            return None
-        from elastic_launch.zygote import Zygote
-
-        return Zygote(c.preload)
-
-    def _zygote_if_ready(self) -> Zygote | None:
-        """The zygote, once its imports are done (waiting for them costs no more than a fresh
-        interpreter would); None, with a warning, if it failed."""
-        z = self.zygote
-        if z is None:
-            return None
-        deadline = time.monotonic() + _ZYGOTE_START_TIMEOUT
-        while not z.wait_ready(0.1) and time.monotonic() < deadline and not z.dead:
-            if self._signal is not None:
-                return None  # the monitor loop handles the signal at once
-        if not z.ready:
-            logger.warning("the --preload zygote did not start; spawning fresh interpreters")
-            self.zygote = None
-            z.close()
-            return None
-        if z.failed:
-            for name, error in z.failed.items():
-                logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
-            z.failed = {}
-        return z
-
-    def _start_file_timer(self) -> Any:
-        """torch's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1), for scripts that use
-        ``expires()``; it is the only thing that makes the agent import torch."""
-        if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
-            return None
-        from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
-
-        path = os.environ.get("TORCHELASTIC_TIMER_FILE") or os.path.join(
-            self.layout.run_dir, f"watchdog_timer_{random_id()}"
-        )
-        server = FileTimerServer(path, self.run_id, max_interval=0.1, daemon=True)
-        server.start()
-        self.group.extra_env["TORCHELASTIC_TIMER_FILE"] = path
-        return server
-
-    # ---- state for /healthz --------------------------------------------------------------------
+        if new.terminal:
+            self.events.emit(f"job_{new.value}", self.attempt, restarts=self.restarts, **data)
 
     def health(self) -> dict[str, Any]:
-        workers = []
+        """What ``/healthz`` serves."""
         now = elastic_core.now_ns()
-        for w in list(self.group.workers):
-            try:
-                info = self.table.read(w.local_rank)
-            except ValueError:  # closed while we looked
-                info = None
+        beats = self.group.beats()
+        workers = []
+        for w in self.group.workers:
+            b = beats.get(w.local_rank)
             workers.append(
                 {
                     "rank": w.rank,
                     "local_rank": w.local_rank,
                     "pid": w.pid,
+                    "state": w.state.value,
                     "running": not w.exited,
                     "exit_code": w.exit_code,
-                    "step": info.step if info else None,
-                    "seconds_since_beat": (now - info.last_beat_ns) / 1e9
-                    if info and info.last_beat_ns
+                    "step": b.step if b else None,
+                    "seconds_since_beat": (now - b.last_beat_ns) / 1e9
+                    if b and b.last_beat_ns
                     else None,
                 }
             )
+        counters = self.rdzv.counters()
         return {
-            "state": self.state,
+            "state": self._state.value,
+            "healthy": self._state.healthy,
             "run_id": self.run_id,
             "host": self.host,
             "attempt": self.attempt,
             "restarts": self.restarts,
             "max_restarts": self.config.max_restarts,
             "hang_timeout": self._hang_timeout_set,
+            "rendezvous": {"phase": counters.phase, "rounds": counters.rounds},
             "workers": workers,
         }
 
-    # ---- signals -------------------------------------------------------------------------------
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self._signal is not None:
-            self._force = True  # a second signal: no more grace
-        else:
-            self._signal = signum
-
-    def _install_signals(self) -> dict[int, Any]:
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is not threading.main_thread():
-            return previous
-        from elastic_launch.config import parse_signals
-
-        for sig in parse_signals(self.config.signals_to_handle):
-            previous[sig] = signal.signal(sig, self._on_signal)
-        return previous
-
-    # ---- the main loop -------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        previous = self._install_signals()
-        self.watchdog.start()
         self.events.emit(
             "job_started",
-            0,
+            self.attempt,
+            min_nodes=self.config.min_nodes,
+            max_nodes=self.config.max_nodes,
             nproc_per_node=self.config.nproc_per_node,
-            entrypoint=self.entrypoint.name,
+            entrypoint=self.entrypoint,
             host=self.host,
-            log_dir=self.layout.run_dir,
+            log_dir=self.log_dir,
         )
-        try:
-            return self._run()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if self.group.alive():  # an exception got here: never leave workers running
-                self.group.signal_all(signal.SIGKILL)
-                self.group.close()
-            self.close()
-
-    def _run(self) -> RunResult:
-        detected_ns: int | None = None
-        reason = "start"
+        reason, failure = RestartReason.START, ""
         while True:
-            joined_at = time.time()
-            try:
-                info = self.rdzv.next_rendezvous(reason)
-            except RendezvousClosedError as e:
-                return self._closed(e)
-            self.events.emit(
-                "rendezvous_done",
-                self.attempt + 1,
-                round=info.round,
-                nodes=info.group_world_size,
-                group_rank=info.group_rank,
-                joined_at=joined_at,
-                formed_at=time.time(),
-                store_requests=getattr(getattr(self.rdzv, "store", None), "requests", None),
+            info = self._rendezvous(reason, failure)
+            if isinstance(info, RunResult):
+                return info
+            outcome = self._attempt(info)
+            step = self._finish(outcome)
+            if isinstance(step, RunResult):
+                return step
+            reason, failure = step
+
+    def _rendezvous(self, reason: RestartReason, failure: str) -> RendezvousInfo | RunResult:
+        self._transition(AgentState.RENDEZVOUS, reason=reason.value)
+        joined_at = time.time()
+        try:
+            info = self.rdzv.next_rendezvous(reason, cancel=self.cancel, failure=failure)
+        except RendezvousClosedError as e:
+            return self._closed(e.closed)
+        except RendezvousError as e:
+            if self.cancel.cancelled:
+                return self._stopped()
+            self._transition(AgentState.FAILED, reason=str(e))
+            raise
+        except Exception:
+            if self.cancel.cancelled:
+                return self._stopped()
+            raise
+        counters = self.rdzv.counters()
+        self.events.emit(
+            "rendezvous_done",
+            self.attempt + 1,
+            round=info.round,
+            nodes=info.group_world_size,
+            group_rank=info.group_rank,
+            joined_at=joined_at,
+            formed_at=time.time(),
+            store_requests=counters.store_requests,
+        )
+        self.attempt += 1
+        self.restarts = info.restart_count
+        if reason == RestartReason.FAILURE:
+            logger.warning(
+                "restarting the workers (restart %d of %d) after: %s",
+                self.restarts,
+                self.config.max_restarts,
+                failure,
             )
-            self.attempt += 1
-            self.restarts = info.restart_count
-            if reason == "failure":
-                logger.warning(
-                    "restarting the workers (restart %d of %d) after: %s",
-                    self.restarts,
-                    self.config.max_restarts,
-                    self._root_line(),
-                )
-            elif reason == "membership":
-                logger.warning(
-                    "restarting the workers: the job now has %d node(s), %d worker(s); this "
-                    "node is group rank %d",
-                    info.group_world_size,
-                    info.world_size,
-                    info.group_rank,
-                )
-            self.failures = []
-            self.learner.reset()
-            self._hang_timeout_set = None
-            t0 = elastic_core.now_ns()
-            self.group.spawner = self._zygote_if_ready()
-            if self._gpus_unusable(info):
-                self.state = "failed"
-                self.events.emit("job_failed", self.attempt, restarts=self.restarts)
-                self.rdzv.set_closed(f"failed: an unusable GPU on {self.host}")
-                return self._result(RunState.FAILED)
-            try:
-                self.group.start(info, self.attempt, self.restarts)
-            except Exception as e:  # could not start a worker: a failure like any other
-                self._spawn_failed(e, info)
-                outcome = _Outcome.FAILED
-            else:
-                started = elastic_core.now_ns()
-                self.state = "running"
-                self.events.emit(
-                    "group_started",
-                    self.attempt,
-                    workers=len(self.group.workers),
-                    world_size=info.world_size,
-                    nodes=info.group_world_size,
-                    group_rank=info.group_rank,
-                    restarts=self.restarts,
-                    spawn_seconds=(started - t0) / 1e9,
-                    forked=self.group.spawner is not None,
-                )
-                if detected_ns is not None:
-                    self.events.emit(
-                        "group_restarted",
-                        self.attempt,
-                        restarts=self.restarts,
-                        reason=reason,
-                        recovery_seconds=(started - detected_ns) / 1e9,
-                    )
-                outcome = self._monitor(info)
-            if outcome == _Outcome.SUCCEEDED:
-                self.state = "succeeded"
-                self.group.close()
-                values = self._return_values()
-                self.rdzv.mark_done()
-                self.events.emit("job_succeeded", self.attempt, restarts=self.restarts)
-                return self._result(RunState.SUCCEEDED, values)
-            if outcome == _Outcome.SIGNALED:
-                assert self._signal is not None
-                self.state = "stopping"
-                self._stop_group(self._signal)
-                self.state = "stopped"
-                self.events.emit("job_stopped", self.attempt, signal=self._signal)
-                return self._result(RunState.STOPPED, signal=self._signal)
-            if outcome == _Outcome.MEMBERSHIP:
-                detected_ns = elastic_core.now_ns()
-                self.events.emit(
-                    "membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting()
-                )
-                reason = "membership"
-            else:
-                detected_ns = min(f.time_ns for f in self.failures) if self.failures else None
-                reason = "failure"
-            self.state = "restarting"
-            self._stop_group(signal.SIGTERM)
-            if self._signal is not None:
-                self.state = "stopped"
-                self.events.emit("job_stopped", self.attempt, signal=self._signal)
-                return self._result(RunState.STOPPED, signal=self._signal)
-            if reason == "failure" and self.restarts >= self.config.max_restarts:
-                self.state = "failed"
-                self.events.emit("job_failed", self.attempt, restarts=self.restarts)
-                why = (
-                    f"failed: restarts exhausted ({self.config.max_restarts}); root cause on "
-                    f"{self.host}: {self._root_line()}"
-                )
-                self.rdzv.set_closed(why)  # (a no-op if another node closed it first)
-                result = self._result(RunState.FAILED)
-                result.message = f"the job {why}"
-                return result
+        elif reason == RestartReason.MEMBERSHIP:
+            logger.warning(
+                "restarting the workers: the job now has %d node(s), %d worker(s); this node "
+                "is group rank %d",
+                info.group_world_size,
+                info.world_size,
+                info.group_rank,
+            )
+        return info
 
-    def _closed(self, error: RendezvousClosedError) -> RunResult:
-        """The job was closed (by another node, or by the budget): stop as it says."""
-        reason = getattr(self.rdzv, "closed_reason", lambda: None)() or str(error)
-        if reason == "succeeded":
-            self.state = "succeeded"
-            self.events.emit("job_succeeded", self.attempt, restarts=self.restarts)
-            return self._result(RunState.SUCCEEDED)
-        self.state = "failed"
-        self.events.emit("job_failed", self.attempt, restarts=self.restarts, reason=reason)
-        result = self._result(RunState.FAILED)
-        result.message = f"the job was closed: {reason}"
-        return result
+    def _attempt(self, info: RendezvousInfo) -> Outcome:
+        """Start this node's workers for round `info` and watch them until the attempt ends."""
+        self.failures = []
+        self.learner.reset()
+        self._hang_timeout_set = None
+        self._transition(AgentState.STARTING, round=info.round)
+        t0 = elastic_core.now_ns()
+        if self._gpus_unusable(info):
+            return Outcome.UNUSABLE
+        forked = self.group.spawner.forks
+        try:
+            self.group.start_all(info, self.attempt, self.restarts)
+        except SpawnError as e:
+            if self.cancel.cancelled:
+                return Outcome.CANCELLED
+            self._spawn_failed(e, info)
+            return Outcome.FAILED
+        started = elastic_core.now_ns()
+        self.events.emit(
+            "group_started",
+            self.attempt,
+            workers=len(self.group.workers),
+            world_size=info.world_size,
+            nodes=info.group_world_size,
+            group_rank=info.group_rank,
+            restarts=self.restarts,
+            spawn_seconds=(started - t0) / 1e9,
+            forked=forked,
+            spawner=self.group.spawner.name,
+        )
+        if self._detected_ns is not None:
+            self.events.emit(
+                "group_restarted",
+                self.attempt,
+                restarts=self.restarts,
+                reason=self._restart_reason.value,
+                recovery_seconds=(started - self._detected_ns) / 1e9,
+            )
+        self._transition(AgentState.RUNNING)
+        return self._monitor()
 
-    def _root_line(self) -> str:
-        from elastic_launch.summary import describe
-
-        own = [f for f in self.failures if f.kind != FailureKind.STOPPED]
-        if not own:
-            return "unknown failure"
-        f = min(own, key=lambda f: f.time_ns)
-        return f"rank {f.rank} {describe(f)}"
-
-    def _monitor(self, info: RendezvousInfo) -> _Outcome:
-        c = self.config
+    def _monitor(self) -> Outcome:
         ready = False
         while True:
-            if self._signal is not None:
-                return _Outcome.SIGNALED
+            if self.cancel.cancelled:
+                return Outcome.CANCELLED
             if self.rdzv.membership_changed():
-                return _Outcome.MEMBERSHIP
-            event = self.watchdog.poll(timeout=c.monitor_interval)
+                return Outcome.MEMBERSHIP
+            event = self.group.next_event(self.config.monitor_interval)
             if event is not None:
                 outcome = self._on_event(event)
                 if outcome is not None:
                     return outcome
             self._learn_hang_timeout()
-            if not ready and self._all_beating():
+            if not ready and self.group.all_beating():
                 ready = True
+                first = min(w.started_ns for w in self.group.workers)
                 self.events.emit(
-                    "group_ready",
-                    self.attempt,
-                    seconds=(elastic_core.now_ns() - self.group.workers[0].started_ns) / 1e9,
+                    "group_ready", self.attempt, seconds=(elastic_core.now_ns() - first) / 1e9
                 )
 
-    def _on_event(self, event: elastic_core.Event) -> _Outcome | None:
-        w = self.group.by_local_rank(event.worker)
-        if w is None or w.pid != event.pid or w.exited:
-            return None  # about a worker of an earlier attempt
-        if event.kind == elastic_core.EventKind.EXITED:
-            self.group.mark_exited(w, event)
+    def _on_event(self, event: WorkerEvent) -> Outcome | None:
+        w = event.worker
+        if event.finding == Finding.EXITED:
             if w.exit_code == 0:
-                if all(x.exited and x.exit_code == 0 for x in self.group.workers):
-                    return _Outcome.SUCCEEDED
-                return None
+                return Outcome.SUCCEEDED if self.group.succeeded else None
             kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
             self._record_failure(w, kind, event)
-            return _Outcome.FAILED
-        if event.kind == elastic_core.EventKind.HUNG:
+            return Outcome.FAILED
+        self.group.mark_failed(w)
+        if event.finding == Finding.HUNG:
             failure = self._record_failure(w, FailureKind.HUNG, event)
             stacks = self.group.dump_stacks(self.config.stack_dump_timeout)
             failure.stack = stacks.get(w.local_rank, "(no Python stack: the worker did not answer)")
-            return _Outcome.FAILED
-        if event.kind == elastic_core.EventKind.GPU_UNHEALTHY:
+        else:
             self._record_failure(w, FailureKind.GPU, event)
-            return _Outcome.FAILED
-        return None
+        return Outcome.FAILED
+
+    def _finish(self, outcome: Outcome) -> RunResult | tuple[RestartReason, str]:
+        """End the attempt: the job's result, or why and how to go on."""
+        if outcome == Outcome.SUCCEEDED:
+            self.group.close()
+            values = self.group.return_values()
+            self.rdzv.mark_done()
+            self._transition(AgentState.SUCCEEDED)
+            return self._result(AgentState.SUCCEEDED, values)
+        if outcome == Outcome.CANCELLED:
+            return self._stopped()
+        if outcome == Outcome.UNUSABLE:
+            detail = f"an unusable GPU on {self.host}: {self._root_line()}"
+            self.rdzv.set_closed(CloseReason.FAILED, detail)
+            return self._failed(f"the job failed: {detail}")
+        self._detected_ns = elastic_core.now_ns()
+        if outcome == Outcome.FAILED:
+            own = root_cause(self.failures)
+            if own is not None:
+                self._detected_ns = own.time_ns
+        self._transition(AgentState.RESTARTING, outcome=outcome.value)
+        self._stop_workers(signal.SIGTERM)
+        if self.cancel.cancelled:
+            return self._stopped()
+        if outcome == Outcome.FAILED:
+            lost = self.rdzv.lost_members(self.cancel)
+            if not lost:
+                self._restart_reason = RestartReason.FAILURE
+                return RestartReason.FAILURE, self._root_line()
+            logger.warning(
+                "node(s) %s left the job (their agent is gone): a membership change, not a "
+                "failure of this node's workers",
+                ", ".join(lost),
+            )
+        self.events.emit("membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting())
+        self._restart_reason = RestartReason.MEMBERSHIP
+        return RestartReason.MEMBERSHIP, ""
+
+    # ---- endings -------------------------------------------------------------------------------
+
+    def _stopped(self) -> RunResult:
+        """A signal: stop the workers with it (a second one skips the grace period)."""
+        sig = self.cancel.signum or signal.SIGTERM
+        self._transition(AgentState.STOPPING, signal=sig)
+        self._stop_workers(sig)
+        self._transition(AgentState.STOPPED, signal=sig)
+        return self._result(AgentState.STOPPED, signal=sig)
+
+    def _closed(self, closed: JobClosed) -> RunResult:
+        """The job was closed (by another node, or by the budget): end as it says."""
+        if closed.reason == CloseReason.SUCCEEDED:
+            self._transition(AgentState.SUCCEEDED, reason=str(closed))
+            return self._result(AgentState.SUCCEEDED)
+        return self._failed(
+            f"the job {closed}" if closed.detail else f"the job was closed: {closed}"
+        )
+
+    def _failed(self, message: str) -> RunResult:
+        self._transition(AgentState.FAILED, reason=message)
+        return dataclasses.replace(self._result(AgentState.FAILED), message=message)
+
+    def _stop_workers(self, sig: int) -> None:
+        t0 = elastic_core.now_ns()
+        stopped = self.group.stop_all(sig, self.config.shutdown_timeout, self.cancel)
+        failed = {f.local_rank for f in self.failures}
+        for w in stopped:
+            if w.local_rank in failed:
+                continue
+            how = "SIGKILL" if w.signal == signal.SIGKILL else signal.Signals(sig).name
+            self.failures.append(
+                self._failure(
+                    FailureKind.STOPPED,
+                    w.rank,
+                    w.local_rank,
+                    w.pid,
+                    exit_code=w.exit_code,
+                    signal=w.signal,
+                    detail=how,
+                )
+            )
+        self.group.close()
+        self.events.emit(
+            "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9
+        )
+
+    def _result(
+        self, state: AgentState, values: dict[int, Any] | None = None, signal: int | None = None
+    ) -> RunResult:
+        return RunResult(
+            state=state,
+            return_values=values or {},
+            failures=list(self.failures),
+            attempts=self.attempt + 1,
+            restarts=self.restarts,
+            signal=signal,
+            log_dir=self.log_dir,
+        )
+
+    # ---- failures ------------------------------------------------------------------------------
+
+    def _root_line(self) -> str:
+        f = root_cause(self.failures)
+        return f"rank {f.rank} {describe(f)}" if f is not None else "unknown failure"
 
     def _failure(
         self,
@@ -445,19 +421,16 @@ class ElasticAgent:
             **details,
         )
 
-    def _record_failure(
-        self, w: Worker, kind: FailureKind, event: elastic_core.Event | None
-    ) -> WorkerFailure:
-        now_ns = event.time_ns if event is not None else elastic_core.now_ns()
+    def _record_failure(self, w: Worker, kind: FailureKind, event: WorkerEvent) -> WorkerFailure:
         failure = self._failure(
             kind,
             w.rank,
             w.local_rank,
             w.pid,
-            now_ns,
+            event.time_ns,
             exit_code=w.exit_code,
             signal=w.signal,
-            detail=event.detail if event is not None else "",
+            detail=event.detail,
             error_file=w.error_file if os.path.exists(w.error_file) else "",
             stdout_log=w.stdout_log,
             stderr_log=w.stderr_log,
@@ -467,12 +440,12 @@ class ElasticAgent:
             failure.message = data.message
             failure.traceback = data.traceback
             failure.failed_at_ns = data.monotonic_ns
-        detection: float | None = None
-        if kind == FailureKind.HUNG and event is not None:
-            info = self.table.read(w.local_rank)
-            failure.failed_at_ns = info.last_beat_ns
-        if failure.failed_at_ns:
-            detection = max(0.0, (now_ns - failure.failed_at_ns) / 1e9)
+        if kind == FailureKind.HUNG:
+            beat = self.group.beats().get(w.local_rank)
+            failure.failed_at_ns = beat.last_beat_ns if beat else None
+        detection = (
+            max(0.0, (event.time_ns - failure.failed_at_ns) / 1e9) if failure.failed_at_ns else None
+        )
         self.failures.append(failure)
         self.events.emit(
             "worker_failed",
@@ -487,18 +460,21 @@ class ElasticAgent:
         )
         return failure
 
-    def _spawn_failed(self, error: Exception, info: RendezvousInfo) -> None:
-        local_rank = len(self.group.workers)
+    def _spawn_failed(self, error: SpawnError, info: RendezvousInfo) -> None:
         self.failures.append(
             self._failure(
                 FailureKind.SPAWN,
-                info.rank_offset + local_rank,
-                local_rank,
-                detail=f"{type(error).__name__}: {error}",
+                info.rank_offset + error.local_rank,
+                error.local_rank,
+                detail=str(error),
             )
         )
         self.events.emit(
-            "worker_failed", self.attempt, local_rank=local_rank, kind="spawn", detail=str(error)
+            "worker_failed",
+            self.attempt,
+            local_rank=error.local_rank,
+            kind=FailureKind.SPAWN.value,
+            detail=str(error),
         )
 
     def _gpus_unusable(self, info: RendezvousInfo) -> bool:
@@ -523,108 +499,18 @@ class ElasticAgent:
             return True
         return False
 
-    def _all_beating(self) -> bool:
-        return bool(self.group.workers) and all(
-            self.table.read(w.local_rank).last_beat_ns != 0 for w in self.group.workers
-        )
-
     def _learn_hang_timeout(self) -> None:
         """Fixed --hang-timeout, or learned from the step interval (automatic mode)."""
         c = self.config
         if c.hang_timeout is not None:
             timeout = c.hang_timeout
         else:
-            for w in self.group.alive():
-                info = self.table.read(w.local_rank)
-                self.learner.observe(w.local_rank, info.step, info.last_beat_ns)
+            for local_rank, beat in self.group.beats().items():
+                self.learner.observe(local_rank, beat.step, beat.last_beat_ns)
             timeout = self.learner.timeout()
         if timeout == float("inf"):
             timeout = 0.0  # off
-        if self._hang_timeout_set is None or abs(timeout - self._hang_timeout_set) > max(
-            0.1 * self._hang_timeout_set, 0.001
-        ):
-            for w in self.group.alive():
-                self.watchdog.set_hang_timeout(w.local_rank, timeout)
+        previous = self._hang_timeout_set
+        if previous is None or abs(timeout - previous) > max(0.1 * previous, 0.001):
+            self.group.set_hang_timeout(timeout)
             self._hang_timeout_set = timeout
-
-    # ---- stopping ------------------------------------------------------------------------------
-
-    def _stop_group(self, sig: int) -> None:
-        """The stop sequence: `sig` to every process group, the grace period, then SIGKILL."""
-        t0 = elastic_core.now_ns()
-        failed_ranks = {f.local_rank for f in self.failures}
-        alive_before = {w.local_rank for w in self.group.alive()}
-        self.group.signal_all(sig)
-        self._await_exits(self.config.shutdown_timeout)
-        if self.group.alive():
-            self.group.signal_all(signal.SIGKILL)
-            self._await_exits(_KILL_WAIT, force_ok=False)
-        self.group.close()
-        for w in self.group.workers:
-            if w.local_rank in alive_before and w.local_rank not in failed_ranks:
-                how = "SIGKILL" if w.signal == signal.SIGKILL else signal.Signals(sig).name
-                self.failures.append(
-                    self._failure(
-                        FailureKind.STOPPED,
-                        w.rank,
-                        w.local_rank,
-                        w.pid,
-                        exit_code=w.exit_code,
-                        signal=w.signal,
-                        detail=how,
-                    )
-                )
-        self.events.emit(
-            "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9
-        )
-
-    def _await_exits(self, timeout: float, force_ok: bool = True) -> None:
-        deadline = time.monotonic() + timeout
-        while self.group.alive():
-            left = deadline - time.monotonic()
-            if left <= 0 or (force_ok and self._force):
-                return
-            event = self.watchdog.poll(timeout=min(left, 0.05))
-            if event is not None and event.kind == elastic_core.EventKind.EXITED:
-                w = self.group.by_local_rank(event.worker)
-                if w is not None and w.pid == event.pid and not w.exited:
-                    self.group.mark_exited(w, event)
-
-    # ---- results and clean-up ------------------------------------------------------------------
-
-    def _return_values(self) -> dict[int, Any]:
-        values: dict[int, Any] = {}
-        for w in self.group.workers:
-            if w.result_file and os.path.exists(w.result_file):
-                with open(w.result_file, "rb") as f:
-                    values[w.rank] = pickle.load(f)
-            else:
-                values[w.rank] = None
-        return values
-
-    def _result(
-        self, state: RunState, values: dict[int, Any] | None = None, signal: int | None = None
-    ) -> RunResult:
-        return RunResult(
-            state=state,
-            return_values=values or {},
-            failures=list(self.failures),
-            attempts=self.attempt + 1,
-            restarts=self.restarts,
-            signal=signal,
-            log_dir=self.layout.run_dir if self.layout.keep_logs else None,
-        )
-
-    def close(self) -> None:
-        """Release everything the agent holds; safe after a partial set-up, and twice."""
-        if getattr(self, "watchdog", None) is not None:
-            self.watchdog.close()
-        if self.zygote is not None:
-            self.zygote.close()
-            self.zygote = None
-        if self._file_timer is not None:
-            self._file_timer.stop()
-            self._file_timer = None
-        self.table.close()
-        self.rdzv.shutdown()
-        self.layout.cleanup()

@@ -106,17 +106,54 @@ class WorkerFailure:
     failed_at_ns: int | None = None  # when the failure happened, if known
 
 
-class RunState(str, enum.Enum):
+class AgentState(str, enum.Enum):
+    """The agent's life. Its `.value` is what events (``state_changed``), ``/healthz`` and the
+    failure summary show."""
+
+    INIT = "init"  # setting up (log directory, servers, the zygote)
+    RENDEZVOUS = "rendezvous"  # waiting for the round (or as a spare)
+    STARTING = "starting"  # starting this node's workers
+    RUNNING = "running"  # the workers run
+    RESTARTING = "restarting"  # stopping the workers to start a new attempt
+    STOPPING = "stopping"  # stopping the workers for good (a signal)
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # by a signal to the launcher
+
+    @property
+    def terminal(self) -> bool:
+        return self in (AgentState.SUCCEEDED, AgentState.FAILED, AgentState.STOPPED)
+
+    @property
+    def healthy(self) -> bool:
+        """What ``/healthz`` answers 200 for: everything but failing and being stopped."""
+        return self not in (AgentState.FAILED, AgentState.STOPPING, AgentState.STOPPED)
+
+
+#: The outcome of a launch is the agent's final state (kept under torch-like name).
+RunState = AgentState
+
+
+class WorkerState(str, enum.Enum):
+    """One worker's life within an attempt (shown by ``/healthz``)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # exited with 0
+    FAILED = "failed"  # exited otherwise, hung, or its GPU failed
+    STOPPED = "stopped"  # stopped by the launcher
+
+
+def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:
+    """The first failure, workers the launcher stopped left out: what the summary leads with."""
+    own = [f for f in failures if f.kind != FailureKind.STOPPED]
+    return min(own, key=lambda f: f.time_ns) if own else None
 
 
 @dataclass
 class RunResult:
     """The outcome of a launch."""
 
-    state: RunState
+    state: AgentState
     return_values: dict[int, Any] = field(default_factory=dict)  # by global rank
     failures: list[WorkerFailure] = field(default_factory=list)  # of the last attempt
     attempts: int = 0
@@ -128,8 +165,7 @@ class RunResult:
     @property
     def root_cause(self) -> WorkerFailure | None:
         """The first failure of the last attempt (workers the launcher stopped excluded)."""
-        own = [f for f in self.failures if f.kind != FailureKind.STOPPED]
-        return min(own, key=lambda f: f.time_ns) if own else None
+        return root_cause(self.failures)
 
 
 class LaunchError(Exception):
@@ -157,4 +193,12 @@ class LauncherStopped(LaunchError):  # noqa: N818 - torch calls its equivalent S
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+class Cancelled(LaunchError):  # noqa: N818 - a state, like asyncio.CancelledError
+    """A wait was cancelled (by a signal to the launcher, whose number it carries)."""
+
+    def __init__(self, signum: int | None = None) -> None:
+        super().__init__(f"cancelled by signal {signum}" if signum else "cancelled")
         self.signum = signum

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from elastic_launch import api
-from elastic_launch.api import ConfigError, LaunchConfig, RunState
+from elastic_launch import api, compat
+from elastic_launch.api import AgentState, ConfigError, LaunchConfig
 from elastic_launch.config import (
     parse_hang_timeout,
     parse_list,
@@ -33,23 +32,12 @@ from elastic_launch.config import (
 
 logger = logging.getLogger("elasticrun")
 
-_OMP_WARNING = (
-    "\n*****************************************\n"
-    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
-    "your system being overloaded, please further tune the variable for optimal performance in "
-    "your application as needed. \n*****************************************"
-)
-
-
-def _env_name(dest: str) -> str:
-    return f"PET_{dest.upper()}"
-
 
 class _EnvDefault(argparse.Action):
     """A flag whose default comes from PET_<DEST> (torch's ``env`` action)."""
 
     def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
-        value = os.environ.get(_env_name(dest))
+        value = compat.pet_value(dest)
         if value is not None:
             default = value
             required = False
@@ -63,12 +51,9 @@ class _EnvFlag(argparse.Action):
     """A boolean flag whose default comes from PET_<DEST> (1/0/true/false)."""
 
     def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        value = os.environ.get(_env_name(dest))
+        value = compat.pet_flag(dest)
         if value is not None:
-            text = value.strip().lower()
-            if text not in ("1", "0", "true", "false", "yes", "no"):
-                raise ConfigError(f"{_env_name(dest)}='{value}' is not a boolean: use 1 or 0")
-            default = text in ("1", "true", "yes")
+            default = value
         super().__init__(dest=dest, default=default, nargs=0, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
@@ -248,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     """Turn parsed flags into a LaunchConfig and an Entrypoint, checking every value."""
-    from elastic_launch.workers import Entrypoint
+    from elastic_launch.entrypoint import Entrypoint
 
     if args.logs_specs:
         raise ConfigError(
@@ -260,10 +245,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
             f"--numa-binding {args.numa_binding} is not supported by elasticrun yet; bind "
             "workers with numactl in your script, or leave the flag out"
         )
-    if args.module and args.no_python:
-        raise ConfigError(
-            "Don't use both the '--no-python' flag and the '--module' flag at the same time."
-        )
+    entrypoint = Entrypoint.from_command_line(
+        args.training_script,
+        list(args.training_script_args),
+        args.module,
+        args.no_python,
+        args.run_path,
+    )
     min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
     nproc = parse_nproc_per_node(str(args.nproc_per_node))
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
@@ -275,13 +263,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
     shutdown = args.shutdown_timeout
     if shutdown is None:
-        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-        try:
-            shutdown = float(raw)
-        except ValueError:
-            raise ConfigError(
-                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT='{raw}' is not a number of seconds"
-            ) from None
+        shutdown = compat.shutdown_timeout()
     parse_signals(args.signals_to_handle)  # checked now, installed by the agent
     config = LaunchConfig(
         min_nodes=min_nodes,
@@ -318,18 +300,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         health_port=args.health_port,
         gpu_check_interval=float(args.gpu_check_interval),
     )
-    script_args = list(args.training_script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    if args.module:
-        entrypoint = Entrypoint("module", args.training_script, script_args)
-    elif args.no_python and not args.run_path:
-        entrypoint = Entrypoint("binary", args.training_script, script_args)
-    else:
-        entrypoint = Entrypoint("script", args.training_script, script_args)
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        logger.warning(_OMP_WARNING)
+    if compat.set_omp_default(nproc):
+        logger.warning(compat.OMP_WARNING)
     return config, entrypoint
 
 
@@ -350,9 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (api.LaunchError, OSError) as e:  # rendezvous, log directory, ports...
         print(f"elasticrun: error: {type(e).__name__}: {e}", file=sys.stderr)
         return api.EXIT_FAILED
-    if result.state == RunState.SUCCEEDED:
+    if result.state == AgentState.SUCCEEDED:
         return api.EXIT_OK
-    if result.state == RunState.STOPPED:
+    if result.state == AgentState.STOPPED:
         sig = result.signal or 0
         print(f"elasticrun: stopped by signal {sig}; workers stopped", file=sys.stderr)
         return api.EXIT_SIGNAL_BASE + sig

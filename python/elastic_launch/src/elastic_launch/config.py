@@ -12,7 +12,8 @@ import re
 import signal
 from collections.abc import Iterable
 
-from elastic_launch.api import ConfigError, Std
+from elastic_launch.api import ConfigError, LaunchConfig, Std
+from elastic_launch.devices import visible_gpu_count
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -32,20 +33,6 @@ def parse_nnodes(value: str) -> tuple[int, int]:
             "for example --nnodes 1:4"
         )
     return lo, hi
-
-
-def visible_gpu_count() -> int:
-    """GPUs this process may use: $CUDA_VISIBLE_DEVICES if set, else NVML's count (0 without
-    NVML). NVML is loaded by elastic_core, so CUDA is never initialised in the launcher."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    import elastic_core
-
-    gpu = elastic_core.GpuHealth(timeout=5.0)
-    count = gpu.device_count if gpu.state == elastic_core.GpuState.HEALTHY else 0
-    if visible is not None:
-        entries = [e for e in visible.split(",") if e.strip() and e.strip() != "-1"]
-        return min(len(entries), count) if count else len(entries)
-    return count
 
 
 def cpu_count() -> int:
@@ -259,3 +246,25 @@ def check_positive(value: float, flag: str, allow_zero: bool = False) -> float:
         bound = "0 or more" if allow_zero else "more than 0"
         raise ConfigError(f"{flag} {value!r}: must be {bound}")
     return value
+
+
+def check_config(config: LaunchConfig) -> None:
+    """Reject a bad LaunchConfig before anything starts."""
+    if not 1 <= config.min_nodes <= config.max_nodes:
+        raise ConfigError(
+            f"nodes: need 1 <= min_nodes <= max_nodes (got {config.min_nodes}:{config.max_nodes})"
+        )
+    if config.nproc_per_node < 1:
+        raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
+    if config.max_restarts < 0:
+        raise ConfigError(f"max_restarts {config.max_restarts}: must be 0 or more")
+    check_positive(config.monitor_interval, "--monitor-interval")
+    check_positive(config.shutdown_timeout, "--shutdown-timeout", allow_zero=True)
+    check_positive(config.hang_timeout_floor, "--hang-timeout-floor")
+    check_positive(config.hang_timeout_factor, "--hang-timeout-factor")
+    check_positive(config.gpu_check_interval, "--gpu-check-interval", allow_zero=True)
+    if config.start_method not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(
+            f"--start-method '{config.start_method}': choose spawn, fork or forkserver"
+        )
+    parse_signals(config.signals_to_handle)

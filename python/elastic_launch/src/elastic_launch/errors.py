@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+from elastic_launch.compat import ERROR_FILE_ENV
+
+__all__ = ["ERROR_FILE_ENV", "ErrorFileData", "read_error_file", "record", "write_error_file"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

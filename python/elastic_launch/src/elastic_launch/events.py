@@ -3,11 +3,13 @@
 Every event goes to each configured handler: ``null``, ``console`` (the log), a JSON-lines file
 (``--events-file``) and Prometheus (``--metrics-port``). Events:
 
-``job_started``, ``group_started`` (attempt, spawn_seconds), ``worker_failed`` (rank, kind,
-exit_code/signal, detection_seconds: failure to detection, when the failure time is known),
-``group_stopped`` (stop_seconds), ``group_restarted`` (recovery_seconds: detection to the restarted
-group's workers all running), ``group_ready`` (seconds to every worker's first beat),
-``job_succeeded``, ``job_failed``, ``job_stopped``.
+``job_started``, ``state_changed`` (state, previous: the agent's
+:class:`~elastic_launch.api.AgentState` names), ``rendezvous_done``, ``group_started`` (attempt,
+spawn_seconds), ``worker_failed`` (rank, kind, exit_code/signal, detection_seconds: failure to
+detection, when the failure time is known), ``membership_changed``, ``group_stopped``
+(stop_seconds), ``group_restarted`` (recovery_seconds: detection to the restarted group's workers
+all running), ``group_ready`` (seconds to every worker's first beat), ``job_succeeded``,
+``job_failed``, ``job_stopped``.
 """
 
 from __future__ import annotations
@@ -163,6 +165,35 @@ class Events:
     def close(self) -> None:
         for h in self.handlers:
             h.close()
+
+    def __enter__(self) -> Events:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @classmethod
+    def open(
+        cls,
+        run_id: str,
+        log_handler: str = "null",
+        events_file: str | None = None,
+        metrics: tuple[str, int] | None = None,
+    ) -> Events:
+        """The handlers a launch asks for, opened one by one; if one cannot be, those opened
+        already are closed before the error goes up."""
+        handlers: list[EventHandler] = []
+        try:
+            handlers.append(handler_for_name(log_handler))
+            if events_file:
+                handlers.append(JsonLinesHandler(events_file))
+            if metrics is not None:
+                handlers.append(PrometheusHandler(*metrics))
+        except BaseException:
+            for h in handlers:
+                h.close()
+            raise
+        return cls(run_id, handlers)
 
 
 def handler_for_name(name: str) -> EventHandler:

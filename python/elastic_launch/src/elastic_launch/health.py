@@ -1,7 +1,7 @@
 """``/healthz``: the agent's state as JSON over HTTP (``--health-port [HOST:]PORT``).
 
-200 while the job is starting, running, restarting or has succeeded; 503 once it has failed or
-is stopping.
+200 while the agent's state is healthy (everything but failed, stopping and stopped: see
+:class:`elastic_launch.api.AgentState`); 503 otherwise. The JSON carries the state's name.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Any
 
 from elastic_launch.api import ConfigError
 
-HEALTHY_STATES = {"starting", "running", "restarting", "succeeded"}
-
 
 class HealthServer:
     def __init__(self, host: str, port: int, state: Callable[[], dict[str, Any]]) -> None:
@@ -26,7 +24,7 @@ class HealthServer:
                     return
                 body = state()
                 payload = json.dumps(body, default=str).encode()
-                self.send_response(200 if body.get("state") in HEALTHY_STATES else 503)
+                self.send_response(200 if body.get("healthy") else 503)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -55,3 +53,9 @@ class HealthServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+    def __enter__(self) -> HealthServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

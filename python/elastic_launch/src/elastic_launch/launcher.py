@@ -1,156 +1,201 @@
-"""Running a job: the Python API behind ``elasticrun`` (:func:`launch`, :func:`run`)."""
+"""Running a job: the Python API behind ``elasticrun`` (:func:`launch`, :func:`run`).
+
+:func:`run` is the one owner of everything a launch opens. Each resource is entered into an exit
+stack the moment it exists, so that whichever step fails (a busy port, an unwritable directory, a
+rendezvous error, a zygote that cannot start) and however the run ends (success, failure, a
+signal, an exception), everything opened so far is released in reverse order: servers closed,
+workers and the zygote ended, the rendezvous left, the heartbeat file and temporary directories
+removed. Should the launcher itself be SIGKILLed, its guardian does the same.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import elastic_core
+
+from elastic_launch import compat
 from elastic_launch.agent import ElasticAgent
 from elastic_launch.api import (
-    ConfigError,
+    AgentState,
     LaunchConfig,
     LauncherStopped,
     RunResult,
-    RunState,
     WorkerFailedError,
 )
-from elastic_launch.config import check_positive, parse_bind, random_id
-from elastic_launch.events import (
-    EventHandler,
-    Events,
-    JsonLinesHandler,
-    PrometheusHandler,
-    handler_for_name,
-)
-from elastic_launch.rendezvous import RendezvousParameters, create_handler
+from elastic_launch.cancel import CancelToken, SignalRelay
+from elastic_launch.config import check_config, parse_bind, parse_signals, random_id
+from elastic_launch.entrypoint import Entrypoint, Kind
+from elastic_launch.events import Events
+from elastic_launch.guardian import Guardian
+from elastic_launch.logs import LogLayout
+from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
+from elastic_launch.spawn import FreshInterpreter, FunctionFork, Spawner, ZygoteFork
 from elastic_launch.summary import format_summary
-from elastic_launch.workers import Entrypoint
+from elastic_launch.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-_PYTHON_FLAGS_WITH_VALUE = {"-W", "-X", "-Q"}
+HEARTBEAT_DIR = "/dev/shm"
 
 
-def entrypoint_for(target: str | Callable[..., Any], args: tuple[Any, ...]) -> Entrypoint:
-    """Torch's entrypoint convention: a function, or a program with its arguments. A Python
-    interpreter with a script or ``-m module`` runs through the bootstrap, so that it gets the
-    beat hook and stack dumps like any elasticrun worker."""
-    if callable(target):
-        return Entrypoint("function", target, fn_args=args)
-    argv = [str(a) for a in args]
-    if target.endswith(".py"):
-        return Entrypoint("script", target, argv)
-    if os.path.basename(target).startswith("python"):
-        i = 0
-        while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
-            i += 2 if argv[i] in _PYTHON_FLAGS_WITH_VALUE else 1
-        if i < len(argv) - 1 and argv[i] == "-m":
-            return Entrypoint("module", argv[i + 1], argv[i + 2 :])
-        if i < len(argv):
-            return Entrypoint("script", argv[i], argv[i + 1 :])
-    return Entrypoint("binary", target, argv)
-
-
-def check_config(config: LaunchConfig) -> None:
-    """Reject a bad LaunchConfig before anything starts."""
-    if not 1 <= config.min_nodes <= config.max_nodes:
-        raise ConfigError(
-            f"nodes: need 1 <= min_nodes <= max_nodes (got {config.min_nodes}:{config.max_nodes})"
-        )
-    if config.nproc_per_node < 1:
-        raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
-    if config.max_restarts < 0:
-        raise ConfigError(f"max_restarts {config.max_restarts}: must be 0 or more")
-    check_positive(config.monitor_interval, "--monitor-interval")
-    check_positive(config.shutdown_timeout, "--shutdown-timeout", allow_zero=True)
-    check_positive(config.hang_timeout_floor, "--hang-timeout-floor")
-    check_positive(config.hang_timeout_factor, "--hang-timeout-factor")
-    check_positive(config.gpu_check_interval, "--gpu-check-interval", allow_zero=True)
-    if config.start_method not in ("spawn", "fork", "forkserver"):
-        raise ConfigError(
-            f"--start-method '{config.start_method}': choose spawn, fork or forkserver"
-        )
-
-
-def check_entrypoint(ep: Entrypoint) -> None:
-    """A missing script or program is reported before any worker starts."""
-    if ep.kind == "script" and not os.path.isfile(str(ep.target)):
-        raise ConfigError(
-            f"training script '{ep.target}' does not exist (looked in {os.getcwd()}); check "
-            "the path, or pass -m for a module"
-        )
-    if ep.kind == "binary":
-        target = str(ep.target)
-        found = shutil.which(target) if os.sep not in target else target
-        if not found or not os.access(found, os.X_OK):
-            raise ConfigError(
-                f"program '{target}' is not an executable file or on PATH (with --no-python "
-                "the script is run directly: it needs execute permission and a #! line)"
-            )
-    if ep.kind == "module":
-        import importlib.util
-
-        try:
-            spec = importlib.util.find_spec(str(ep.target))
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            raise ConfigError(
-                f"module '{ep.target}' cannot be found (from {os.getcwd()}); check its name "
-                "and that its package is installed"
-            )
-
-
-def _event_handlers(config: LaunchConfig) -> list[EventHandler]:
-    handlers = [handler_for_name(config.event_log_handler)]
-    if config.events_file:
-        handlers.append(JsonLinesHandler(config.events_file))
-    if config.metrics_port:
-        host, port = parse_bind(config.metrics_port, "--metrics-port")
-        handlers.append(PrometheusHandler(host, port))
-    return handlers
-
-
-def run(config: LaunchConfig, entrypoint: Entrypoint) -> RunResult:
-    """Run `entrypoint` on this node under `config` until the job succeeds, fails or is
-    stopped. Raises ConfigError for bad settings before starting anything."""
-    check_config(config)
-    check_entrypoint(entrypoint)
-    run_id = config.run_id or random_id()
-    rdzv = create_handler(
-        RendezvousParameters(
-            backend=config.rdzv_backend,
-            endpoint=config.rdzv_endpoint,
-            run_id=run_id,
-            min_nodes=config.min_nodes,
-            max_nodes=config.max_nodes,
-            max_restarts=config.max_restarts,
-            local_world_size=config.nproc_per_node,
-            config=config.rdzv_configs,
-            local_addr=config.local_addr,
-            node_rank=config.node_rank,
-            master_addr=config.master_addr,
-            master_port=config.master_port,
-        )
+def make_spawner(
+    config: LaunchConfig,
+    entrypoint: Entrypoint,
+    cancel: CancelToken,
+    guardian: Guardian | None = None,
+) -> Spawner:
+    """How this launch starts its workers: forked from a zygote when modules are preloaded (or
+    ``fork``/``forkserver`` is asked for), forked from the launcher for a function with
+    ``fork``, else fresh interpreters."""
+    fresh = FreshInterpreter(entrypoint)
+    if entrypoint.kind == Kind.FUNCTION and config.start_method == "fork":
+        return FunctionFork()
+    wants_zygote = (
+        bool(config.preload)
+        or config.start_method == "forkserver"
+        or (entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and config.start_method == "fork")
     )
-    handlers = _event_handlers(config)
-    events = Events(run_id, handlers)
-    health = None
+    if wants_zygote and entrypoint.is_python:
+        return ZygoteFork(config.preload, fresh, cancel, guardian)
+    return fresh
+
+
+def rendezvous_parameters(config: LaunchConfig, run_id: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        max_restarts=config.max_restarts,
+        local_world_size=config.nproc_per_node,
+        config=config.rdzv_configs,
+        local_addr=config.local_addr,
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+    )
+
+
+def _open_gpu(config: LaunchConfig) -> elastic_core.GpuHealth | None:
+    if config.gpu_check_interval <= 0:
+        return None
+    gpu = elastic_core.GpuHealth(timeout=5.0)
+    if gpu.state != elastic_core.GpuState.HEALTHY:
+        logger.debug("GPU checks off: %s", gpu.detail)
+        return None
+    return gpu
+
+
+@contextlib.contextmanager
+def _file_timer(run_dir: str, run_id: str) -> Iterator[dict[str, str]]:
+    """torch's file timer (``TORCHELASTIC_ENABLE_FILE_TIMER=1``), for scripts that use
+    ``expires()``; it is the only thing that makes the launcher import torch. Yields the
+    workers' extra environment."""
+    if not compat.file_timer_requested():
+        yield {}
+        return
+    from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
+
+    path = compat.file_timer_path(os.path.join(run_dir, f"watchdog_timer_{random_id()}"))
+    server = FileTimerServer(path, run_id, max_interval=0.1, daemon=True)
+    server.start()
     try:
-        agent = ElasticAgent(config, entrypoint, rdzv, events, run_id)
+        yield {compat.FILE_TIMER_FILE_ENV: path}
+    finally:
+        server.stop()
+
+
+def _logs_requested(config: LaunchConfig) -> bool:
+    redirects = config.redirects if isinstance(config.redirects, dict) else {0: config.redirects}
+    tee = config.tee if isinstance(config.tee, dict) else {0: config.tee}
+    return any(redirects.values()) or any(tee.values())
+
+
+def run(
+    config: LaunchConfig,
+    entrypoint: Entrypoint,
+    on_agent: Callable[[ElasticAgent], Any] | None = None,
+) -> RunResult:
+    """Run `entrypoint` on this node under `config` until the job succeeds, fails or is
+    stopped. Raises ConfigError for bad settings before starting anything, and the rendezvous'
+    errors (LaunchError) when the job cannot be formed. `on_agent` sees the agent before it
+    runs (tests, embedding)."""
+    check_config(config)
+    entrypoint.check()
+    run_id = config.run_id or random_id()
+    with contextlib.ExitStack() as stack:
+        cancel = CancelToken()
+        stack.enter_context(SignalRelay(cancel, parse_signals(config.signals_to_handle)))
+        guardian = stack.enter_context(Guardian())
+        layout = stack.enter_context(LogLayout(config.log_dir, run_id, _logs_requested(config)))
+        if layout.temporary and not layout.kept:
+            guardian.remove_path(layout.temporary)
+        metrics = parse_bind(config.metrics_port, "--metrics-port") if config.metrics_port else None
+        events = stack.enter_context(
+            Events.open(run_id, config.event_log_handler, config.events_file, metrics)
+        )
+        table = stack.enter_context(
+            elastic_core.HeartbeatTable.create(
+                f"{HEARTBEAT_DIR}/elasticrun-{os.getpid()}-{os.urandom(4).hex()}",
+                config.nproc_per_node,
+            )
+        )
+        guardian.remove_path(table.path)
+        gpu = _open_gpu(config)
+        watchdog = stack.enter_context(
+            elastic_core.Watchdog(
+                default_hang_timeout=0.0,
+                gpu=gpu,
+                gpu_check_interval=config.gpu_check_interval if gpu is not None else 0.0,
+            )
+        )
+        spawner = make_spawner(config, entrypoint, cancel, guardian)
+        stack.callback(spawner.close)
+        extra_env = stack.enter_context(_file_timer(layout.run_dir, run_id))
+        rdzv: RendezvousHandler = create_handler(rendezvous_parameters(config, run_id))
+        stack.callback(rdzv.shutdown, cancel)
+        group = stack.enter_context(
+            WorkerGroup(
+                config,
+                entrypoint,
+                run_id,
+                layout,
+                table,
+                watchdog,
+                spawner,
+                gpu_count=gpu.device_count if gpu is not None else 0,
+                guardian=guardian,
+                extra_env=extra_env,
+                host=socket.gethostname(),
+            )
+        )
+        agent = ElasticAgent(
+            config,
+            group,
+            rdzv,
+            events,
+            run_id=run_id,
+            entrypoint=entrypoint.name,
+            cancel=cancel,
+            gpu=gpu,
+            log_dir=layout.run_dir if layout.kept and layout.keep_logs else None,
+        )
         if config.health_port:
             from elastic_launch.health import HealthServer
 
             host, port = parse_bind(config.health_port, "--health-port")
-            health = HealthServer(host, port, agent.health)
+            stack.enter_context(HealthServer(host, port, agent.health))
+        if on_agent is not None:
+            on_agent(agent)
         return agent.run()
-    finally:
-        if health is not None:
-            health.close()
-        events.close()
+    raise AssertionError("unreachable")  # pragma: no cover - the with block returns
 
 
 def launch(
@@ -164,10 +209,10 @@ def launch(
     (None for programs). Raises WorkerFailedError when the job fails and LauncherStopped when a
     signal stopped it.
     """
-    ep = entrypoint_for(entrypoint, args)
+    ep = Entrypoint.for_launch(entrypoint, args)
     result = run(config, ep)
-    if result.state == RunState.SUCCEEDED:
+    if result.state == AgentState.SUCCEEDED:
         return result.return_values
-    if result.state == RunState.STOPPED:
+    if result.state == AgentState.STOPPED:
         raise LauncherStopped(result.signal or 0)
     raise WorkerFailedError(format_summary(ep.name, result), result)

@@ -9,8 +9,9 @@ never overwrites an earlier one)::
                                                         /stack.txt    (hang stack dumps)
                                            /filtered_stdout.log       (--duplicate-*-filters)
 
-Without ``--log-dir`` the base is a new temporary directory. ``--log-dir /dev/null`` keeps no
-logs: error and stack files then live in a temporary directory removed at exit.
+Without ``--log-dir`` the base is a new temporary directory, removed at exit unless it holds the
+log files asked for with ``--redirects``/``--tee``. ``--log-dir /dev/null`` keeps no logs: error
+and stack files then live in a temporary directory removed at exit.
 """
 
 from __future__ import annotations
@@ -27,37 +28,78 @@ from typing import IO
 
 
 class LogLayout:
-    """The run's log directory and the paths of each attempt and rank."""
+    """The run's log directory and the paths of each attempt and rank.
 
-    def __init__(self, log_dir: str | None, run_id: str) -> None:
+    Without ``--log-dir`` the base is a new directory under the system's temporary directory:
+    it is removed on every way out unless it holds log files the user asked for
+    (``--redirects``/``--tee``), which the failure summary then points at. ``--log-dir
+    /dev/null`` keeps nothing.
+    """
+
+    def __init__(self, log_dir: str | None, run_id: str, logs_requested: bool = False) -> None:
         self.keep_logs = log_dir != os.devnull
-        if log_dir is None or not self.keep_logs:
-            base = tempfile.mkdtemp(prefix="elasticrun_")
-            self._temporary = not self.keep_logs
+        temporary = log_dir is None or not self.keep_logs
+        if temporary:
+            base = tempfile.mkdtemp(prefix=f"elasticrun_{os.getpid()}_")
         else:
-            if os.path.isfile(log_dir):
-                from elastic_launch.api import ConfigError
-
-                raise ConfigError(f"--log-dir '{log_dir}' is a file: give a directory")
-            os.makedirs(log_dir, exist_ok=True)
-            base = log_dir
-            self._temporary = False
+            assert log_dir is not None
+            base = self._make_base(log_dir)
+        #: The directory to remove on the way out (None: the user's, kept).
+        self.temporary: str | None = base if temporary else None
+        self.keep_temporary = temporary and self.keep_logs and logs_requested
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id) or "run"
-        self.run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
-        self._base = base
+        try:
+            self.run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        except OSError as e:
+            self.close()
+            raise _unusable(log_dir or base, e) from None
+
+    @staticmethod
+    def _make_base(log_dir: str) -> str:
+        if os.path.isfile(log_dir):
+            from elastic_launch.api import ConfigError
+
+            raise ConfigError(f"--log-dir '{log_dir}' is a file: give a directory")
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as e:
+            raise _unusable(log_dir, e) from None
+        return log_dir
 
     def attempt_dir(self, attempt: int) -> str:
         return os.path.join(self.run_dir, f"attempt_{attempt}")
 
-    def rank_dir(self, attempt: int, local_rank: int) -> str:
-        path = os.path.join(self.attempt_dir(attempt), str(local_rank))
+    def rank_dir(self, attempt: int, local_rank: int, generation: int = 0) -> str:
+        """A worker's directory; a replacement within the attempt gets ``<rank>_r<n>``."""
+        name = str(local_rank) if generation == 0 else f"{local_rank}_r{generation}"
+        path = os.path.join(self.attempt_dir(attempt), name)
         os.makedirs(path, exist_ok=True)
         return path
 
-    def cleanup(self) -> None:
-        """Remove a temporary directory that holds no logs (``--log-dir /dev/null``)."""
-        if self._temporary:
-            shutil.rmtree(self._base, ignore_errors=True)
+    @property
+    def kept(self) -> bool:
+        """Whether the run's directory stays after the launcher exits."""
+        return self.temporary is None or self.keep_temporary
+
+    def close(self) -> None:
+        """Remove the temporary directory unless it holds requested logs; safe twice."""
+        if self.temporary is not None and not self.keep_temporary:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+    def __enter__(self) -> LogLayout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unusable(path: str, error: OSError) -> Exception:
+    from elastic_launch.api import ConfigError
+
+    return ConfigError(
+        f"--log-dir '{path}' cannot be used: {error.strerror or error}; give a directory this "
+        "user can write to"
+    )
 
 
 @dataclass

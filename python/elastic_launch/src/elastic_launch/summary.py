@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 
 from elastic_launch.api import FailureKind, RunResult, WorkerFailure
@@ -47,10 +48,11 @@ def _block(f: WorkerFailure, title: str) -> list[str]:
     ]
     if f.message:
         lines.append(f"  error      : {f.message}")
-    logs = [p for p in (f.stdout_log, f.stderr_log) if p]
+    # Paths only while they exist: a temporary log directory is gone once the launcher exits.
+    logs = [p for p in (f.stdout_log, f.stderr_log) if p and os.path.exists(p)]
     if logs:
         lines.append(f"  logs       : {', '.join(logs)}")
-    if f.error_file:
+    if f.error_file and os.path.exists(f.error_file):
         lines.append(f"  error file : {f.error_file}")
     if f.traceback:
         lines += ["  traceback  :", _indent(f.traceback)]
@@ -62,9 +64,10 @@ def _block(f: WorkerFailure, title: str) -> list[str]:
 def format_summary(name: str, result: RunResult) -> str:
     """The report of a failed job, in the spirit of torchrun's ChildFailedError table."""
     root = result.root_cause
-    out = ["=" * _WIDTH, f"elasticrun: {name} FAILED", "-" * _WIDTH]
+    out = ["=" * _WIDTH, f"elasticrun: {name} {result.state.value.upper()}", "-" * _WIDTH]
     restarts = f"{result.restarts} restart(s)"
-    out.append(f"after {result.attempts} attempt(s), {restarts}; logs under {result.log_dir}")
+    where = f"; logs under {result.log_dir}" if result.log_dir else ""
+    out.append(f"state {result.state.value} after {result.attempts} attempt(s), {restarts}{where}")
     if result.message:
         out.append(result.message)
     if root is not None:

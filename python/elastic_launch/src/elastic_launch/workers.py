@@ -1,114 +1,71 @@
-"""Starting, watching and stopping one node's group of workers.
+"""One node's group of workers: start them all, stop them all, or replace one by its local rank
+while the others keep running.
 
-Each worker runs in its own session and process group, so that a stop reaches everything it
-started. Python workers start through :mod:`elastic_launch.bootstrap` (fresh interpreters), or are
-forked from the zygote when modules are preloaded; a function entrypoint with the ``fork`` start
-method is forked from the launcher itself. Whoever is a worker's parent reaps it: Popen for
-fresh interpreters, the zygote for its children, the agent for forks. The watchdog reads exit
-statuses without reaping.
+The group owns its workers: their processes (each in its own session and process group, so that a
+stop reaches everything a worker started), their watchdog registrations, heartbeat slots, log
+files and output pipes. Nothing outside changes a :class:`Worker`; the agent reads them and acts
+through the group's methods. Processes come from a :class:`~elastic_launch.spawn.Spawner`; the
+watchdog (``elastic_core.Watchdog``, or a test double with ``watch``/``unwatch``/``poll``/
+``set_hang_timeout``) tells the group about deaths, hangs and GPU faults.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from string import Template
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import elastic_core
 
-from elastic_launch import bootstrap
-from elastic_launch.api import LaunchConfig, Std
+from elastic_launch import compat, devices, worker_main
+from elastic_launch.api import LaunchConfig, Std, WorkerState
+from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.config import std_for
-from elastic_launch.errors import ERROR_FILE_ENV
+from elastic_launch.entrypoint import Entrypoint, Kind
 from elastic_launch.logs import LogLayout, OutputPump, console_streams
 from elastic_launch.rendezvous.api import RendezvousInfo
+from elastic_launch.spawn import Process, Spawner, SpawnRequest
+
+if TYPE_CHECKING:
+    from elastic_launch.guardian import Guardian
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Entrypoint:
-    """What each worker runs: a script, a module, a binary, or a Python function."""
-
-    kind: str  # "script" | "module" | "binary" | "function"
-    target: str | Callable[..., Any]
-    args: list[str] = field(default_factory=list)
-    fn_args: tuple[Any, ...] = ()
-
-    @property
-    def name(self) -> str:
-        if callable(self.target):
-            return getattr(self.target, "__name__", repr(self.target))
-        return os.path.basename(self.target) if self.kind != "module" else self.target
-
-    @property
-    def is_python(self) -> bool:
-        return self.kind != "binary"
+KILL_WAIT = 10.0  # after SIGKILL, how long to wait for the kernel to report the exits
+REAP_WAIT = 5.0
 
 
-class Process(Protocol):
-    pid: int
-    #: True if the agent is the parent (it reaps, and ends the worker's process group first);
-    #: False for zygote children, whose parent does both.
-    reaped_by_agent: bool
+class Watcher(Protocol):
+    """What the group needs of a watchdog (``elastic_core.Watchdog`` has it)."""
 
-    def reap(self, timeout: float) -> tuple[int | None, int | None]:
-        """Wait at most `timeout` for the exit and collect it: (exit code, signal)."""
+    def watch(
+        self,
+        worker: int,
+        pid: int,
+        table: elastic_core.HeartbeatTable | None = None,
+        slot: int | None = None,
+        hang_timeout: float = 0.0,
+        gpu: int | None = None,
+    ) -> None: ...
 
+    def unwatch(self, worker: int) -> bool: ...
 
-class PopenProcess:
-    reaped_by_agent = True
+    def set_hang_timeout(self, worker: int, seconds: float) -> bool: ...
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-
-    def reap(self, timeout: float) -> tuple[int | None, int | None]:
-        try:
-            code = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None, None
-        return (code, None) if code >= 0 else (None, -code)
-
-
-class ForkedProcess:
-    reaped_by_agent = True
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._status: tuple[int | None, int | None] | None = None
-
-    def reap(self, timeout: float) -> tuple[int | None, int | None]:
-        deadline = time.monotonic() + timeout
-        while self._status is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self._status = (None, None)
-                break
-            if pid:
-                code = os.waitstatus_to_exitcode(status)
-                self._status = (code, None) if code >= 0 else (None, -code)
-            elif time.monotonic() >= deadline:
-                return None, None
-            else:
-                time.sleep(0.001)
-        return self._status
+    def poll(self, timeout: float | None = None) -> Any: ...
 
 
 @dataclass
 class Worker:
-    """One worker of the current attempt."""
+    """One worker process of the current attempt (read-only outside the group)."""
 
     local_rank: int
     rank: int
@@ -120,28 +77,42 @@ class Worker:
     stdout_log: str | None
     stderr_log: str | None
     result_file: str | None = None
-    exited: bool = False
+    generation: int = 0  # 0, then 1, 2... for replacements within the attempt
+    state: WorkerState = WorkerState.RUNNING
+    exited: bool = False  # the process is gone (and reaped)
     exit_code: int | None = None
     signal: int | None = None
-    open_files: list[IO[bytes]] = field(default_factory=list)
+    _files: list[IO[bytes]] = field(default_factory=list, repr=False)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
 
-def _apply_virtual_local_rank(env: dict[str, str], local_rank: int) -> None:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        devices = [d.strip() for d in visible.split(",")]
-        if local_rank >= len(devices):
-            raise RuntimeError(
-                f"local_rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}"
-            )
-        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
-    env["LOCAL_RANK"] = "0"
+class Finding(str, enum.Enum):
+    """What the watchdog found about a worker."""
+
+    EXITED = "exited"
+    HUNG = "hung"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """A finding about a live worker of this attempt (stale ones never reach the agent)."""
+
+    finding: Finding
+    worker: Worker
+    time_ns: int
+    detail: str
+
+
+class SpawnError(RuntimeError):
+    """A worker could not be started; `local_rank` says which."""
+
+    def __init__(self, local_rank: int, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.local_rank = local_rank
 
 
 class WorkerGroup:
@@ -154,8 +125,13 @@ class WorkerGroup:
         run_id: str,
         layout: LogLayout,
         table: elastic_core.HeartbeatTable,
-        watchdog: elastic_core.Watchdog,
-        spawner: Any = None,  # a zygote client, when workers are forked from one
+        watchdog: Watcher,
+        spawner: Spawner,
+        *,
+        gpu_count: int = 0,
+        guardian: Guardian | None = None,
+        extra_env: dict[str, str] | None = None,
+        host: str | None = None,
     ) -> None:
         self.config = config
         self.entrypoint = entrypoint
@@ -164,83 +140,118 @@ class WorkerGroup:
         self.table = table
         self.watchdog = watchdog
         self.spawner = spawner
-        self.host = socket.gethostname()
-        self.workers: list[Worker] = []
-        self.pump = OutputPump()
-        self.extra_env: dict[str, str] = {}
-        self.gpu_count = 0  # devices under GPU checks (set by the agent)
-        self._filtered: list[IO[bytes]] = []
+        self.gpu_count = gpu_count
+        self.guardian = guardian
+        self.extra_env = dict(extra_env or {})
+        self.host = host or socket.gethostname()
+        self._workers: dict[int, Worker] = {}
+        self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
+        self._pump = OutputPump()
+        self._filtered: dict[str, IO[bytes]] = {}
+        self._info: RendezvousInfo | None = None
+        self._attempt = -1
+        self._restarts = 0
 
-    # ---- environment ---------------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------
 
-    def worker_env(
-        self, local_rank: int, info: RendezvousInfo, attempt: int, restarts: int, w: Worker
-    ) -> dict[str, str]:
-        c = self.config
-        rank = info.rank_offset + local_rank
-        env = dict(os.environ)
-        env.update(self.extra_env)
-        env.update(
-            {
-                "LOCAL_RANK": str(local_rank),
-                "RANK": str(rank),
-                "GROUP_RANK": str(info.group_rank),
-                "ROLE_RANK": str(rank),
-                "ROLE_NAME": c.role,
-                "LOCAL_WORLD_SIZE": str(c.nproc_per_node),
-                "WORLD_SIZE": str(info.world_size),
-                "GROUP_WORLD_SIZE": str(info.group_world_size),
-                "ROLE_WORLD_SIZE": str(info.world_size),
-                "MASTER_ADDR": info.master_addr,
-                "MASTER_PORT": str(info.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(restarts),
-                "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
-                "TORCHELASTIC_RUN_ID": self.run_id,
-                # Rank 0 hosts the store on MASTER_PORT, a fresh port each attempt: a restarted
-                # group never connects to a store that still holds the previous one's keys.
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
-                ),
-                "TORCHELASTIC_SIGNALS_TO_HANDLE": c.signals_to_handle,
-                ERROR_FILE_ENV: w.error_file,
-                elastic_core.HEARTBEAT_FILE_ENV: self.table.path,
-                elastic_core.HEARTBEAT_SLOT_ENV: str(local_rank),
-                bootstrap.STACK_FILE_ENV: w.stack_file,
-                "ELASTICRUN_ATTEMPT": str(attempt),
-                "ELASTICRUN_ROUND": str(info.round),
-                bootstrap.PARENT_ENV: str(os.getpid()),
-            }
+    @property
+    def workers(self) -> list[Worker]:
+        """The current workers, by local rank."""
+        return [self._workers[r] for r in sorted(self._workers)]
+
+    def get(self, local_rank: int) -> Worker | None:
+        return self._workers.get(local_rank)
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if not w.exited]
+
+    @property
+    def succeeded(self) -> bool:
+        """Every worker of the attempt exited with 0."""
+        return bool(self._workers) and all(
+            w.state == WorkerState.SUCCEEDED for w in self._workers.values()
         )
-        if c.virtual_local_rank:
-            _apply_virtual_local_rank(env, local_rank)
-        return env
 
-    def command(self, local_rank: int, result_file: str | None) -> list[str]:
-        ep = self.entrypoint
-        python = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-m", bootstrap.__name__]
-        # torchrun's macro: ${local_rank} (and $local_rank) in any argument.
-        args = [Template(a).safe_substitute(local_rank=str(local_rank)) for a in ep.args]
-        if ep.kind == "binary":
-            return [str(ep.target), *args]
-        if ep.kind == "module":
-            return [*python, "--module", str(ep.target), *args]
-        if ep.kind == "function":
-            return [*python, "--function", self._function_spec(result_file)]
-        return [*python, "--", str(ep.target), *args]
+    def beats(self) -> dict[int, elastic_core.SlotInfo]:
+        """Each live worker's heartbeat slot, by local rank."""
+        out = {}
+        for w in self.alive():
+            with contextlib.suppress(ValueError):  # the table closed meanwhile
+                out[w.local_rank] = self.table.read(w.local_rank)
+        return out
 
-    def _function_spec(self, result_file: str | None) -> str:
-        assert result_file is not None
-        spec = result_file + ".spec"
-        with open(spec, "wb") as f:
-            pickle.dump((self.entrypoint.target, self.entrypoint.fn_args, result_file), f)
-        return spec
+    def all_beating(self) -> bool:
+        beats = self.beats()
+        return (
+            bool(self._workers)
+            and len(beats) == len(self._workers)
+            and all(b.last_beat_ns != 0 for b in beats.values())
+        )
 
-    # ---- output --------------------------------------------------------------------------
+    def gpu_of(self, local_rank: int) -> int | None:
+        return devices.nvml_index(local_rank, self.gpu_count)
 
-    def _new_worker(self, local_rank: int, rank: int, rank_dir: str) -> Worker:
+    # ---- starting ----------------------------------------------------------------------------
+
+    def start_all(self, info: RendezvousInfo, attempt: int, restarts: int) -> None:
+        """Start every worker of `attempt`. On a spawn failure, raises :class:`SpawnError`
+        with the workers started so far left running (the caller stops them)."""
+        self.close()
+        self._info, self._attempt, self._restarts = info, attempt, restarts
+        self._workers, self._retired = {}, []
+        os.makedirs(self.layout.attempt_dir(attempt), exist_ok=True)
+        self.table.reset()
+        for local_rank in range(self.config.nproc_per_node):
+            self._start(local_rank, generation=0)
+
+    def replace(self, local_rank: int, grace: float | None = None) -> Worker:
+        """Stop worker `local_rank` if it still runs (its signal, the grace period, SIGKILL)
+        and start a new one in its place, with the same rank, environment and round; the
+        other workers are not touched."""
+        old = self._workers.get(local_rank)
+        if old is None or self._info is None:
+            raise KeyError(f"no worker with local rank {local_rank} in this attempt")
+        if not old.exited:
+            self._stop(
+                [old], signal.SIGTERM, self.config.shutdown_timeout if grace is None else grace
+            )
+        self._release(old)
+        self._retired.append(old)
+        self.table.reset_slot(local_rank)
+        return self._start(local_rank, generation=old.generation + 1)
+
+    def _start(self, local_rank: int, generation: int) -> Worker:
+        assert self._info is not None
+        w = self._new_worker(local_rank, generation)
+        try:
+            request = SpawnRequest(
+                local_rank, self._argv(w), self._env(w), *self._streams(w), call=self._call(w)
+            )
+            try:
+                w.process = self.spawner.spawn(request)
+            finally:
+                for fd in (request.stdout, request.stderr):
+                    if fd >= 0:
+                        os.close(fd)  # a log file or a tee pipe: the worker has its own copy
+        except Exception as e:
+            for f in w._files:
+                f.close()
+            raise SpawnError(local_rank, e) from e
+        w.started_ns = elastic_core.now_ns()
+        self._workers[local_rank] = w
+        if self.guardian is not None:
+            self.guardian.watch_group(w.pid)
+        self.watchdog.watch(
+            local_rank, w.pid, self.table, slot=local_rank, gpu=self.gpu_of(local_rank)
+        )
+        w.process.watched()
+        return w
+
+    def _new_worker(self, local_rank: int, generation: int) -> Worker:
         """A worker's record and file paths, before anything is opened or started."""
+        assert self._info is not None
         c = self.config
+        rank_dir = self.layout.rank_dir(self._attempt, local_rank, generation)
         logs = []
         for which, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
             kept = (std_for(c.tee, local_rank) | std_for(c.redirects, local_rank)) & which
@@ -249,7 +260,7 @@ class WorkerGroup:
             )
         return Worker(
             local_rank=local_rank,
-            rank=rank,
+            rank=self._info.rank_offset + local_rank,
             process=None,  # type: ignore[arg-type]  # set once started
             started_ns=0,
             rank_dir=rank_dir,
@@ -258,211 +269,251 @@ class WorkerGroup:
             stdout_log=logs[0],
             stderr_log=logs[1],
             result_file=os.path.join(rank_dir, "return.pkl")
-            if self.entrypoint.kind == "function"
+            if self.entrypoint.kind == Kind.FUNCTION
             else None,
+            generation=generation,
         )
 
-    def _streams(self, w: Worker) -> tuple[Any, Any]:
-        """Where the worker's stdout and stderr go: the Popen targets (file descriptors the
-        caller closes once the worker has them, or None/DEVNULL)."""
+    def _env(self, w: Worker) -> dict[str, str]:
+        assert self._info is not None
+        c, info = self.config, self._info
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update(
+            compat.worker_env(
+                local_rank=w.local_rank,
+                rank=w.rank,
+                group_rank=info.group_rank,
+                role=c.role,
+                local_world_size=c.nproc_per_node,
+                world_size=info.world_size,
+                group_world_size=info.group_world_size,
+                master_addr=info.master_addr,
+                master_port=info.master_port,
+                restarts=self._restarts,
+                max_restarts=c.max_restarts,
+                run_id=self.run_id,
+                signals_to_handle=c.signals_to_handle,
+                error_file=w.error_file,
+            )
+        )
+        env.update(
+            {
+                elastic_core.HEARTBEAT_FILE_ENV: self.table.path,
+                elastic_core.HEARTBEAT_SLOT_ENV: str(w.local_rank),
+                worker_main.STACK_FILE_ENV: w.stack_file,
+                worker_main.PARENT_ENV: str(os.getpid()),
+                "ELASTICRUN_ATTEMPT": str(self._attempt),
+                "ELASTICRUN_ROUND": str(info.round),
+                "ELASTICRUN_REPLACEMENT": str(w.generation),
+            }
+        )
+        if c.virtual_local_rank:
+            env.update(devices.single_device_env(w.local_rank))
+            env["LOCAL_RANK"] = "0"
+        return env
+
+    def _argv(self, w: Worker) -> list[str]:
+        spec = w.result_file + ".spec" if w.result_file is not None else None
+        return self.entrypoint.worker_argv(w.local_rank, spec)
+
+    def _call(self, w: Worker) -> worker_main.FunctionCall | None:
+        if self.entrypoint.kind != Kind.FUNCTION:
+            return None
+        assert w.result_file is not None
+        assert callable(self.entrypoint.target)
+        return (self.entrypoint.target, self.entrypoint.fn_args, w.result_file)
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def _streams(self, w: Worker) -> tuple[int, int]:
+        """Where the worker's stdout and stderr go: file descriptors (a log file, or a pipe to
+        the tee pump) the caller closes once the worker has them, KEEP or DEVNULL."""
         c = self.config
         shown = c.local_ranks_filter is None or w.local_rank in c.local_ranks_filter
         out_console, err_console = console_streams()
-        prefix = self._prefix(w.local_rank, w.rank)
-        targets: list[Any] = []
+        prefix = compat.log_line_prefix(c.role, w.rank, w.local_rank, self.host)
+        targets: list[int] = []
         for which, path, console, filters, name in (
             (Std.OUT, w.stdout_log, out_console, c.duplicate_stdout_filters, "stdout"),
             (Std.ERR, w.stderr_log, err_console, c.duplicate_stderr_filters, "stderr"),
         ):
             tee = bool(std_for(c.tee, w.local_rank) & which)
             if path is not None and tee:
-                log = open(path, "ab")  # noqa: SIM115 - closed by close() after the attempt
-                w.open_files.append(log)
+                log = open(path, "ab")  # noqa: SIM115 - closed with the worker
+                w._files.append(log)
                 r, fd = os.pipe()
                 filtered = self._filtered_file(name) if filters else None
-                self.pump.add(r, log, console if shown else None, prefix, filtered, filters)
+                self._pump.add(r, log, console if shown else None, prefix, filtered, filters)
                 targets.append(fd)
             elif path is not None:
                 targets.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
             else:
-                targets.append(None if shown else subprocess.DEVNULL)
+                targets.append(worker_main.KEEP if shown else worker_main.DEVNULL)
         return targets[0], targets[1]
 
-    def _prefix(self, local_rank: int, rank: int) -> str:
-        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-        if template:
-            return Template(template).safe_substitute(
-                role_name=self.config.role, rank=rank, local_rank=local_rank, host=self.host
-            )
-        return f"[{self.host}:{self.config.role}{local_rank}]:"
-
     def _filtered_file(self, name: str) -> IO[bytes]:
-        path = os.path.join(self._attempt_dir, f"filtered_{name}.log")
-        f = open(path, "ab")  # noqa: SIM115 - closed after the attempt
-        self._filtered.append(f)
+        f = self._filtered.get(name)
+        if f is None:
+            path = os.path.join(self.layout.attempt_dir(self._attempt), f"filtered_{name}.log")
+            f = self._filtered[name] = open(path, "ab")  # noqa: SIM115 - closed by close()
         return f
 
-    # ---- lifecycle -----------------------------------------------------------------------
+    # ---- watching ------------------------------------------------------------------------------
 
-    def start(self, info: RendezvousInfo, attempt: int, restarts: int) -> None:
-        """Start every worker of `attempt` and register it with the watchdog."""
-        c = self.config
-        self._attempt_dir = self.layout.attempt_dir(attempt)
-        os.makedirs(self._attempt_dir, exist_ok=True)
-        self.table.reset()
-        self.workers = []
-        for local_rank in range(c.nproc_per_node):
-            rank = info.rank_offset + local_rank
-            rank_dir = self.layout.rank_dir(attempt, local_rank)
-            w = self._new_worker(local_rank, rank, rank_dir)
-            env = self.worker_env(local_rank, info, attempt, restarts, w)
-            stdout, stderr = self._streams(w)
-            try:
-                w.process = self._spawn(env, stdout, stderr, w)
-            finally:
-                for fd in (stdout, stderr):
-                    if isinstance(fd, int) and fd >= 0:
-                        os.close(fd)  # a log file or a tee pipe: the worker has its own copy
-            w.started_ns = elastic_core.now_ns()
-            self.workers.append(w)
-            self.watchdog.watch(
-                local_rank, w.pid, self.table, slot=local_rank, gpu=self.gpu_of(local_rank)
-            )
-            if not w.process.reaped_by_agent:
-                self.spawner.acknowledge(w.pid)
-
-    def _spawn(self, env: dict[str, str], stdout: Any, stderr: Any, w: Worker) -> Process:
-        ep = self.entrypoint
-        if ep.kind == "function" and self.config.start_method == "fork":
-            return self._fork_function(env, stdout, stderr, w)
-        cmd = self.command(w.local_rank, w.result_file)
-        if self.spawner is not None and ep.is_python:
-            try:
-                process: Process = self.spawner.spawn(cmd[4:], env, stdout, stderr)
-                return process
-            except (OSError, RuntimeError) as e:  # e.g. an environment too big for a message
-                logger.warning("forking from the zygote failed (%s); starting a fresh one", e)
-        popen = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
-        return PopenProcess(popen)
-
-    def _fork_function(self, env: dict[str, str], stdout: Any, stderr: Any, w: Worker) -> Process:
-        """start_method='fork': the child is a copy of the launcher (closures work)."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # child
-            code = 1
-            try:
-                os.setsid()
-                for fd, target in ((1, stdout), (2, stderr)):
-                    source = (
-                        os.open(os.devnull, os.O_WRONLY) if target == subprocess.DEVNULL else target
-                    )
-                    if isinstance(source, int) and source >= 0:
-                        os.dup2(source, fd)
-                os.environ.clear()
-                os.environ.update(env)
-                bootstrap.die_with_parent()
-                from elastic_launch.config import parse_signals
-
-                for sig in {
-                    *parse_signals(self.config.signals_to_handle),
-                    signal.SIGTERM,
-                    signal.SIGHUP,
-                    signal.SIGQUIT,
-                }:
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                bootstrap.install_hooks()
-                value = self.entrypoint.target(*self.entrypoint.fn_args)  # type: ignore[operator]
-                assert w.result_file is not None
-                with open(w.result_file + ".tmp", "wb") as f:
-                    pickle.dump(value, f)
-                os.replace(w.result_file + ".tmp", w.result_file)
-                code = 0
-            except SystemExit as e:
-                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            except BaseException as e:
-                from elastic_launch.errors import write_error_file
-
-                write_error_file(e)
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        return ForkedProcess(pid)
-
-    def gpu_of(self, local_rank: int) -> int | None:
-        """The NVML index of the GPU a worker uses (its local rank, through
-        CUDA_VISIBLE_DEVICES when that lists indices), None without GPU checks."""
-        if self.gpu_count == 0:
+    def next_event(self, timeout: float) -> WorkerEvent | None:
+        """The watchdog's next finding about a live worker of this attempt (exits are recorded
+        and reaped first); None if none came within `timeout`."""
+        event = self.watchdog.poll(timeout=timeout)
+        if event is None:
             return None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            entries = [e.strip() for e in visible.split(",")]
-            if local_rank < len(entries) and entries[local_rank].isdigit():
-                index = int(entries[local_rank])
-                return index if index < self.gpu_count else None
-            return None
-        return local_rank if local_rank < self.gpu_count else None
-
-    def alive(self) -> list[Worker]:
-        return [w for w in self.workers if not w.exited]
-
-    def by_local_rank(self, local_rank: int) -> Worker | None:
-        for w in self.workers:
-            if w.local_rank == local_rank:
-                return w
+        w = self._workers.get(event.worker)
+        if w is None or w.pid != event.pid or w.exited:
+            return None  # about a worker that was replaced, or of an earlier attempt
+        if event.kind == elastic_core.EventKind.EXITED:
+            self._mark_exited(w, event)
+            return WorkerEvent(Finding.EXITED, w, event.time_ns, event.detail)
+        if event.kind == elastic_core.EventKind.HUNG:
+            return WorkerEvent(Finding.HUNG, w, event.time_ns, event.detail)
+        if event.kind == elastic_core.EventKind.GPU_UNHEALTHY:
+            return WorkerEvent(Finding.GPU, w, event.time_ns, event.detail)
         return None
 
-    def mark_exited(self, w: Worker, event: elastic_core.Event | None) -> None:
-        """Record an exit seen by the watchdog; end what the worker left in its process group
-        (its unreaped zombie keeps the group id from being reused), then reap it."""
-        if w.process.reaped_by_agent:
-            _killpg(w.pid, signal.SIGKILL)
-        code, sig = w.process.reap(timeout=5.0)
+    def set_hang_timeout(self, seconds: float) -> None:
+        """Every live worker's hang timeout (0: off)."""
+        for w in self.alive():
+            self.watchdog.set_hang_timeout(w.local_rank, seconds)
+
+    def _mark_exited(self, w: Worker, event: Any = None) -> None:
+        """Record an exit; end what the worker left in its process group (its unreaped zombie
+        keeps the group id from being reused), then reap it."""
+        w.process.signal_group(signal.SIGKILL)
+        code, sig = w.process.reap(timeout=REAP_WAIT)
         if event is not None and (event.exit_code is not None or event.signal is not None):
             code, sig = event.exit_code, event.signal
-        w.exited = True
         w.exit_code, w.signal = code, sig
+        w.exited = True
+        if w.state == WorkerState.RUNNING:
+            w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+        if self.guardian is not None:
+            self.guardian.forget_group(w.pid)
+
+    def mark_failed(self, w: Worker) -> None:
+        """The agent judged a live worker failed (hung, its GPU): it stays FAILED when it is
+        stopped."""
+        if w.state == WorkerState.RUNNING:
+            w.state = WorkerState.FAILED
+
+    # ---- stopping ------------------------------------------------------------------------------
+
+    def stop_all(self, sig: int, grace: float, cancel: CancelToken = NEVER) -> list[Worker]:
+        """The stop sequence: `sig` to every live worker's process group, up to `grace`
+        seconds (cut short by a forced cancellation), then SIGKILL. Returns the workers that
+        were running and were stopped (their state is STOPPED)."""
+        running = [w for w in self.alive() if w.state == WorkerState.RUNNING]
+        self._stop(self.alive(), sig, grace, cancel)
+        for w in running:
+            w.state = WorkerState.STOPPED
+        return running
+
+    def _stop(
+        self, targets: list[Worker], sig: int, grace: float, cancel: CancelToken = NEVER
+    ) -> None:
+        pending = {w.local_rank: w for w in targets if not w.exited}
+        for w in pending.values():
+            w.process.signal_group(sig)
+        self._await_exits(pending, Deadline(grace), cancel)
+        if pending:
+            for w in pending.values():
+                w.process.signal_group(signal.SIGKILL)
+            self._await_exits(pending, Deadline(KILL_WAIT), NEVER)
+        for w in pending.values():  # the kernel never said: reap what can be reaped
+            self._mark_exited(w)
+
+    def _await_exits(
+        self, pending: dict[int, Worker], deadline: Deadline, cancel: CancelToken
+    ) -> None:
+        while pending and not deadline.passed and not cancel.forced:
+            event = self.watchdog.poll(timeout=deadline.left(0.05))
+            if event is None or event.kind != elastic_core.EventKind.EXITED:
+                continue
+            w = pending.get(event.worker)
+            if w is not None and w.pid == event.pid:
+                self._mark_exited(w, event)
+                del pending[event.worker]
+
+    def _release(self, w: Worker) -> None:
+        self.watchdog.unwatch(w.local_rank)
+        for f in w._files:
+            f.close()
+        w._files = []
+
+    def close(self) -> None:
+        """End the attempt: kill every worker still running (whole process groups), reap them,
+        stop watching, close the log files. Safe at any point, and twice."""
+        for w in self._workers.values():
+            if not w.exited:
+                w.process.signal_group(signal.SIGKILL)
+                if w.state == WorkerState.RUNNING:
+                    w.state = WorkerState.STOPPED
+                self._mark_exited(w)
+            self.watchdog.unwatch(w.local_rank)
+        if not self._pump.wait_drained(timeout=5.0):
+            self._pump.drop_all()  # a grandchild still holds a pipe: stop reading it
+        for w in self._workers.values():
+            self._release(w)
+        for f in self._filtered.values():
+            f.close()
+        self._filtered = {}
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- results and stacks ----------------------------------------------------------------------
+
+    def return_values(self) -> dict[int, Any]:
+        """A function entrypoint's return values by global rank (None for programs)."""
+        values: dict[int, Any] = {}
+        for w in self.workers:
+            if w.result_file and os.path.exists(w.result_file):
+                with open(w.result_file, "rb") as f:
+                    values[w.rank] = pickle.load(f)
+            else:
+                values[w.rank] = None
+        return values
 
     def dump_stacks(self, timeout: float) -> dict[int, str]:
-        """Ask every live Python worker for its threads' stacks (faulthandler); by local rank."""
+        """Ask every live Python worker for its threads' stacks (faulthandler); by local rank.
+        Each stack is also appended to the worker's stderr log (or the console)."""
         if not self.entrypoint.is_python:
             return {}
-        sizes = {}
+        sizes: dict[int, int] = {}
         for w in self.alive():
             sizes[w.local_rank] = _size(w.stack_file)
-            try:
-                os.kill(w.pid, bootstrap.STACK_SIGNAL)
-            except ProcessLookupError:
-                continue
-        stacks: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        pending = dict(sizes)
+            w.process.signal(worker_main.STACK_SIGNAL)
+        previous = dict(sizes)
+        pending = set(sizes)
+        deadline = Deadline(timeout)
         last_growth = time.monotonic()
-        previous = {r: s for r, s in sizes.items()}
-        while pending and time.monotonic() < deadline:
+        while pending and not deadline.passed:
             time.sleep(0.02)
             for rank in list(pending):
-                worker = self.by_local_rank(rank)
-                assert worker is not None
-                size = _size(worker.stack_file)
+                size = _size(self._workers[rank].stack_file)
                 if size != previous[rank]:
                     previous[rank] = size
                     last_growth = time.monotonic()
                 elif size > sizes[rank] and time.monotonic() - last_growth > 0.1:
-                    del pending[rank]
+                    pending.discard(rank)
+        stacks: dict[int, str] = {}
         for rank, start in sizes.items():
-            worker = self.by_local_rank(rank)
-            assert worker is not None
-            text = _read_from(worker.stack_file, start)
+            w = self._workers[rank]
+            text = _read_from(w.stack_file, start)
             if text:
                 stacks[rank] = text
-                self._append_to_log(worker, text)
+                self._append_to_log(w, text)
         return stacks
 
     def _append_to_log(self, w: Worker, stack: str) -> None:
@@ -471,39 +522,10 @@ class WorkerGroup:
             with open(w.stderr_log, "a") as f:
                 f.write(header + stack)
         else:
-            prefix = self._prefix(w.local_rank, w.rank)
+            prefix = compat.log_line_prefix(self.config.role, w.rank, w.local_rank, self.host)
             lines = (header + stack).splitlines()
             sys.stderr.write("".join(f"{prefix}{line}\n" for line in lines))
             sys.stderr.flush()
-
-    def signal_all(self, sig: int) -> None:
-        """Send `sig` to every live worker's whole process group."""
-        for w in self.alive():
-            _killpg(w.pid, sig)
-
-    def close(self) -> None:
-        """After an attempt: end every worker still running (whole process groups), reap
-        them, stop watching, and close the log files."""
-        for w in self.workers:
-            if not w.exited:
-                _killpg(w.pid, signal.SIGKILL)
-                w.exit_code, w.signal = w.process.reap(timeout=5.0)
-                w.exited = True
-            self.watchdog.unwatch(w.local_rank)
-        if not self.pump.wait_drained(timeout=5.0):
-            self.pump.drop_all()  # a grandchild still holds a pipe: stop reading it
-        for w in self.workers:
-            for f in w.open_files:
-                f.close()
-            w.open_files = []
-        for f in self._filtered:
-            f.close()
-        self._filtered = []
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _size(path: str) -> int:

@@ -3,9 +3,14 @@
 A restart then costs a fork instead of a new interpreter and ``import torch``. The agent starts
 the zygote once, talks to it over a Unix socketpair (one JSON message per datagram, standard
 streams passed as file descriptors), and learns each worker's exit status from it, since the
-zygote is their parent. A forked worker runs :func:`elastic_launch.bootstrap.run` exactly as a
-fresh one does: own session, the worker's environment and standard streams, the target as
-``__main__``, and the interpreter's usual exit (exit handlers, non-daemon threads).
+zygote is their parent. A forked worker becomes a worker through
+:func:`elastic_launch.worker_main.run_forked`, the same path as every other worker.
+
+Protocol (agent -> zygote): ``spawn {id, argv, env, cwd, stdout, stderr}`` with the stream
+descriptors attached; ``watched {pid}`` once the agent watches a child (from then on the zygote
+may reap it: until then its zombie keeps the pid, so the agent's pidfd always finds the right
+process). Zygote -> agent: ``ready {seconds, failed}`` once its imports are done; ``spawned
+{id, pid}``; ``exited {pid, status}``. End of file on either side ends the other.
 
 Run by the agent as ``python -m elastic_launch.zygote FD MODULE...``.
 """
@@ -26,22 +31,27 @@ import threading
 import time
 from typing import Any
 
+from elastic_launch.worker_main import Handover, run_forked
+
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 1 << 20
-_NO_FD = -1
-_DEVNULL = -2
+_SPAWN_ANSWER_TIMEOUT = 30.0
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """One message (JSON), with file descriptors attached."""
     data = json.dumps(message).encode()
+    if len(data) > _MAX_MESSAGE:
+        raise OSError(f"a zygote message of {len(data)} bytes is over {_MAX_MESSAGE}")
     if fds:
         sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.send(data)
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next message and its descriptors; (None, []) at end of file."""
     fds = array.array("i")
     data, ancdata, _, _ = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_LEN(16 * fds.itemsize))
     for level, kind, payload in ancdata:
@@ -55,70 +65,28 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 # ---- the zygote process ----------------------------------------------------------------------
 
 
-def _child(
+def _fork_worker(
     sock: socket.socket,
     sel: selectors.BaseSelector,
     wakeup: tuple[int, int],
     request: dict[str, Any],
     fds: list[int],
 ) -> None:
-    """In the forked worker: become the worker, run it, exit like an interpreter would."""
-    code = 1
-    try:
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        sel.close()
-        sock.close()
-        for fd in wakeup:
-            os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGPIPE else signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        it = iter(fds)
-        for target, kind in ((1, request["stdout"]), (2, request["stderr"])):
-            if kind == _DEVNULL:
-                fd = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(fd, target)
-                os.close(fd)
-            elif kind != _NO_FD:
-                fd = next(it)
-                os.dup2(fd, target)
-                os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.environ["ELASTICRUN_PARENT_PID"] = str(os.getppid())  # the zygote: its parent
-        os.chdir(request["cwd"])
-        # A fresh interpreter seeds its random generators from the OS; forked ones would all
-        # share the zygote's state. Python's `random` reseeds itself after fork; numpy does not.
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed()
-        from elastic_launch import bootstrap
-
-        try:
-            bootstrap.run(request["argv"])
-            code = 0
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        # What the interpreter does on the way out: join threads, run exit handlers.
-        threading._shutdown()  # type: ignore[attr-defined]
-        import atexit
-
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code & 0xFF if code >= 0 else 1)
+    """In the forked child: drop the zygote's own descriptors, then the one worker path."""
+    sel.close()
+    sock.close()
+    for fd in wakeup:
+        os.close(fd)
+    it = iter(fds)
+    streams = [next(it) if kind == 0 else kind for kind in (request["stdout"], request["stderr"])]
+    handover = Handover(
+        env=request["env"],
+        stdout=streams[0],
+        stderr=streams[1],
+        cwd=request["cwd"],
+        parent_pid=os.getppid(),  # the zygote: it must die with it
+    )
+    run_forked(handover, request["argv"])
 
 
 def serve(fd: int, modules: list[str]) -> None:
@@ -127,6 +95,8 @@ def serve(fd: int, modules: list[str]) -> None:
     import elastic_core
 
     elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the agent ends us (end of file, or SIGKILL)
     start = time.monotonic()
     failed = {}
     for name in modules:
@@ -134,9 +104,7 @@ def serve(fd: int, modules: list[str]) -> None:
             __import__(name)
         except BaseException as e:  # reported to the agent, which then spawns normally
             failed[name] = f"{type(e).__name__}: {e}"
-    from elastic_launch import bootstrap  # noqa: F401 - warm for the workers
-
-    _send(sock, {"op": "ready", "seconds": time.monotonic() - start, "failed": failed})
+    send(sock, {"op": "ready", "seconds": time.monotonic() - start, "failed": failed})
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
     os.set_blocking(wakeup_r, False)
@@ -145,9 +113,7 @@ def serve(fd: int, modules: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "sock")
     sel.register(wakeup_r, selectors.EVENT_READ, "child")
-    # pid -> whether the agent watches it yet. A child is reaped only once watched: until then
-    # its zombie keeps the pid, so the agent's pidfd_open always finds the right process.
-    children: dict[int, bool] = {}
+    children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
 
     def reap_if_exited(pid: int) -> None:
         try:
@@ -160,7 +126,7 @@ def serve(fd: int, modules: list[str]) -> None:
             children.pop(pid, None)
             return
         children.pop(pid, None)
-        _send(sock, {"op": "exited", "pid": pid, "status": status})
+        send(sock, {"op": "exited", "pid": pid, "status": status})
 
     while True:
         for key, _ in sel.select():
@@ -171,7 +137,7 @@ def serve(fd: int, modules: list[str]) -> None:
                     if watched:
                         reap_if_exited(pid)
                 continue
-            request, fds = _recv(sock)
+            request, fds = recv(sock)
             if request is None:  # the agent is gone: so are we
                 os._exit(0)
             if request.get("op") == "watched":
@@ -181,51 +147,42 @@ def serve(fd: int, modules: list[str]) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(sock, sel, (wakeup_r, wakeup_w), request, fds)
+                _fork_worker(sock, sel, (wakeup_r, wakeup_w), request, fds)
             for f in fds:
                 os.close(f)
             children[pid] = False
-            _send(sock, {"op": "spawned", "id": request["id"], "pid": pid})
+            send(sock, {"op": "spawned", "id": request["id"], "pid": pid})
 
 
 # ---- the agent's side ------------------------------------------------------------------------
 
 
-class ZygoteProcess:
-    """A worker forked by the zygote; its exit status comes from the zygote, which also ends
-    what the worker left in its process group."""
-
-    reaped_by_agent = False
-
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.zygote = zygote
-        self.pid = pid
-
-    def reap(self, timeout: float) -> tuple[int | None, int | None]:
-        status = self.zygote.wait_status(self.pid, timeout)
-        if status is None:
-            return None, None
-        code = os.waitstatus_to_exitcode(status)
-        return (code, None) if code >= 0 else (None, -code)
+class ZygoteUnavailableError(RuntimeError):
+    """The zygote is not ready, failed, or is gone; the caller starts a fresh interpreter."""
 
 
 class Zygote:
-    """The agent's handle on its zygote. Starts it in the background: until it is ready (its
-    imports can take seconds), workers are spawned the ordinary way."""
+    """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
+    torch) overlap the rendezvous."""
 
     def __init__(self, modules: list[str]) -> None:
         self.modules = modules
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = parent
-        self._proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", __name__, str(child.fileno()), *modules],
-            pass_fds=[child.fileno()],
-            start_new_session=True,
-            env={**os.environ, "ELASTICRUN_AGENT_PID": str(os.getpid())},
-        )
-        child.close()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", __name__, str(child.fileno()), *modules],
+                pass_fds=[child.fileno()],
+                start_new_session=True,
+                env={**os.environ, "ELASTICRUN_AGENT_PID": str(os.getpid())},
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+        self._cond = threading.Condition()
         self._ready = False
         self._dead = False
         self._statuses: dict[int, int] = {}
@@ -236,20 +193,10 @@ class Zygote:
         self._reader = threading.Thread(target=self._read, name="elasticrun-zygote", daemon=True)
         self._reader.start()
 
-    @property
-    def ready(self) -> bool:
-        with self._lock:
-            return self._ready and not self._dead
-
-    def wait_ready(self, timeout: float) -> bool:
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready or self._dead, timeout)
-            return self._ready and not self._dead
-
     def _read(self) -> None:
         while True:
             try:
-                message, fds = _recv(self._sock)
+                message, fds = recv(self._sock)
             except OSError:
                 message, fds = None, []
             for f in fds:
@@ -270,21 +217,30 @@ class Zygote:
                     self._statuses[message["pid"]] = message["status"]
                 self._cond.notify_all()
 
-    def spawn(
-        self, argv: list[str], env: dict[str, str], stdout: Any, stderr: Any
-    ) -> ZygoteProcess:
-        """Fork a worker running ``bootstrap.run(argv)``; stdout/stderr as for Popen."""
-        fds: list[int] = []
-        kinds = []
-        for target in (stdout, stderr):
-            if target is None:
-                kinds.append(_NO_FD)
-            elif target == subprocess.DEVNULL:
-                kinds.append(_DEVNULL)
-            else:
-                kinds.append(0)
-                fds.append(target)
+    @property
+    def ready(self) -> bool:
         with self._cond:
+            return self._ready and not self._dead
+
+    @property
+    def dead(self) -> bool:
+        with self._cond:
+            return self._dead
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the imports; True once ready (False: not yet, or dead)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._dead, max(timeout, 0.0))
+            return self._ready and not self._dead
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> int:
+        """Fork a worker running ``worker_main.run_target(argv)``; the streams are descriptors,
+        KEEP or DEVNULL. Returns its pid."""
+        fds = [t for t in (stdout, stderr) if t >= 0]
+        kinds = [0 if t >= 0 else t for t in (stdout, stderr)]
+        with self._cond:
+            if self._dead:
+                raise ZygoteUnavailableError("the zygote has exited")
             request_id = self._next_id
             self._next_id += 1
         request = {
@@ -295,27 +251,28 @@ class Zygote:
             "stdout": kinds[0],
             "stderr": kinds[1],
         }
-        _send(self._sock, request, fds)
+        try:
+            send(self._sock, request, fds)
+        except OSError as e:
+            raise ZygoteUnavailableError(f"the zygote cannot take the request: {e}") from None
         with self._cond:
             if not self._cond.wait_for(
-                lambda: request_id in self._spawned or self._dead, timeout=30
+                lambda: request_id in self._spawned or self._dead, _SPAWN_ANSWER_TIMEOUT
             ):
-                raise RuntimeError("the zygote did not answer a spawn request within 30 s")
-            if self._dead:
-                raise RuntimeError("the zygote has exited")
-            return ZygoteProcess(self, self._spawned.pop(request_id))
-
-    @property
-    def dead(self) -> bool:
-        with self._lock:
-            return self._dead
+                raise ZygoteUnavailableError(
+                    f"the zygote did not answer a spawn request within {_SPAWN_ANSWER_TIMEOUT:g} s"
+                )
+            if request_id not in self._spawned:
+                raise ZygoteUnavailableError("the zygote has exited")
+            return self._spawned.pop(request_id)
 
     def acknowledge(self, pid: int) -> None:
         """The agent watches `pid` now: the zygote may reap it when it exits."""
         with contextlib.suppress(OSError):
-            _send(self._sock, {"op": "watched", "pid": pid})
+            send(self._sock, {"op": "watched", "pid": pid})
 
     def wait_status(self, pid: int, timeout: float) -> int | None:
+        """A child's wait status, once the zygote reaped it (None: not within `timeout`)."""
         with self._cond:
             self._cond.wait_for(lambda: pid in self._statuses or self._dead, timeout)
             return self._statuses.pop(pid, None)

@@ -10,10 +10,39 @@ entry-point group ``elastic_launch.rendezvous``.
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from elastic_launch.api import ConfigError, LaunchError
+from elastic_launch.cancel import NEVER, CancelToken
+
+
+class RestartReason(str, enum.Enum):
+    """Why an agent asks for a new round."""
+
+    START = "start"  # its first round
+    FAILURE = "failure"  # a worker failed: a restart counts against the job's budget
+    MEMBERSHIP = "membership"  # nodes came or went: free
+
+
+class CloseReason(str, enum.Enum):
+    """Why a job was closed (no more rounds)."""
+
+    SUCCEEDED = "succeeded"  # every node's workers finished
+    FAILED = "failed"  # the restart budget was spent, or a node cannot go on
+    ERROR = "error"  # the nodes cannot work together (different versions)
+
+
+@dataclass(frozen=True)
+class JobClosed:
+    """A closed job: why, and the details (the root cause that spent the budget...)."""
+
+    reason: CloseReason
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
 
 
 class RendezvousError(LaunchError):
@@ -25,7 +54,19 @@ class RendezvousTimeoutError(RendezvousError, TimeoutError):
 
 
 class RendezvousClosedError(RendezvousError):
-    """The rendezvous is closed: the job has finished or failed."""
+    """The job is over (it finished or failed); :attr:`closed` says how."""
+
+    def __init__(self, message: str, closed: JobClosed) -> None:
+        super().__init__(message)
+        self.closed = closed
+
+
+class RunIdInUseError(RendezvousError):
+    """The run id names a job that already finished: a new job needs a new run id."""
+
+
+class RendezvousVersionError(RendezvousError):
+    """This node and the job run different elasticrun (or rendezvous protocol) versions."""
 
 
 class RendezvousConnectionError(RendezvousError, ConnectionError):
@@ -77,129 +118,79 @@ class RendezvousInfo:
         return sum(self.local_world_sizes[: self.group_rank])
 
 
+@dataclass(frozen=True)
+class RendezvousCounters:
+    """What a handler has done, for events, /healthz and the benchmarks."""
+
+    rounds: int = 0  # rounds this node took part in
+    store_requests: int | None = None  # requests sent to the store (None: no store)
+    phase: str = ""  # "joining", "confirming", "spare", "running", "closed" or ""
+
+
 class RendezvousHandler(abc.ABC):
-    """One agent's view of the job's membership (torch's ``RendezvousHandler``, simplified)."""
+    """One agent's view of the job's membership (torch's ``RendezvousHandler``, with reasons,
+    cancellation and counters)."""
 
     @abc.abstractmethod
     def get_backend(self) -> str:
         """The backend's registered name."""
 
     @abc.abstractmethod
-    def next_rendezvous(self, reason: str = "start") -> RendezvousInfo:
-        """Join the next round and wait until it closes. `reason` is "start", "failure" (a
-        worker failed: counts against the restart budget; RendezvousClosedError once it is
-        spent) or "membership" (nodes came or went). May raise RendezvousTimeoutError,
-        RendezvousClosedError or RendezvousConnectionError."""
-
-    @abc.abstractmethod
-    def is_closed(self) -> bool:
-        """True once the job has finished or failed: no more rounds."""
-
-    @abc.abstractmethod
-    def set_closed(self, reason: str = "closed") -> None:
-        """Close the rendezvous for every agent (the job is over)."""
-
-    def membership_changed(self) -> bool:
-        """True once the current round is over for this node: a node joined, left or
-        failed, or the job was closed. The agent then restarts its workers."""
-        return False
-
-    def mark_done(self) -> bool:
-        """This node's workers all succeeded; True if the whole job has finished."""
-        self.set_closed("succeeded")
-        return True
-
-    @abc.abstractmethod
-    def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join: when > 0, running agents restart their workers to admit them."""
-
-    @abc.abstractmethod
     def get_run_id(self) -> str:
         """The job's run id."""
 
-    def shutdown(self) -> bool:
-        """Release this agent's resources (connections, leases, servers)."""
-        return True
-
-
-class FixedRendezvous(RendezvousHandler):
-    """Base of the backends whose membership never changes (one node, static): each round
-    returns `_round_info()`; closing is local."""
-
-    def __init__(self, params: RendezvousParameters) -> None:
-        self._params = params
-        self._round = 0
-        self._restarts = 0
-        self._closed = False
-
-    def get_backend(self) -> str:
-        return self._params.backend
-
-    def next_rendezvous(self, reason: str = "start") -> RendezvousInfo:
-        if self._closed:
-            raise RendezvousClosedError(f"rendezvous of run '{self._params.run_id}' is closed")
-        if reason == "failure":
-            self._restarts += 1
-            if self._restarts > self._params.max_restarts:
-                self._closed = True
-                raise RendezvousClosedError(f"restarts exhausted ({self._params.max_restarts})")
-        self._round += 1
-        return self._round_info(self._round)
-
     @abc.abstractmethod
-    def _round_info(self, round_: int) -> RendezvousInfo:
-        """The outcome of round `round_`."""
+    def next_rendezvous(
+        self,
+        reason: RestartReason = RestartReason.START,
+        *,
+        cancel: CancelToken = NEVER,
+        failure: str = "",
+    ) -> RendezvousInfo:
+        """Join the next round and wait until it is final. After a FAILURE (`failure` says
+        what failed) the restart counts against the job's budget; once it is spent the job is
+        closed. Raises RendezvousClosedError (the job is over), RunIdInUseError,
+        RendezvousVersionError, RendezvousTimeoutError, RendezvousConnectionError, or
+        :class:`~elastic_launch.api.Cancelled` when `cancel` is."""
 
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self, reason: str = "closed") -> None:
-        self._closed = True
+    def membership_changed(self) -> bool:
+        """True once the current round is over for this node: a node joined, left or failed,
+        or the job was closed. The agent then restarts its workers."""
+        return False
 
     def num_nodes_waiting(self) -> int:
+        """Nodes waiting to be admitted (they are, at the next round)."""
         return 0
 
-    def get_run_id(self) -> str:
-        return self._params.run_id
+    def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
+        """After a local worker failure: the other members of the round that are gone (their
+        agent died), so that the failure counts as a membership change. Looks for a short
+        while only (a dead agent's process is seen at once; a lost host within seconds)."""
+        return []
+
+    @abc.abstractmethod
+    def mark_done(self) -> bool:
+        """This node's workers all succeeded; True if the whole job has finished."""
+
+    @abc.abstractmethod
+    def set_closed(self, reason: CloseReason, detail: str = "") -> None:
+        """Close the job for every agent (no-op if it is closed already)."""
+
+    @abc.abstractmethod
+    def closed(self) -> JobClosed | None:
+        """Why the job was closed, once this node knows it is."""
+
+    def is_closed(self) -> bool:
+        return self.closed() is not None
+
+    @abc.abstractmethod
+    def counters(self) -> RendezvousCounters: ...
+
+    def shutdown(self, cancel: CancelToken = NEVER) -> None:  # noqa: B027 - nothing by default
+        """Leave (other nodes see this node go at once) and release connections, leases and
+        servers. A node hosting a service others still need may wait for them, unless
+        `cancel` is cancelled."""
 
 
 #: A backend factory: builds a handler from parameters, after checking them.
 HandlerFactory = Callable[[RendezvousParameters], RendezvousHandler]
-
-
-def check_config_keys(
-    params: RendezvousParameters, allowed: Mapping[str, Callable[[str], object]]
-) -> dict[str, object]:
-    """Validate ``--rdzv-conf`` against a backend's keys; returns the converted values."""
-    out: dict[str, object] = {}
-    for key, raw in params.config.items():
-        convert = allowed.get(key)
-        if convert is None:
-            known = ", ".join(sorted(allowed)) or "none"
-            raise RendezvousConfigError(
-                f"--rdzv-conf: '{key}' is not an option of the {params.backend} rendezvous "
-                f"(it takes: {known})"
-            )
-        try:
-            out[key] = convert(raw)
-        except (TypeError, ValueError) as e:
-            raise RendezvousConfigError(
-                f"--rdzv-conf: {key}='{raw}' is not valid for the {params.backend} rendezvous: {e}"
-            ) from None
-    return out
-
-
-def positive_seconds(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise ValueError("give seconds, more than 0")
-    return value
-
-
-def as_bool(raw: str) -> bool:
-    text = raw.strip().lower()
-    if text in ("1", "true", "t", "yes", "y"):
-        return True
-    if text in ("0", "false", "f", "no", "n"):
-        return False
-    raise ValueError("give true or false")

@@ -1,177 +1,131 @@
 """The elastic rendezvous: one algorithm for every backend with a store (embedded, etcd, etcd-v2).
 
-Rounds are numbered versions that go joinable -> frozen -> final (etcd's classic rendezvous):
+The decisions (who leads, when to freeze, ranks, the restart budget, closing) are the pure
+functions of :mod:`.round`; this module reads the store, asks them, and writes what they return,
+with compare-and-swap on the job's state key. Keys, under ``/elasticrun/<run id>/``::
 
-- **joinable**: nodes announce themselves with an ephemeral join key ``v<N>/join/<node>`` (bound
-  to the node's lease, so a dead node's key vanishes). The first node to have joined (lowest
-  creation revision) leads: it freezes the round as soon as MAX nodes have joined, or MIN have
-  and the last-call timeout has passed. Nodes beyond MAX wait.
-- **frozen**: the membership and ranks are fixed in the state key; each member confirms with an
-  ephemeral ``v<N>/confirm/<node>``; when all have, the leader makes the round final (a member
-  that vanishes meanwhile sends the round back to joinable).
-- **final**: the workers run. A node that arrives registers ``waiting/<node>`` and is admitted at
-  the next round; a member whose join key vanishes (lease expiry: the node died) or a worker
-  failure re-opens the round (version N+1). Agents learn all of this from one watch.
+    state                      the RoundState (JSON); CAS-versioned
+    m/v<N>/join/<node>         ephemeral (the node's lease): the node joined round N (its Member)
+    m/v<N>/confirm/<node>      ephemeral: the node confirmed frozen round N
+    m/waiting/<node>           ephemeral: a spare, waiting to be admitted
+    m/done/<node>              the node's workers finished
 
-Every write is one request and every node reads through its watch, so requests per round grow
-linearly with the number of nodes. The state key holds the job-wide restart count (a failure
-re-opens the round with count + 1, or closes the job when the budget is spent), the previous
-round's ranks (survivors keep theirs where they can), and the job's end (``closed``).
+Every wait is a watch (the leader watches the round's keys; the others the state and the leader's
+join key), bounded by a deadline and ended at once by a cancellation or a lost lease; nothing
+polls. Requests per round grow linearly with the number of nodes. When a job closes, its state
+is kept for :data:`CLOSED_TTL` seconds (so late nodes learn how it ended) and every other key is
+removed; after that its run id is free again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
+from elastic_launch._version import __version__
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import NEVER, CancelToken, Deadline
+from elastic_launch.net import PresencePort, free_port, local_address, probe
+from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
+    CloseReason,
+    JobClosed,
     RendezvousClosedError,
-    RendezvousConfigError,
+    RendezvousCounters,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
+    RendezvousVersionError,
+    RestartReason,
+    RunIdInUseError,
 )
-from elastic_launch.rendezvous.store import KeyValue, Store, StoreError, Watch
+from elastic_launch.rendezvous.conf import RendezvousConf
+from elastic_launch.rendezvous.round import Member, RoundState, Status
+from elastic_launch.rendezvous.session import Session
+from elastic_launch.rendezvous.store import Change, Inbox, KeyValue, Store, StoreError
 
 logger = logging.getLogger(__name__)
 
-JOINABLE, FROZEN, FINAL, CLOSED = "joinable", "frozen", "final", "closed"
-SUCCEEDED = "succeeded"
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds; from --rdzv-conf (torch's key names)."""
-
-    join: float = 600.0  # to form a round with at least MIN nodes
-    last_call: float = 3.0  # after MIN have joined, for more to come
-    heartbeat: float = 5.0  # lease TTL: a dead node is noticed within this
-    close: float = 30.0  # for a frozen round's members to confirm
-    reconnect: float = 30.0  # while running: how long a store that went away may stay away
-
-    @classmethod
-    def from_config(cls, conf: Mapping[str, Any]) -> Timeouts:
-        t = cls(
-            join=float(conf.get("join_timeout", conf.get("timeout", cls.join))),
-            last_call=float(conf.get("last_call_timeout", cls.last_call)),
-            heartbeat=float(conf.get("heartbeat_timeout", cls.heartbeat)),
-            close=float(conf.get("close_timeout", cls.close)),
-            reconnect=float(conf.get("reconnect_timeout", cls.reconnect)),
-        )
-        if t.heartbeat < 2.0:
-            raise RendezvousConfigError(
-                f"--rdzv-conf heartbeat_timeout={t.heartbeat:g}: the lease needs at least 2 seconds"
-            )
-        return t
-
-
-def local_address(target_host: str) -> str:
-    """The address of this host on the route to `target_host` (what other nodes reach)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(target_host), 9))  # no packet is sent
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        try:
-            s.bind((host, 0))
-        except OSError:  # a name or address not on this host: any interface will do
-            s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def assign_ranks(members: list[str], previous: Mapping[str, int]) -> dict[str, int]:
-    """Ranks 0..n-1: a member keeps its previous rank when it is still in range and free; the
-    others take the free ranks in join order."""
-    n = len(members)
-    ranks: dict[str, int] = {}
-    taken: set[int] = set()
-    for m in members:
-        r = previous.get(m)
-        if r is not None and r < n and r not in taken:
-            ranks[m] = r
-            taken.add(r)
-    free = iter(r for r in range(n) if r not in taken)
-    for m in members:
-        if m not in ranks:
-            ranks[m] = next(free)
-    return ranks
+#: How long a closed job's state stays in the store (seconds).
+CLOSED_TTL = 600.0
+#: How long lost_members() probes the other members' agents.
+PROBE_TIMEOUT = 2.0
 
 
 class ElasticRendezvous(RendezvousHandler):
     def __init__(
-        self, params: RendezvousParameters, store: Store, timeouts: Timeouts, store_host: str
+        self, params: RendezvousParameters, store: Store, conf: RendezvousConf, store_host: str
     ) -> None:
         self.params = params
         self.store = store
-        self.t = timeouts
+        self.conf = conf
+        self.session = Session(store, conf.lease_ttl)
+        store.retry_for = conf.join_timeout
         self.node = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.addr = params.local_addr or local_address(store_host)
+        self.release = __version__
         self.prefix = f"/elasticrun/{params.run_id}"
         self._state_key = f"{self.prefix}/state"
-        self._version = 0  # the round this node is in (0: none yet)
-        self._info: RendezvousInfo | None = None
-        self._closed_reason: str | None = None
-        self._changed = threading.Event()
-        self._waiting: set[str] = set()
-        self._done: set[str] = set()
-        self._members: dict[str, Any] = {}
-        self._was_waiting = False
-        self._finished_first = False  # we succeeded while other members still ran
-        self._watcher: threading.Thread | None = None
-        self._watch: Watch | None = None
-        self._stop = threading.Event()
-        self._watch_lock = threading.Lock()
-        self.store.start_liveness(self.t.heartbeat)
+        self._m = f"{self.prefix}/m"
+        self._round: RoundState | None = None  # our final round, while it runs
+        self._closed: JobClosed | None = None
+        self._seen_open = False  # whether this node saw the job before it closed
+        self._rounds = 0
+        self._phase = ""
+        self._presence: PresencePort | None = None
+        self._follower: _Follower | None = None
+        self._finished_first = False  # our workers succeeded while other members still ran
 
-    # ---- helpers ---------------------------------------------------------------------------
+    # ---- the store ------------------------------------------------------------------------
 
-    def _state(self) -> tuple[dict[str, Any] | None, int]:
+    def _read(self) -> tuple[RoundState | None, int]:
         kv = self.store.get(self._state_key)
-        if kv is None:
-            return None, 0
-        return json.loads(kv.value), kv.version
+        return (RoundState.from_json(kv.value), kv.version) if kv is not None else (None, 0)
 
-    def _state_in(self, kvs: list[KeyValue]) -> tuple[dict[str, Any] | None, int]:
-        """The state among the keys of a range (None if absent), and its version."""
+    def _state_in(self, kvs: list[KeyValue]) -> tuple[RoundState | None, int]:
         kv = next((kv for kv in kvs if kv.key == self._state_key), None)
-        return (json.loads(kv.value), kv.version) if kv is not None else (None, 0)
+        return (RoundState.from_json(kv.value), kv.version) if kv is not None else (None, 0)
 
-    def _write_state(self, state: dict[str, Any], version: int) -> int:
-        """Write the state if it is still at `version` (0: absent): its new version, or 0 when
-        someone moved it on first."""
-        data = json.dumps(state).encode()
-        if version == 0:
-            return self.store.create(self._state_key, data)
-        return self.store.cas(self._state_key, data, version)
+    def _commit(self, state: RoundState, version: int) -> int:
+        """Write `state` if the state key is still at `version` (0: absent): its new version,
+        or 0 if someone got there first. A closing state expires after CLOSED_TTL, and the
+        job's other keys are removed."""
+        if state.status != Status.CLOSED:
+            return self.store.cas(self._state_key, state.to_json(), version)
+        state = dataclasses.replace(state, expires_at=time.time() + CLOSED_TTL)
+        written = self.store.cas(self._state_key, state.to_json(), version, ttl=CLOSED_TTL)
+        if written:
+            self._closed = state.closed
+            with contextlib.suppress(StoreError):
+                self.store.delete(self._m + "/", prefix=True)
+        return written
 
-    def _closed_error(self, reason: str) -> RendezvousClosedError:
-        self._closed_reason = reason
-        return RendezvousClosedError(
-            f"the job '{self.params.run_id}' is over: {reason}"
-            if reason != SUCCEEDED
-            else f"the job '{self.params.run_id}' has finished"
-        )
+    def _advance(self, state: RoundState, version: int) -> tuple[RoundState | None, int]:
+        """Commit `state` and go on from it at once (not when the watch brings it back), or
+        from what got there first. A round made final drops the previous round's keys."""
+        written = self._commit(state, version)
+        if not written:
+            return self._read()
+        if state.status == Status.FINAL:
+            with contextlib.suppress(StoreError):
+                self.store.delete(f"{self._m}/v{state.version - 1}/", prefix=True)
+        return state, written
 
-    def _my_info(self) -> dict[str, Any]:
-        return {
-            "addr": self.addr,
-            "port": _free_port(self.addr),  # used if this node becomes group rank 0
-            "lws": self.params.local_world_size,
-        }
+    def _me(self) -> bytes:
+        assert self._presence is not None
+        return Member(
+            addr=self.addr,
+            port=free_port(self.addr),  # MASTER_PORT, should this node become group rank 0
+            lws=self.params.local_world_size,
+            release=self.release,
+            presence=self._presence.port,
+        ).to_json()
 
     # ---- the interface ---------------------------------------------------------------------
 
@@ -181,442 +135,509 @@ class ElasticRendezvous(RendezvousHandler):
     def get_run_id(self) -> str:
         return self.params.run_id
 
-    def next_rendezvous(self, reason: str = "start") -> RendezvousInfo:
-        self._stop_watcher()
-        if self._version:
-            self._reopen(reason)
-        deadline = time.monotonic() + self.t.join
+    def next_rendezvous(
+        self,
+        reason: RestartReason = RestartReason.START,
+        *,
+        cancel: CancelToken = NEVER,
+        failure: str = "",
+    ) -> RendezvousInfo:
+        self.session.use(cancel)
+        self._stop_follower()
+        if self._presence is None:
+            self._presence = PresencePort(self.addr)
+        self.session.open()
+        if self._round is not None:
+            self._leave(reason, failure)
+        deadline = Deadline(self.conf.join_timeout)
         while True:
-            state, version = self._state()
+            cancel.check()
+            state, version = self._read()
             if state is None:
-                fresh = {"version": 1, "status": JOINABLE, "restarts": 0, "prev_ranks": {}}
-                self._write_state(fresh, 0)
+                self._commit(rnd.initial(self.release), 0)
                 continue
-            if state["status"] == CLOSED:
-                raise self._closed_error(state.get("closed") or "closed")
-            v = state["version"]
-            if state["status"] == JOINABLE:
-                info = self._join(v, deadline)
-            elif state["status"] == FROZEN and self.node in state["nodes"]:
-                watch = self.store.watch(self.prefix + "/", version)
-                try:
-                    info = self._confirm(state, version, watch)
-                finally:
-                    watch.close()
-            elif state["status"] == FINAL and self.node in state["nodes"] and v != self._version:
-                info = self._round_info(state)
-            elif state["status"] == FINAL and self.node in state["nodes"]:
-                self._reopen(reason)  # our own round: we need a new one
-                continue
+            if state.status == Status.CLOSED:
+                raise self._closed_error(state)
+            conflict = rnd.version_conflict(state, self.release)
+            if conflict is not None:
+                raise RendezvousVersionError(
+                    f"this node cannot join job '{self.params.run_id}' on {self.store.name}: "
+                    f"{conflict}; run the same elasticrun version on every node"
+                )
+            self._seen_open = True
+            info: RendezvousInfo | None
+            if state.status == Status.JOINABLE:
+                info = self._join(state, version, deadline)
+            elif state.status == Status.FROZEN and self.node in state.nodes:
+                info = self._confirm(state, version)
+            elif state.status == Status.FINAL and self.node in state.nodes:
+                info = self._enter(state)
             else:
-                info = self._wait_as_spare(v)
+                info = self._wait_as_spare(state)
             if info is not None:
-                self._start_watcher()
                 return info
 
-    def _reopen(self, reason: str) -> None:
-        """Move our final round back to joinable (N+1); a failure counts against the budget."""
+    def _closed_error(self, state: RoundState) -> Exception:
+        closed = state.closed or JobClosed(CloseReason.FAILED)
+        self._closed = closed
+        self._phase = "closed"
+        if not self._seen_open:
+            left = (state.expires_at or time.time()) - time.time()
+            return RunIdInUseError(
+                f"the run id '{self.params.run_id}' names a job that has already ended "
+                f"({closed}) on {self.store.name}; give this job a new --rdzv-id (its keys are "
+                f"removed in {max(left, 0):.0f} s, after which the id is free again)"
+            )
+        if closed.reason == CloseReason.SUCCEEDED:
+            return RendezvousClosedError(f"the job '{self.params.run_id}' has finished", closed)
+        return RendezvousClosedError(f"the job '{self.params.run_id}' is over: {closed}", closed)
+
+    def _leave(self, reason: RestartReason, failure: str) -> None:
+        """Move our final round on to the next (a failure spends one restart of the budget)."""
+        assert self._round is not None
+        ours = self._round.version
+        self._round = None
+        detail = f"{failure} (on {socket.gethostname()})" if failure else ""
         while True:
-            state, version = self._state()
-            if state is None or state["version"] != self._version or state["status"] != FINAL:
+            state, version = self._read()
+            if not rnd.still_runs(state, ours):
                 return  # someone else moved it on already
-            nxt = dict(state)
-            nxt.pop("nodes", None)
-            nxt["prev_ranks"] = state.get("ranks", {})
-            nxt.pop("ranks", None)
-            if reason == "failure":
-                nxt["restarts"] = state.get("restarts", 0) + 1
-                if nxt["restarts"] > self.params.max_restarts:
-                    nxt = {
-                        **state,
-                        "status": CLOSED,
-                        "closed": f"failed: restarts exhausted ({self.params.max_restarts}), "
-                        f"last failure on {socket.gethostname()}",
-                    }
-                    if self._write_state(nxt, version):
-                        raise self._closed_error(nxt["closed"])
-                    continue
-            nxt.update(version=state["version"] + 1, status=JOINABLE)
-            if self._write_state(nxt, version):
+            assert state is not None
+            nxt = rnd.reopen(state, reason, self.params.max_restarts, detail)
+            if self._commit(nxt, version):
                 return
 
-    def _join(self, v: int, deadline: float) -> RendezvousInfo | None:
-        """Take part in joinable round `v` until it is frozen with us in it (then confirm),
+    def _enter(self, state: RoundState) -> RendezvousInfo:
+        """The round is final with us in it: the workers may start."""
+        self._round = state
+        self._rounds += 1
+        self._phase = "running"
+        # From now on the job runs: a store that goes away (an etcd restart) may come back
+        # within `reconnect_timeout`; beyond that the job cannot go on without it.
+        self.store.retry_for = self.conf.reconnect_timeout
+        self._start_follower()
+        return rnd.round_info(state, self.node)
+
+    # ---- joinable --------------------------------------------------------------------------
+
+    def _join(self, state: RoundState, version: int, deadline: Deadline) -> RendezvousInfo | None:
+        """Take part in joinable round `state` until it is frozen with us in it (then confirm),
         moves on without us (None: the caller looks again), or the join timeout passes."""
-        join_prefix = f"{self.prefix}/v{v}/join/"
+        self._phase = "joining"
+        v = state.version
+        join_prefix = f"{self._m}/v{v}/join/"
         me = join_prefix + self.node
-        self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
-        if self._was_waiting:
-            with contextlib.suppress(StoreError):
-                self.store.delete(f"{self.prefix}/waiting/{self.node}")
-            self._was_waiting = False
-        kvs, revision = self.store.range(f"{self.prefix}/")
+        self.store.create(me, self._me(), ephemeral=True)
+        with contextlib.suppress(StoreError):
+            self.store.delete(f"{self._m}/waiting/{self.node}")
+        kvs, revision = self.store.range(self.prefix + "/")
         joined = {
             kv.key[len(join_prefix) :]: kv.created for kv in kvs if kv.key.startswith(join_prefix)
+        }
+        infos = {
+            kv.key[len(join_prefix) :]: Member.from_json(kv.value)
+            for kv in kvs
+            if kv.key.startswith(join_prefix)
         }
         found, sversion = self._state_in(kvs)
         if found is None:
             return None
         state = found
-        # The first to join leads the round and counts the others; the rest only need the
-        # state (so each change reaches N watchers once, not N x N).
-        leader = min(joined, key=lambda n: joined[n])
+        # The first to join leads the round and counts the others; the rest follow the state
+        # and the leader's key (so each change reaches N watchers once, not N x N).
+        leader = rnd.leader_of(joined)
+        if leader is None:
+            return None  # our key went already (a lost lease): look again
         leading = leader == self.node
-        watch = self.store.watch(self.prefix + "/" if leading else self._state_key, revision)
-        last_call_at: float | None = None
-        next_check = time.monotonic() + 1.0
-        try:
+        watched = [self.prefix + "/"] if leading else [self._state_key, join_prefix + leader]
+        last_call: Deadline | None = None
+        with self.session.watching(watched, revision) as inbox:
             while True:
-                if state["version"] != v or state["status"] != JOINABLE:
+                if state.version != v or state.status != Status.JOINABLE:
                     if (
-                        state["version"] == v
-                        and state["status"] == FROZEN
-                        and (self.node in state["nodes"])
-                        # Leading the confirmations without having led the join (its leader
-                        # rejoined late) needs a watch on the whole job: the caller opens one.
-                        and (leading or state.get("leader") != self.node)
+                        state.version == v
+                        and state.status == Status.FROZEN
+                        and (self.node in state.nodes)
                     ):
-                        return self._confirm(state, sversion, watch)
+                        return self._confirm(state, sversion, inbox if leading else None)
                     return None
-                now = time.monotonic()
-                if not leading and now >= next_check:
-                    next_check = now + 1.0
-                    if self.store.get(join_prefix + leader) is None:
-                        return None  # the leader died: look again, another leads
-                    if self.store.liveness_lost() and self.store.get(me) is None:
-                        self._rejoin(me)
+                if self.session.take_lost():
+                    self._rejoin(me, joined)
+                if leader not in joined:
+                    return None  # the leader left: look again, another leads
                 if leading and len(joined) >= self.params.min_nodes:
-                    if last_call_at is None:
-                        last_call_at = now + self.t.last_call
-                    if len(joined) >= self.params.max_nodes or now >= last_call_at:
-                        frozen = self._freeze(state, sversion, join_prefix)
-                        last_call_at = None
-                        if frozen is not None:  # go on at once, not when the watch brings it
-                            state, sversion = frozen
-                            continue
-                if now >= deadline:
-                    if not leading:
-                        joined = {kv.key: kv.created for kv in self.store.range(join_prefix)[0]}
-                    with contextlib.suppress(StoreError):
-                        self.store.delete(me)
-                    raise RendezvousTimeoutError(
-                        f"rendezvous of run '{self.params.run_id}' timed out after "
-                        f"{self.t.join:g} s: {len(joined)} node(s) joined, at least "
-                        f"{self.params.min_nodes} needed (--nnodes {self.params.min_nodes}:"
-                        f"{self.params.max_nodes}); start more nodes or raise join_timeout"
+                    if last_call is None:
+                        last_call = Deadline(self.conf.last_call_timeout)
+                    ready = rnd.ready_to_freeze(
+                        len(joined), self.params.min_nodes, self.params.max_nodes, last_call.passed
                     )
-                wait = min(deadline, last_call_at or deadline, now + 1.0) - now
-                for change in watch.next(max(0.05, wait)) or []:
+                    if ready:
+                        frozen = rnd.freeze(
+                            state, joined, infos, self.params.min_nodes, self.params.max_nodes
+                        )
+                        last_call = None
+                        if frozen is not None:
+                            found, sversion = self._advance(frozen, sversion)
+                            if found is None:
+                                return None
+                            state = found
+                            continue
+                if deadline.passed:
+                    raise self._timeout(me, join_prefix, len(joined) if leading else None)
+                until = Deadline.earliest(deadline, last_call)
+                for change in self.session.wait(inbox, until):
                     if change.key == self._state_key:
                         if change.value is None:
                             return None
-                        state, sversion = json.loads(change.value), change.revision
+                        state, sversion = RoundState.from_json(change.value), change.revision
                     elif change.key.startswith(join_prefix):
                         node = change.key[len(join_prefix) :]
                         if change.value is not None:
                             joined.setdefault(node, change.revision)
-                        elif node == self.node:  # our lease expired: join again
-                            self._rejoin(me)
+                            infos[node] = Member.from_json(change.value)
+                        elif node == self.node:
+                            self._rejoin(me, joined)  # our lease expired: join again
                         else:
                             joined.pop(node, None)
-        finally:
-            watch.close()
+                            infos.pop(node, None)
 
-    def _rejoin(self, me: str) -> None:
-        """Our lease expired while we waited: a new lease, then our join key again."""
+    def _rejoin(self, me: str, joined: dict[str, int]) -> None:
+        """Our lease expired while we waited: our join key again (a new lease is in place)."""
         self.store.ensure_lease()
-        self.store.reset_liveness()
-        self.store.create(me, json.dumps(self._my_info()).encode(), ephemeral=True)
+        self.session.take_lost()
+        self.store.create(me, self._me(), ephemeral=True)
 
-    def _freeze(
-        self, state: dict[str, Any], version: int, join_prefix: str
-    ) -> tuple[dict[str, Any], int] | None:
-        """Fix the round's members and ranks: the frozen state and its version, or None if too
-        few are left or the state moved on."""
-        kvs, _ = self.store.range(join_prefix)
-        infos = {kv.key[len(join_prefix) :]: json.loads(kv.value) for kv in kvs}
-        created = {kv.key[len(join_prefix) :]: kv.created for kv in kvs}
-        # First come, first in; the first member leads the confirm phase (normally this
-        # node, unless it rejoined late after its lease expired).
-        order = sorted(infos, key=lambda n: created[n])[: self.params.max_nodes]
-        if len(order) < self.params.min_nodes:
-            return None
-        nxt = {
-            **state,
-            "status": FROZEN,
-            "nodes": {n: infos[n] for n in order},
-            "ranks": assign_ranks(order, state.get("prev_ranks", {})),
-            "leader": order[0],
-        }
-        written = self._write_state(nxt, version)
-        return (nxt, written) if written else None
+    def _timeout(self, me: str, join_prefix: str, count: int | None) -> Exception:
+        if count is None:
+            count = len(self.store.range(join_prefix)[0])
+        with contextlib.suppress(StoreError):
+            self.store.delete(me)
+        p = self.params
+        return RendezvousTimeoutError(
+            f"rendezvous of run '{p.run_id}' timed out after {self.conf.join_timeout:g} s: "
+            f"{count} node(s) joined, at least {p.min_nodes} needed (--nnodes {p.min_nodes}:"
+            f"{p.max_nodes}); start more nodes or raise join_timeout"
+        )
 
-    def _confirm(self, state: dict[str, Any], sversion: int, watch: Watch) -> RendezvousInfo | None:
+    # ---- frozen ----------------------------------------------------------------------------
+
+    def _confirm(
+        self, state: RoundState, sversion: int, inbox: Inbox | None = None
+    ) -> RendezvousInfo | None:
         """A frozen round with us in it: confirm, and (the leader) make it final once every
         member has; a member that vanishes sends the round back to joinable."""
-        v = state["version"]
-        confirm_prefix = f"{self.prefix}/v{v}/confirm/"
+        self._phase = "confirming"
+        v = state.version
+        round_prefix = f"{self._m}/v{v}/"
+        confirm_prefix = round_prefix + "confirm/"
+        join_prefix = round_prefix + "join/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
-        leader = state.get("leader")
-        leading = leader == self.node
-        # The leader gives the members `close` seconds to confirm; should the leader itself
-        # vanish, the others give up a heartbeat later, or at once if its join key is gone.
-        until = time.monotonic() + self.t.close + (0.0 if leading else self.t.heartbeat)
-        next_check = time.monotonic() + 1.0
-        confirmed: set[str] = set()
-        if leading:  # the others only follow the state
-            kvs, _ = self.store.range(confirm_prefix)
-            confirmed = {kv.key[len(confirm_prefix) :] for kv in kvs}
-        while True:
-            if state["version"] != v or state["status"] != FROZEN:
-                if state["version"] == v and state["status"] == FINAL:
-                    return self._round_info(state)
-                return None
-            now = time.monotonic()
-            if not leading and now >= next_check:
-                next_check = now + 1.0
-                if self.store.get(f"{self.prefix}/v{v}/join/{leader}") is None:
-                    until = 0.0
-            nxt: dict[str, Any] | None = None
-            if leading and set(state["nodes"]) <= confirmed:
-                nxt = {**state, "status": FINAL}
-            elif now >= until:
-                # A member (or the leader) died while the round froze: start over.
-                nxt = {**state, "status": JOINABLE, "version": v + 1}
-                nxt.pop("nodes", None)
-                nxt.pop("ranks", None)
-                nxt.pop("leader", None)
-            if nxt is not None:
-                written = self._write_state(nxt, sversion)
-                if written and nxt["status"] == FINAL:
-                    with contextlib.suppress(StoreError):  # the previous round's keys
-                        self.store.delete(f"{self.prefix}/v{v - 1}/", prefix=True)
-                # Go on from what we wrote, or from what got there first, at once.
-                current, sversion = (nxt, written) if written else self._state()
-                if current is None:
+        leading = state.leader == self.node
+        # One read of the job: the state may have moved on since the caller looked (the
+        # round may be final already), and the watches start where this read ends.
+        kvs, revision = self.store.range(self.prefix + "/")
+        found, found_version = self._state_in(kvs)
+        if found is None:
+            return None
+        if found_version != sversion:
+            state, sversion = found, found_version
+        confirmed = {
+            kv.key[len(confirm_prefix) :] for kv in kvs if kv.key.startswith(confirm_prefix)
+        }
+        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        # The leader gives the members `close_timeout` to confirm; should the leader itself
+        # vanish, the others start over at once (its key is gone), or a lease later.
+        until = Deadline(self.conf.close_timeout + (0.0 if leading else self.conf.lease_ttl))
+        watched = (
+            [self._state_key, round_prefix]
+            if leading
+            else [self._state_key, join_prefix + state.leader]
+        )
+        with contextlib.ExitStack() as stack:
+            if inbox is None or not leading:
+                inbox = stack.enter_context(self.session.watching(watched, revision))
+            while True:
+                if state.version != v or state.status != Status.FROZEN:
+                    if state.version == v and state.status == Status.FINAL:
+                        return self._enter(state)
                     return None
-                state = current
-                continue
-            for change in watch.next(0.5) or []:
-                if change.key == self._state_key:
-                    if change.value is None:
+                nxt: RoundState | None = None
+                if leading:
+                    nxt = rnd.finalize(state, confirmed)
+                if nxt is None and (not set(state.nodes) <= present or until.passed):
+                    nxt = rnd.abandon(state)  # a member (or the leader) died: start over
+                if nxt is not None:
+                    found, sversion = self._advance(nxt, sversion)
+                    if found is None:
                         return None
-                    state, sversion = json.loads(change.value), change.revision
-                elif change.key.startswith(confirm_prefix):
-                    node = change.key[len(confirm_prefix) :]
-                    if change.value is None:
-                        confirmed.discard(node)
-                    else:
-                        confirmed.add(node)
-                elif (
-                    "/join/" in change.key
-                    and change.value is None
-                    and leading
-                    and change.key.rsplit("/", 1)[1] in state["nodes"]
-                ):
-                    until = 0.0  # a member died: start over at once
+                    state = found
+                    continue
+                for change in self.session.wait(inbox, until):
+                    if change.key == self._state_key:
+                        if change.value is None:
+                            return None
+                        state, sversion = RoundState.from_json(change.value), change.revision
+                    elif change.key.startswith(confirm_prefix):
+                        node = change.key[len(confirm_prefix) :]
+                        (confirmed.add if change.value is not None else confirmed.discard)(node)
+                    elif change.key.startswith(join_prefix):
+                        node = change.key[len(join_prefix) :]
+                        (present.add if change.value is not None else present.discard)(node)
 
-    def _wait_as_spare(self, v: int) -> RendezvousInfo | None:
+    # ---- spares ------------------------------------------------------------------------------
+
+    def _wait_as_spare(self, state: RoundState) -> RendezvousInfo | None:
         """Arrived while a round runs (or beyond MAX): register as waiting until the round
-        changes. No join timeout: a spare waits for the job to need it or to end."""
-        key = f"{self.prefix}/waiting/{self.node}"
-        self.store.put(
-            key, json.dumps({"lws": self.params.local_world_size}).encode(), ephemeral=True
-        )
-        self._was_waiting = True
-        kv = self.store.get(self._state_key)
-        if kv is None:
+        changes. No join timeout: a spare waits for the job to need it or to end. A round
+        whose members have all vanished (a job that crashed) is abandoned."""
+        self._phase = "spare"
+        key = f"{self._m}/waiting/{self.node}"
+        self.store.put(key, str(self.params.local_world_size).encode(), ephemeral=True)
+        v = state.version
+        join_prefix = f"{self._m}/v{v}/join/"
+        kvs, revision = self.store.range(self.prefix + "/")
+        found, sversion = self._state_in(kvs)
+        if found is None:
             return None
-        watch = self.store.watch(self._state_key, kv.version)
-        state = json.loads(kv.value)
-        try:
-            while state["version"] == v and state["status"] in (FROZEN, FINAL):
-                for change in watch.next(1.0) or []:
-                    if change.value is None:
-                        return None
-                    state = json.loads(change.value)
+        state = found
+        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        with self.session.watching([self._state_key, join_prefix], revision) as inbox:
+            while state.version == v and state.status in (Status.FROZEN, Status.FINAL):
+                if self.session.take_lost():
+                    self.store.put(key, str(self.params.local_world_size).encode(), ephemeral=True)
+                if not set(state.nodes) & present:
+                    logger.warning("every node of round %d is gone: starting a new round", v)
+                    self._commit(rnd.abandon(state), sversion)
+                    return None
+                for change in self.session.wait(inbox, Deadline(None)):
+                    if change.key == self._state_key:
+                        if change.value is None:
+                            return None
+                        state, sversion = RoundState.from_json(change.value), change.revision
+                    elif change.value is None:
+                        present.discard(change.key[len(join_prefix) :])
+                    else:
+                        present.add(change.key[len(join_prefix) :])
             return None
-        finally:
-            watch.close()
-
-    def _round_info(self, state: dict[str, Any]) -> RendezvousInfo:
-        ranks: dict[str, int] = state["ranks"]
-        by_rank = sorted(ranks, key=lambda n: ranks[n])
-        nodes = state["nodes"]
-        master = nodes[by_rank[0]]
-        self._version = state["version"]
-        self._members = nodes
-        self.store.reset_liveness()
-        # From now on the job runs: a store that goes away (an etcd restart) may come back
-        # within `reconnect`; beyond that the job cannot go on without it.
-        self.store.retry_for = self.t.reconnect
-        return RendezvousInfo(
-            round=state["version"],
-            group_rank=ranks[self.node],
-            group_world_size=len(by_rank),
-            local_world_sizes=tuple(nodes[n]["lws"] for n in by_rank),
-            master_addr=master["addr"],
-            master_port=master["port"],
-            restart_count=state.get("restarts", 0),
-        )
 
     # ---- while the workers run -------------------------------------------------------------------
 
-    def _start_watcher(self) -> None:
-        """Follow the running round from a thread, so that its first range and watch are off
-        the path to the workers' start."""
-        self._changed.clear()
-        self._waiting, self._done = set(), set()  # the thread's range fills them in
-        self._stop = stop = threading.Event()  # this watcher's own: a late one cannot revive
-        self._watcher = threading.Thread(
-            target=self._follow_round, args=(stop,), name="elasticrun-rdzv", daemon=True
-        )
-        self._watcher.start()
+    def _start_follower(self) -> None:
+        assert self._round is not None
+        self._follower = _Follower(self, self._round)
 
-    def _follow_round(self, stop: threading.Event) -> None:
-        try:
-            self._follow(stop)
-        except Exception as e:  # any failure: the agent must hear of it, not a dead thread
-            if not stop.is_set():
-                logger.warning("rendezvous watch: %s", e)
-                self._changed.set()
-
-    def _follow(self, stop: threading.Event) -> None:
-        kvs, revision = self.store.range(f"{self.prefix}/")
-        watch = self.store.watch(f"{self.prefix}/", revision)
-        with self._watch_lock:
-            if stop.is_set():
-                watch.close()
-                return
-            self._watch = watch
-        self._done = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/done/" in kv.key}
-        self._waiting = {kv.key.rsplit("/", 1)[1] for kv in kvs if "/waiting/" in kv.key}
-        # The watch sees changes after `revision`; whatever happened between the round going
-        # final and that range (a member gone, the round reopened) shows in the range itself.
-        state, _ = self._state_in(kvs)
-        join_prefix = f"{self.prefix}/v{self._version}/join/"
-        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-        if not self._round_still_runs(state):
-            self._changed.set()
-        elif not set(self._members) - self._done <= present:
-            logger.warning("a node left the job as its round began")
-            self._changed.set()
-        if self._admissible():
-            self._changed.set()
-        self._watch_round(watch, stop)
-
-    def _round_still_runs(self, state: dict[str, Any] | None) -> bool:
-        """Whether `state` is still our final round (noting the reason if the job closed)."""
-        if state is not None and state["status"] == CLOSED:
-            self._closed_reason = state.get("closed")
-        return state is not None and state["version"] == self._version and state["status"] == FINAL
-
-    def _admissible(self) -> bool:
-        return bool(self._waiting) and len(self._members) < self.params.max_nodes
-
-    def _watch_round(self, watch: Watch, stop: threading.Event) -> None:
-        join_prefix = f"{self.prefix}/v{self._version}/join/"
-        while not stop.is_set():
-            if self.store.liveness_lost():
-                self._changed.set()  # our lease expired: the others think we are gone
-            for c in watch.next(0.5) or []:
-                node = c.key.rsplit("/", 1)[1]
-                if c.key == self._state_key:
-                    if not self._round_still_runs(
-                        json.loads(c.value) if c.value is not None else None
-                    ):
-                        self._changed.set()
-                elif "/waiting/" in c.key:
-                    if c.value is None:
-                        self._waiting.discard(node)
-                    else:
-                        self._waiting.add(node)
-                        if self._admissible():
-                            self._changed.set()
-                elif "/done/" in c.key and c.value is not None:
-                    self._done.add(node)
-                elif c.key.startswith(join_prefix) and c.value is None:
-                    if node == self.node:
-                        self._changed.set()  # our own lease expired
-                    elif node in self._members and node not in self._done:
-                        logger.warning("node %s left the job (its lease expired)", node)
-                        self._changed.set()
-
-    def _stop_watcher(self) -> None:
-        self._stop.set()
-        with self._watch_lock:
-            watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.close()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
-            self._watcher = None
+    def _stop_follower(self) -> None:
+        if self._follower is not None:
+            self._follower.stop()
+            self._follower = None
 
     def membership_changed(self) -> bool:
-        return self._changed.is_set()
+        return self._follower is not None and self._follower.changed.is_set()
 
     def num_nodes_waiting(self) -> int:
-        return len(self._waiting) if self._admissible() else 0
+        f = self._follower
+        if f is None or self._round is None:
+            return 0
+        waiting = set(f.waiting)
+        return (
+            len(waiting) if rnd.admissible(waiting, self._round.nodes, self.params.max_nodes) else 0
+        )
 
-    def closed_reason(self) -> str | None:
-        return self._closed_reason
+    def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
+        """Members whose agent is gone: their join key vanished, or their presence port
+        refuses (an agent SIGKILLed with its host still up is seen at once) or stays silent
+        for PROBE_TIMEOUT. Their join keys are removed, so the others see it at once too."""
+        current = self._round
+        if current is None:
+            return []
+        self.session.use(cancel)
+        join_prefix = f"{self._m}/v{current.version}/join/"
+        try:
+            kvs, _ = self.store.range(f"{self._m}/")
+        except StoreError:
+            return []
+        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{self._m}/done/")}
+        others = {n: m for n, m in current.nodes.items() if n != self.node and n not in done}
+        gone = [n for n in others if n not in present]
+        targets = {
+            n: (m.addr, m.presence) for n, m in others.items() if n in present and m.presence
+        }
+        answered = probe(targets, min(PROBE_TIMEOUT, self.conf.lease_ttl))
+        gone += [n for n, alive in answered.items() if not alive]
+        for n in gone:
+            with contextlib.suppress(StoreError):
+                self.store.delete(join_prefix + n)
+        return sorted(gone)
 
-    def is_closed(self) -> bool:
-        state, _ = self._state()
-        return state is not None and state["status"] == CLOSED
+    def closed(self) -> JobClosed | None:
+        return self._closed
 
-    def set_closed(self, reason: str = "closed") -> None:
+    def counters(self) -> RendezvousCounters:
+        return RendezvousCounters(
+            rounds=self._rounds, store_requests=self.store.requests, phase=self._phase
+        )
+
+    def set_closed(self, reason: CloseReason, detail: str = "") -> None:
         while True:
-            state, version = self._state()
-            if state is None or state["status"] == CLOSED:
+            state, version = self._read()
+            if state is None or state.status == Status.CLOSED:
                 return
-            if self._write_state({**state, "status": CLOSED, "closed": reason}, version):
+            if self._commit(rnd.close(state, reason, detail), version):
                 return
 
     def mark_done(self) -> bool:
         """Our workers succeeded. The last member to finish closes the job as succeeded.
         Returns True if the whole job has finished."""
-        self.store.put(f"{self.prefix}/done/{self.node}", b"1")
-        kvs, _ = self.store.range(f"{self.prefix}/done/")
+        self._stop_follower()
+        self.store.put(f"{self._m}/done/{self.node}", b"1")
+        kvs, _ = self.store.range(f"{self._m}/done/")
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs}
+        ours = self._round.version if self._round is not None else 0
         while True:
-            state, version = self._state()
-            if state is None or state["status"] == CLOSED:
+            state, version = self._read()
+            if state is None or state.status == Status.CLOSED:
+                self._closed = (
+                    state.closed if state is not None else JobClosed(CloseReason.SUCCEEDED)
+                )
                 return True
-            if state["version"] != self._version or not set(state.get("nodes", {})) <= done:
+            if state.version != ours or not rnd.everyone_done(state, done):
                 self._finished_first = True
                 return False
-            if self._write_state({**state, "status": CLOSED, "closed": SUCCEEDED}, version):
+            if self._commit(rnd.close(state, CloseReason.SUCCEEDED), version):
                 return True
 
-    def wait_for_others(self, timeout: float) -> bool:
+    def wait_for_others(self, timeout: float, cancel: CancelToken = NEVER) -> bool:
         """After this node succeeded: wait (up to `timeout`) until the job is closed or every
         other member has gone. True if none is left running. A member that has finished but
         is still there may yet be closing the job (the last to finish does): it counts."""
-        if not self._finished_first:
+        if not self._finished_first or self._round is None:
             return True
-        join_prefix = f"{self.prefix}/v{self._version}/join/"
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                state, _ = self._state()
-                if state is None or state["status"] == CLOSED:
-                    return True
-                kvs, _ = self.store.range(join_prefix)
-            except StoreError:
-                return False
+        self.session.use(cancel)
+        members = set(self._round.nodes) - {self.node}
+        join_prefix = f"{self._m}/v{self._round.version}/join/"
+        deadline = Deadline(timeout)
+        try:
+            kvs, revision = self.store.range(self.prefix + "/")
+            state, _ = self._state_in(kvs)
             alive = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-            running = (set(self._members) & alive) - {self.node}
-            if not running:
-                return True
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "%d node(s) still running after %.0f s: stopping anyway", len(running), timeout
-                )
-                return False
-            time.sleep(0.2)
+            with self.session.watching([self._state_key, join_prefix], revision) as inbox:
+                while True:
+                    if state is None or state.status == Status.CLOSED or not members & alive:
+                        return True
+                    if deadline.passed:
+                        logger.warning(
+                            "%d node(s) still running after %.0f s: stopping anyway",
+                            len(members & alive),
+                            timeout,
+                        )
+                        return False
+                    for change in self.session.wait(inbox, deadline):
+                        if change.key == self._state_key:
+                            state = RoundState.from_json(change.value) if change.value else None
+                        elif change.value is None:
+                            alive.discard(change.key[len(join_prefix) :])
+        except StoreError:
+            return False
 
-    def shutdown(self) -> bool:
-        self._stop_watcher()
-        self.store.close()
-        return True
+    def shutdown(self, cancel: CancelToken = NEVER) -> None:
+        self._stop_follower()
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
+        self.session.close()
+
+
+class _Follower:
+    """Follows the running round from a thread (its first range and watch off the path to the
+    workers' start) and sets :attr:`changed` when the round is over for this node: the state
+    moved on (another node reopened it, or closed the job), a member left, a node waits to be
+    admitted and there is room, or this node's own lease expired."""
+
+    def __init__(self, rdzv: ElasticRendezvous, current: RoundState) -> None:
+        self.rdzv = rdzv
+        self.round = current
+        self.changed = threading.Event()
+        self.waiting: set[str] = set()
+        self.done: set[str] = set()
+        self._stop = threading.Event()
+        self._inbox: Inbox | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="elasticrun-rdzv", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._inbox is not None:
+                self._inbox.wake()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            self._follow()
+        except Exception as e:  # any failure: the agent must hear of it, not a dead thread
+            if not self._stop.is_set():
+                if not isinstance(e, Cancelled):
+                    logger.warning("rendezvous watch: %s", e)
+                self.changed.set()
+
+    def _follow(self) -> None:
+        r = self.rdzv
+        kvs, revision = r.store.range(r.prefix + "/")
+        join_prefix = f"{r._m}/v{self.round.version}/join/"
+        self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/done/")}
+        self.waiting = {
+            kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/waiting/")
+        }
+        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        # The watch sees changes after `revision`; whatever happened between the round going
+        # final and that range (a member gone, the round reopened) shows in the range itself.
+        state, _ = r._state_in(kvs)
+        self._note(state)
+        if (
+            rnd.still_runs(state, self.round.version)
+            and not set(self.round.nodes) - self.done <= present
+        ):
+            logger.warning("a node left the job as its round began")
+            self.changed.set()
+        if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
+            self.changed.set()
+        with r.session.watching([r.prefix + "/"], revision) as inbox:
+            with self._lock:
+                self._inbox = inbox
+            if self._stop.is_set():
+                return
+            while not self._stop.is_set():
+                if r.session.lost:
+                    self.changed.set()  # our lease expired: the others think we are gone
+                batch = inbox.next(float("inf"))
+                for change in batch or []:
+                    self._apply(change, join_prefix)
+
+    def _note(self, state: RoundState | None) -> None:
+        if state is not None and state.status == Status.CLOSED:
+            self.rdzv._closed = state.closed
+        if not rnd.still_runs(state, self.round.version):
+            self.changed.set()
+
+    def _apply(self, c: Change, join_prefix: str) -> None:
+        r = self.rdzv
+        node = c.key.rsplit("/", 1)[1]
+        if c.key == r._state_key:
+            self._note(RoundState.from_json(c.value) if c.value is not None else None)
+        elif c.key.startswith(f"{r._m}/waiting/"):
+            if c.value is None:
+                self.waiting.discard(node)
+            else:
+                self.waiting.add(node)
+                if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
+                    self.changed.set()
+        elif c.key.startswith(f"{r._m}/done/") and c.value is not None:
+            self.done.add(node)
+        elif c.key.startswith(join_prefix) and c.value is None:
+            if node == r.node:
+                self.changed.set()  # our own lease expired
+            elif node in self.round.nodes and node not in self.done:
+                logger.warning("node %s left the job", node)
+                self.changed.set()

@@ -10,12 +10,15 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.store import (
     Change,
+    Inbox,
     KeyValue,
-    QueuedWatch,
     Store,
     StoreError,
     Watch,
@@ -52,8 +55,10 @@ class EtcdV2Store(Store):
         ca_cert: str | None = None,
         cert: tuple[str, str] | None = None,
         retry_for: float = 30.0,
+        read_timeout: float = 10.0,
+        cancel: CancelToken = NEVER,
     ) -> None:
-        super().__init__()
+        super().__init__(read_timeout, cancel)
         self.etcd = _import_etcd()
         self.name = name
         self.retry_for = retry_for
@@ -65,7 +70,7 @@ class EtcdV2Store(Store):
             "password": password,
             "ca_cert": ca_cert,
             "cert": cert,
-            "read_timeout": 10,
+            "read_timeout": read_timeout,
         }
         self.client = self._client()
         self._ttl = 0
@@ -73,7 +78,6 @@ class EtcdV2Store(Store):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
-        self._call(lambda c: c.read("/", recursive=False))  # reachable, and speaks v2?
 
     def _client(self) -> Any:
         return self.etcd.Client(**{k: v for k, v in self._args.items() if v is not None})
@@ -84,6 +88,7 @@ class EtcdV2Store(Store):
         until = time.monotonic() + self.retry_for
         delay = 0.05
         while True:
+            self.cancel.check()
             self._count()
             try:
                 return fn(client or self.client)
@@ -116,7 +121,8 @@ class EtcdV2Store(Store):
                         "user and password in --rdzv-conf"
                     ) from None
                 raise StoreError(f"{self.name}: {error}") from None
-            time.sleep(delay)
+            if self.cancel.wait(delay):
+                raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
 
     @staticmethod
@@ -168,10 +174,16 @@ class EtcdV2Store(Store):
         self._keep_alive(key, ephemeral)
         return int(result.modifiedIndex)
 
-    def cas(self, key: str, value: bytes, version: int) -> int:
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
+        expiry = None if ttl is None else max(round(ttl), 1)
+        condition: dict[str, Any] = {"prevIndex": version} if version else {"prevExist": False}
         try:
-            result = self._call(lambda c: c.write(key, value.decode(), prevIndex=version))
-        except (self.etcd.EtcdCompareFailed, self.etcd.EtcdKeyNotFound):
+            result = self._call(lambda c: c.write(key, value.decode(), ttl=expiry, **condition))
+        except (
+            self.etcd.EtcdCompareFailed,
+            self.etcd.EtcdKeyNotFound,
+            self.etcd.EtcdAlreadyExist,
+        ):
             return 0
         return int(result.modifiedIndex)
 
@@ -187,7 +199,10 @@ class EtcdV2Store(Store):
             else:
                 self._call(lambda c: c.delete(key))
 
-    def start_liveness(self, ttl: float) -> None:
+    def start_liveness(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
+        if on_lost is not None:
+            self._on_lost = on_lost
+        self._call(lambda c: c.read("/", recursive=False))  # reachable, and speaks v2?
         self._ttl = max(round(ttl), 1)
         self._refresher = threading.Thread(target=self._refresh, name="elasticrun-ttl", daemon=True)
         self._refresher.start()
@@ -201,15 +216,17 @@ class EtcdV2Store(Store):
                 try:
                     self._call(lambda c, k=key: c.refresh(k, self._ttl), client)
                 except self.etcd.EtcdKeyNotFound:
-                    logger.warning("the rendezvous key %s expired; this node will rejoin", key)
-                    self._lost = True
                     with self._lock:
+                        if key not in self._ephemeral:
+                            continue  # deleted meanwhile, on purpose
                         self._ephemeral.discard(key)
-                except StoreError:
+                    logger.warning("the rendezvous key %s expired; this node will rejoin", key)
+                    self._on_lost()
+                except (StoreError, Cancelled):
                     pass  # unreachable for now: try again next tick
 
-    def watch(self, prefix: str, after_revision: int) -> Watch:
-        return _V2Watch(self, prefix, after_revision)
+    def watch(self, prefix: str, after_revision: int, inbox: Inbox | None = None) -> Watch:
+        return _V2Watch(self, prefix, after_revision, inbox)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -224,12 +241,12 @@ class EtcdV2Store(Store):
                 self.client.delete(key)
 
 
-class _V2Watch(QueuedWatch):
-    def __init__(self, store: EtcdV2Store, prefix: str, after: int) -> None:
+class _V2Watch(Watch):
+    def __init__(self, store: EtcdV2Store, prefix: str, after: int, inbox: Inbox | None) -> None:
         self._store = store
         self._prefix = prefix
         self._index = after + 1
-        super().__init__()
+        super().__init__(inbox)
         self._closed = threading.Event()
         self._client = store._client()  # its own connection, so close() can cut a long poll
         self._thread = threading.Thread(target=self._run, name="elasticrun-v2watch", daemon=True)
@@ -250,30 +267,32 @@ class _V2Watch(QueuedWatch):
             except (e.EtcdWatchTimedOut, e.EtcdKeyNotFound):
                 continue
             except e.EtcdEventIndexCleared:
-                self._changes.put(
+                self.inbox.put(
                     StoreError(f"{self._store.name}: watch lost: index {self._index} was cleared")
                 )
                 return
+            except Cancelled:
+                return  # the waiter sees the cancellation itself
             except StoreError as error:
                 if not self._closed.is_set():
-                    self._changes.put(error)
+                    self.inbox.put(error)
                 return
             except Exception as error:  # read timeouts surface as urllib3 errors
                 if "timed out" in str(error).lower() or "Read timed out" in str(error):
                     continue
                 if not self._closed.is_set():
-                    self._changes.put(StoreError(f"{self._store.name}: watch failed: {error}"))
+                    self.inbox.put(StoreError(f"{self._store.name}: watch failed: {error}"))
                 return
             self._index = int(result.modifiedIndex) + 1
             if not result.key.startswith(self._prefix) and result.key != base:
                 continue
             gone = result.action in ("delete", "expire", "compareAndDelete")
             value = None if gone else (result.value or "").encode()
-            self._changes.put([Change(result.key, value, int(result.modifiedIndex))])
+            self.inbox.put([Change(result.key, value, int(result.modifiedIndex))])
 
     def close(self) -> None:
         self._closed.set()
-        self._wake_reader()
+        self.inbox.wake()
         # The thread ends when its pending long poll returns (within a second); waiting for
         # it would delay every caller by that much.
         with contextlib.suppress(Exception):

@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     Change,
+    Inbox,
     KeyValue,
-    QueuedWatch,
     Store,
     StoreError,
     Watch,
@@ -29,7 +31,6 @@ from elastic_launch.rendezvous.store import (
 
 logger = logging.getLogger(__name__)
 
-_CALL_TIMEOUT = 5.0
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -56,7 +57,7 @@ class EtcdV3Store(Store):
     """`target` is host:port; `token` a shared secret sent as gRPC metadata (the embedded
     service); `user`/`password` authenticate against etcd; `tls` is (ca, cert, key) paths, any
     of which may be None; `retry_for` bounds how long a call keeps retrying an unreachable
-    store."""
+    store, `read_timeout` one call; `cancel` abandons calls and retries."""
 
     def __init__(
         self,
@@ -67,8 +68,10 @@ class EtcdV3Store(Store):
         password: str | None = None,
         tls: tuple[str | None, str | None, str | None] | None = None,
         retry_for: float = 30.0,
+        read_timeout: float = 10.0,
+        cancel: CancelToken = NEVER,
     ) -> None:
-        super().__init__()
+        super().__init__(read_timeout, cancel)
         self.target = target
         self.name = name  # what the store is, in messages ("etcd at host:port", ...)
         self.retry_for = retry_for
@@ -98,7 +101,7 @@ class EtcdV3Store(Store):
         try:
             reply = self._auth.Authenticate(
                 rpc_pb2.AuthenticateRequest(name=self._user or "", password=self._password or ""),
-                timeout=_CALL_TIMEOUT,
+                timeout=self.read_timeout,
             )
         except grpc.RpcError as e:
             raise StoreError(
@@ -107,24 +110,35 @@ class EtcdV3Store(Store):
             ) from None
         self._metadata = [("token", reply.token)]
 
-    def _call(self, method: Callable[..., Any], request: Any, deadline: float | None = None) -> Any:
-        """One RPC, retried while the store is unreachable, until `deadline` (monotonic)."""
+    def _call(self, method: Any, request: Any, deadline: float | None = None) -> Any:
+        """One RPC, retried while the store is unreachable, until `deadline` (monotonic);
+        abandoned (Cancelled) as soon as the cancel token is."""
         until = deadline if deadline is not None else time.monotonic() + self.retry_for
         delay = 0.05
         reauthenticated = False
         while True:
+            self.cancel.check()
             self._count()
+            future = method.future(request, timeout=self.read_timeout, metadata=self._metadata)
+            unregister = self.cancel.on_cancel(future.cancel)
             try:
-                return method(request, timeout=_CALL_TIMEOUT, metadata=self._metadata)
+                return future.result()
+            except grpc.FutureCancelledError:
+                raise Cancelled(self.cancel.signum) from None
             except grpc.RpcError as e:
                 code = e.code()
+                if code == grpc.StatusCode.CANCELLED and self.cancel.cancelled:
+                    raise Cancelled(self.cancel.signum) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and self._user and not reauthenticated:
                     self._authenticate()  # etcd's simple tokens expire
                     reauthenticated = True
                     continue
                 if code not in _RETRYABLE or time.monotonic() + delay > until:
                     raise self._error(e) from None
-            time.sleep(delay)
+            finally:
+                unregister()
+            if self.cancel.wait(delay):
+                raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
 
     def _error(self, e: grpc.RpcError) -> StoreError:
@@ -186,12 +200,27 @@ class EtcdV3Store(Store):
         put = rpc_pb2.PutRequest(key=k, value=value, lease=self._lease_for(ephemeral))
         return self._txn(compare, put)
 
-    def cas(self, key: str, value: bytes, version: int) -> int:
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
         k = key.encode()
-        compare = rpc_pb2.Compare(
-            key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=version
-        )
-        return self._txn(compare, rpc_pb2.PutRequest(key=k, value=value))
+        if version:
+            compare = rpc_pb2.Compare(
+                key=k,
+                target=rpc_pb2.Compare.MOD,
+                result=rpc_pb2.Compare.EQUAL,
+                mod_revision=version,
+            )
+        else:
+            compare = rpc_pb2.Compare(
+                key=k,
+                target=rpc_pb2.Compare.CREATE,
+                result=rpc_pb2.Compare.EQUAL,
+                create_revision=0,
+            )
+        lease = 0
+        if ttl is not None:  # a lease of its own, never renewed: the key goes when it expires
+            reply = self._call(self._lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(ttl)))
+            lease = reply.ID
+        return self._txn(compare, rpc_pb2.PutRequest(key=k, value=value, lease=lease))
 
     def delete(self, key: str, prefix: bool = False) -> None:
         k = key.encode()
@@ -200,8 +229,10 @@ class EtcdV3Store(Store):
 
     # ---- lease ---------------------------------------------------------------------------
 
-    def start_liveness(self, ttl: float) -> None:
+    def start_liveness(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
         self._lease_ttl = ttl
+        if on_lost is not None:
+            self._on_lost = on_lost
         self._grant()
         self._keeper = threading.Thread(
             target=self._keep_alive, name="elasticrun-lease", daemon=True
@@ -223,29 +254,30 @@ class EtcdV3Store(Store):
 
     def _keep_alive(self) -> None:
         interval = max(self._lease_ttl / 3.0, 0.2)
+        timeout = min(self.read_timeout, max(self._lease_ttl / 2.0, 0.5))
         while not self._stop.wait(interval):
             request = rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id)
             try:
                 self._count()
                 replies = self._lease.LeaseKeepAlive(
-                    iter([request]), timeout=_CALL_TIMEOUT, metadata=self._metadata
+                    iter([request]), timeout=timeout, metadata=self._metadata
                 )
                 reply = next(iter(replies), None)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED and self._user:
-                    with contextlib.suppress(StoreError):
+                    with contextlib.suppress(StoreError, Cancelled):
                         self._authenticate()
                 continue  # unreachable for now: try again next tick, the TTL has slack
-            if reply is not None and reply.TTL <= 0:
+            if reply is not None and reply.TTL <= 0 and not self._stop.is_set():
                 logger.warning("the rendezvous lease expired; this node will rejoin")
-                self._lost = True
-                with contextlib.suppress(StoreError):
+                with contextlib.suppress(StoreError, Cancelled):
                     self._grant()
+                self._on_lost()
 
     # ---- watch ---------------------------------------------------------------------------
 
-    def watch(self, prefix: str, after_revision: int) -> Watch:
-        return _EtcdWatch(self, prefix, after_revision)
+    def watch(self, prefix: str, after_revision: int, inbox: Inbox | None = None) -> Watch:
+        return _EtcdWatch(self, prefix, after_revision, inbox)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -259,18 +291,20 @@ class EtcdV3Store(Store):
                     metadata=self._metadata,
                 )
         if self._keeper is not None:
-            self._keeper.join(timeout=_CALL_TIMEOUT + 1)
+            self._keeper.join(timeout=self.read_timeout + 1)
         self._channel.close()
 
 
-class _EtcdWatch(QueuedWatch):
+class _EtcdWatch(Watch):
     """A watch stream with a reader thread; reconnects from the last delivered revision."""
 
-    def __init__(self, store: EtcdV3Store, prefix: str, after_revision: int) -> None:
+    def __init__(
+        self, store: EtcdV3Store, prefix: str, after_revision: int, inbox: Inbox | None
+    ) -> None:
         self._store = store
         self._key = prefix.encode()
         self._next_revision = after_revision + 1
-        super().__init__()
+        super().__init__(inbox)
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
         self._call: Any = None
@@ -312,7 +346,7 @@ class _EtcdWatch(QueuedWatch):
                             if reply.compact_revision
                             else "canceled by the server"
                         )
-                        self._changes.put(StoreError(f"{self._store.name}: watch lost: {reason}"))
+                        self.inbox.put(StoreError(f"{self._store.name}: watch lost: {reason}"))
                         return
                     batch = []
                     for ev in reply.events:
@@ -320,7 +354,7 @@ class _EtcdWatch(QueuedWatch):
                         batch.append(Change(ev.kv.key.decode(), value, ev.kv.mod_revision))
                         self._next_revision = ev.kv.mod_revision + 1
                     if batch:
-                        self._changes.put(batch)
+                        self.inbox.put(batch)
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
@@ -330,18 +364,18 @@ class _EtcdWatch(QueuedWatch):
                     try:
                         self._store._authenticate()
                     except StoreError as error:
-                        self._changes.put(error)
+                        self.inbox.put(error)
                         return
                     self._requests.put(None)
                     self._requests = queue.Queue()
                     continue
                 if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
-                    self._changes.put(self._store._error(e))
+                    self.inbox.put(self._store._error(e))
                     return
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > self._store.retry_for:
-                    self._changes.put(self._store._error(e))
+                    self.inbox.put(self._store._error(e))
                     return
             self._requests.put(None)  # end the old request stream
             self._requests = queue.Queue()
@@ -354,5 +388,5 @@ class _EtcdWatch(QueuedWatch):
         self._requests.put(None)
         if self._call is not None:
             self._call.cancel()
-        self._wake_reader()
+        self.inbox.wake()  # a waiter reading this watch returns now
         self._thread.join(timeout=5)

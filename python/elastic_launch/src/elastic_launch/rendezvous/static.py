@@ -7,30 +7,26 @@ Nodes are assumed to run the same number of workers each.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from elastic_launch.rendezvous.api import (
-    FixedRendezvous,
     RendezvousConfigError,
     RendezvousInfo,
     RendezvousParameters,
-    check_config_keys,
-    positive_seconds,
 )
+from elastic_launch.rendezvous.conf import parse_conf
+from elastic_launch.rendezvous.fixed import FixedRendezvous
 
 DEFAULT_MASTER_PORT = 29500
-CONFIG_KEYS: dict[str, Callable[[str], object]] = {"timeout": positive_seconds, "rank": int}
 
 
 class StaticRendezvous(FixedRendezvous):
     def __init__(self, params: RendezvousParameters) -> None:
-        conf = check_config_keys(params, CONFIG_KEYS)
+        conf = parse_conf(params.backend, params.config)
         if params.min_nodes != params.max_nodes:
             raise RendezvousConfigError(
                 f"--nnodes {params.min_nodes}:{params.max_nodes}: the static rendezvous has a "
                 "fixed size; give --nnodes N, or use an elastic backend (embedded, etcd)"
             )
-        node_rank = int(conf.get("rank", params.node_rank))  # type: ignore[call-overload]
+        node_rank = params.node_rank if conf.node_rank is None else conf.node_rank
         if not 0 <= node_rank < params.max_nodes:
             raise RendezvousConfigError(
                 f"--node-rank {node_rank} is out of range for --nnodes {params.max_nodes} "

@@ -3,9 +3,11 @@ interface, implemented over etcd's v3 API (and the embedded service, which speak
 subset) and over etcd's v2 API.
 
 Semantics follow etcd v3: every change bumps a store-wide revision; a key's ``version`` is the
-revision of its last change (CAS compares it); ephemeral keys belong to this client's liveness
-lease and vanish when the client stops renewing it; a watch delivers every change under a prefix
-after a given revision, in order, with the new value.
+revision of its last change (CAS compares it); ephemeral keys belong to this client's lease and
+vanish when the client stops renewing it; a watch delivers every change under a prefix after a
+given revision, in order, with the new value. Every request is bounded (``read_timeout``),
+retried while the store is unreachable (up to ``retry_for``) and abandoned at once when the
+store's cancel token is cancelled.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import abc
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.api import RendezvousConnectionError
 
 
@@ -37,46 +41,76 @@ class StoreError(RendezvousConnectionError):
     """The store failed or cannot be reached; the message says which and what to check."""
 
 
-class Watch(abc.ABC):
-    """Changes under a prefix, from a revision on."""
-
-    @abc.abstractmethod
-    def next(self, timeout: float) -> list[Change] | None:
-        """The next batch of changes, or None if none came within `timeout` seconds."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class QueuedWatch(Watch):
-    """A watch whose reader thread puts batches of changes (or the error that ended it) on a
-    queue; `next` hands them out and raises the error."""
+class Inbox:
+    """Where watches deliver batches of changes, and where anything else that should end a wait
+    (a cancellation, a lost lease, a closed watch) puts a wake-up: one queue a waiter reads,
+    so one wait covers several watches."""
 
     def __init__(self) -> None:
-        self._changes: queue.Queue[list[Change] | Exception] = queue.Queue()
+        self._items: queue.Queue[list[Change] | Exception] = queue.Queue()
+        self._watches: list[Watch] = []
+
+    def put(self, item: list[Change] | Exception) -> None:
+        self._items.put(item)
+
+    def wake(self) -> None:
+        """End a wait now (it returns an empty batch)."""
+        self._items.put([])
 
     def next(self, timeout: float) -> list[Change] | None:
+        """The next batch (empty for a wake-up), or None if nothing came within `timeout`;
+        raises the error that ended a watch."""
         try:
-            item = self._changes.get(timeout=max(timeout, 0.0))
+            item = self._items.get(timeout=None if timeout == float("inf") else max(timeout, 0.0))
         except queue.Empty:
             return None
         if isinstance(item, Exception):
             raise item
         return item
 
-    def _wake_reader(self) -> None:
-        """On close: a `next` waiting now returns (an empty batch) instead of timing out."""
-        self._changes.put([])
+    def adopt(self, watch: Watch) -> None:
+        self._watches.append(watch)
+
+    def close(self) -> None:
+        """Close every watch feeding this inbox."""
+        watches, self._watches = self._watches, []
+        for w in watches:
+            w.close()
+
+    def __enter__(self) -> Inbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Watch(abc.ABC):
+    """Changes under a prefix, from a revision on, delivered to an :class:`Inbox`."""
+
+    def __init__(self, inbox: Inbox | None) -> None:
+        self.inbox = inbox if inbox is not None else Inbox()
+        self.inbox.adopt(self)
+
+    def next(self, timeout: float) -> list[Change] | None:
+        """The next batch of changes, or None if none came within `timeout` seconds."""
+        return self.inbox.next(timeout)
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
 
 class Store(abc.ABC):
     """One agent's connection to the store. Thread-safe."""
 
-    def __init__(self) -> None:
+    name = "the store"
+
+    def __init__(self, read_timeout: float = 10.0, cancel: CancelToken = NEVER) -> None:
         self.retry_for = 30.0  # seconds a request keeps retrying an unreachable store
-        self._lost = False  # set by the lease keeper when the lease expired
+        self.read_timeout = read_timeout  # seconds one request may take
+        self.cancel = cancel
         self._requests = 0
         self._count_lock = threading.Lock()
+        self._on_lost: Callable[[], None] = lambda: None
 
     def _count(self, n: int = 1) -> None:
         with self._count_lock:
@@ -103,28 +137,23 @@ class Store(abc.ABC):
         """Write `key` only if it does not exist: its version, or 0 if it existed."""
 
     @abc.abstractmethod
-    def cas(self, key: str, value: bytes, version: int) -> int:
-        """Replace `key` only if its version is still `version`: the key's new version, or 0
-        if it had moved on."""
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
+        """Replace `key` only if its version is still `version` (0: only if absent): the key's
+        new version, or 0 if it had moved on. With `ttl` the key expires after that many
+        seconds (a lease or TTL of its own, never renewed)."""
 
     @abc.abstractmethod
     def delete(self, key: str, prefix: bool = False) -> None: ...
 
     @abc.abstractmethod
-    def watch(self, prefix: str, after_revision: int) -> Watch:
+    def watch(self, prefix: str, after_revision: int, inbox: Inbox | None = None) -> Watch:
         """Watch changes under `prefix` made after `after_revision`."""
 
     @abc.abstractmethod
-    def start_liveness(self, ttl: float) -> None:
-        """Start this client's lease (renewed in the background every ttl/3 seconds)."""
-
-    def liveness_lost(self) -> bool:
-        """True once the lease expired (the store may have dropped our ephemeral keys)."""
-        return self._lost
-
-    def reset_liveness(self) -> None:
-        """Forget a past expiry (a new lease is in place and the caller rejoined)."""
-        self._lost = False
+    def start_liveness(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
+        """Start this client's lease (renewed in the background every ttl/3 seconds). Should
+        it expire (the client was cut off), a new one is granted and `on_lost` is called: the
+        store may have dropped our ephemeral keys."""
 
     def ensure_lease(self) -> None:  # noqa: B027 - optional: TTL-key stores (v2) need nothing
         """Make sure the lease is valid now (grant a new one if it expired), before writing

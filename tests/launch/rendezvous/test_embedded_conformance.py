@@ -4,21 +4,15 @@ raw requests against it and against a real etcd server, and expects the same beh
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from elastic_launch.net import free_port
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
 TIMEOUT = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Client:
@@ -64,7 +58,10 @@ class Client:
         return out, stop_all
 
 
-@pytest.fixture(params=["embedded", "etcd"])
+SLOW = pytest.mark.slow  # a real etcd server
+
+
+@pytest.fixture(params=["embedded", pytest.param("etcd", marks=SLOW)])
 def client(request):
     if request.param == "embedded":
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer

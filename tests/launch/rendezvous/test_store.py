@@ -3,20 +3,18 @@ API and etcd's v2 API (real etcd servers)."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+from elastic_launch.net import free_port
 from elastic_launch.rendezvous.store import Store, StoreError
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+SLOW = pytest.mark.slow  # a real etcd server
 
 
-@pytest.fixture(params=["embedded", "etcd", "etcd-v2"])
+@pytest.fixture(
+    params=["embedded", pytest.param("etcd", marks=SLOW), pytest.param("etcd-v2", marks=SLOW)]
+)
 def store(request):
     if request.param == "embedded":
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store

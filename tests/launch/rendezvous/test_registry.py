@@ -1,4 +1,4 @@
-"""Rendezvous pieces: rank assignment, settings, and the backend registry (entry points too)."""
+"""The backend registry: built-in names, registered factories, entry points, clear errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from elastic_launch.rendezvous import (
     create_handler,
     register,
 )
-from elastic_launch.rendezvous.elastic import Timeouts, assign_ranks
+from elastic_launch.rendezvous.local import LocalRendezvous
+from elastic_launch.rendezvous.static import StaticRendezvous
 
 
 def params(backend: str, **kw) -> RendezvousParameters:
@@ -24,19 +25,10 @@ def params(backend: str, **kw) -> RendezvousParameters:
     return RendezvousParameters(**base)
 
 
-def test_survivors_keep_their_ranks():
-    assert assign_ranks(["a", "b", "c"], {}) == {"a": 0, "b": 1, "c": 2}
-    # b (rank 1) died; a spare s arrives: a and c keep 0 and 2, s takes 1.
-    assert assign_ranks(["a", "c", "s"], {"a": 0, "b": 1, "c": 2}) == {"a": 0, "c": 2, "s": 1}
-    # Shrinking to two: c's old rank 2 is out of range, it takes the free one.
-    assert assign_ranks(["a", "c"], {"a": 0, "b": 1, "c": 2}) == {"a": 0, "c": 1}
-
-
-def test_timeouts_from_config():
-    t = Timeouts.from_config({"join_timeout": "30", "last_call_timeout": "1"})
-    assert (t.join, t.last_call, t.heartbeat) == (30.0, 1.0, 5.0)
-    with pytest.raises(RendezvousConfigError, match="at least 2 seconds"):
-        Timeouts.from_config({"heartbeat_timeout": 1})
+def test_built_in_backends():
+    assert {"embedded", "c10d", "etcd", "etcd-v2", "static"} <= set(backends())
+    assert isinstance(create_handler(params("c10d")), LocalRendezvous), "one node: no service"
+    assert isinstance(create_handler(params("static")), StaticRendezvous)
 
 
 def test_registered_backend():
@@ -77,3 +69,5 @@ def test_unknown_backend_and_bad_keys():
         create_handler(params("static", config={"color": "red"}))
     with pytest.raises(RendezvousConfigError, match="rank='x' is not valid"):
         create_handler(params("static", config={"rank": "x"}))
+    with pytest.raises(RendezvousConfigError, match="needs --rdzv-endpoint"):
+        create_handler(params("embedded", max_nodes=2))

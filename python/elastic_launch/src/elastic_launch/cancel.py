@@ -1,0 +1,176 @@
+"""Cancellation: the token every blocking wait of the launcher takes, and the relay that turns a
+signal into a cancelled token.
+
+A signal handler may run between any two bytecodes of the main thread, even while that thread
+holds a lock a callback would need; so the handler only writes the signal number to a pipe, and a
+relay thread cancels the token (waking every wait registered with it) outside any handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType, TracebackType
+from typing import Any
+
+from elastic_launch.api import Cancelled
+
+
+class CancelToken:
+    """Set once, by a signal or by the code that owns the wait; thread-safe.
+
+    Waits check :attr:`cancelled` or sleep with :meth:`wait`; code blocked elsewhere (a queue, a
+    gRPC call) registers a callback with :meth:`on_cancel` that wakes it. A second cancellation
+    (a second Ctrl-C) sets :attr:`forced`: stop without grace periods.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._next = 0
+        self.signum: int | None = None
+        self.forced = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self, signum: int | None = None) -> None:
+        """Cancel (the first time) or force (every later time)."""
+        with self._lock:
+            if self._event.is_set():
+                self.forced = True
+                callbacks: list[Callable[[], None]] = []
+            else:
+                self.signum = signum
+                self._event.set()
+                callbacks = list(self._callbacks.values())
+        for cb in callbacks:
+            cb()
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` on cancellation (at once if already cancelled); returns the function
+        that unregisters it."""
+        with self._lock:
+            if not self._event.is_set():
+                key = self._next
+                self._next += 1
+                self._callbacks[key] = callback
+
+                def unregister() -> None:
+                    with self._lock:
+                        self._callbacks.pop(key, None)
+
+                return unregister
+        callback()
+        return lambda: None
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds; True (at once) if cancelled."""
+        return self._event.wait(max(timeout, 0.0))
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` if cancelled."""
+        if self._event.is_set():
+            raise Cancelled(self.signum)
+
+
+class _Never(CancelToken):
+    def cancel(self, signum: int | None = None) -> None:
+        raise RuntimeError("NEVER is shared by every caller that does not cancel: use a token")
+
+
+#: A token that is never cancelled, for callers that do not cancel (tests, tools).
+NEVER: CancelToken = _Never()
+
+
+class Deadline:
+    """A point in time on the monotonic clock (None: no limit) with the time left to it."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def left(self, cap: float | None = None) -> float:
+        """Seconds left (never below 0), at most `cap`."""
+        left = float("inf") if self.at is None else max(0.0, self.at - time.monotonic())
+        return left if cap is None else min(left, cap)
+
+    @property
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    @staticmethod
+    def earliest(*deadlines: Deadline | None) -> Deadline:
+        """The first to come of `deadlines` (None entries ignored)."""
+        found = [d for d in deadlines if d is not None]
+        if not found:
+            return Deadline(None)
+        return min(found, key=lambda d: float("inf") if d.at is None else d.at)
+
+
+class SignalRelay:
+    """Installs handlers for `signals` (main thread only) that cancel `token`; restores the old
+    handlers on exit. Outside the main thread it does nothing (the caller owns signals)."""
+
+    def __init__(self, token: CancelToken, signals: Iterable[int]) -> None:
+        self.token = token
+        self.signals = list(dict.fromkeys(signals))
+        self._previous: dict[int, Any] = {}
+        self._thread: threading.Thread | None = None
+        self._r = self._w = -1
+
+    def __enter__(self) -> SignalRelay:
+        if threading.current_thread() is not threading.main_thread() or not self.signals:
+            return self
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._thread = threading.Thread(target=self._relay, name="elasticrun-signals", daemon=True)
+        self._thread.start()
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(OSError):  # a full pipe: a signal is pending anyway
+            os.write(self._w, bytes([signum]))
+
+    def _relay(self) -> None:
+        while True:
+            try:
+                data = os.read(self._r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum == 0:  # __exit__'s sentinel
+                    return
+                self.token.cancel(signum)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._w, b"\0")
+            self._thread.join(timeout=5)
+            self._thread = None
+        for fd in (self._r, self._w):
+            if fd >= 0:
+                os.close(fd)
+        self._r = self._w = -1

@@ -1,0 +1,180 @@
+"""The guardian: a tiny process that outlives the launcher by a moment to clean up after it.
+
+A launcher that is SIGKILLed runs no clean-up code. Its workers die with it (``PR_SET_PDEATHSIG``),
+but what they started (data-loader workers, a ``subprocess``) would be orphaned, and the heartbeat
+file in ``/dev/shm`` and the temporary log directory would stay. The launcher starts the guardian
+first and tells it, as it goes, which process groups and paths are live; the guardian watches the
+launcher's pid (a pidfd) and, should the launcher die without saying ``done``, kills those
+process groups (and any process still in the workers' sessions) and removes those paths.
+
+The guardian runs as ``python -I -S guardian.py FD PID``: standard library only, so it starts in
+milliseconds and needs nothing importable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+class Guardian:
+    """The launcher's handle on its guardian. Messages are lines on a socket; each is acted on
+    only if the launcher dies without :meth:`done`."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = parent
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    str(child.fileno()),
+                    str(os.getpid()),
+                ],
+                pass_fds=[child.fileno()],
+                start_new_session=True,  # a Ctrl-C or a kill of the launcher's group spares it
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+
+    def _send(self, line: str) -> None:
+        with contextlib.suppress(OSError):  # a dead guardian cannot help; never fail for it
+            self._sock.sendall(line.encode() + b"\n")
+
+    def watch_group(self, pgid: int) -> None:
+        """Kill process group (and session) `pgid` if the launcher dies."""
+        self._send(f"group {pgid}")
+
+    def forget_group(self, pgid: int) -> None:
+        """`pgid` ended normally: its number may be reused, never kill it."""
+        self._send(f"forget {pgid}")
+
+    def remove_path(self, path: str) -> None:
+        """Remove `path` (a file or a directory tree) if the launcher dies."""
+        self._send(f"path {path}")
+
+    def keep_path(self, path: str) -> None:
+        self._send(f"keep {path}")
+
+    def done(self) -> None:
+        """The launcher cleaned up itself: the guardian exits without doing anything."""
+        self._send("done")
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._sock.close()
+
+    def __enter__(self) -> Guardian:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+
+# ---- the guardian process (standard library only) ---------------------------------------------
+
+
+def _sessions_of(sids: set[int]) -> list[int]:
+    """Pids of the live processes (zombies are dead) whose session is one of `sids`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # state ppid pgrp session ...
+        if len(fields) > 3 and int(fields[3]) in sids and fields[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def clean_up(groups: set[int], paths: list[str]) -> None:
+    """Kill `groups` and everything in their sessions, then remove `paths`."""
+    for _ in range(3):  # a process may fork while we kill: look again
+        for pgid in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGKILL)
+        left = _sessions_of(groups) if groups else []
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if not left:
+            break
+        time.sleep(0.01)
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def serve(fd: int, launcher: int) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    groups: set[int] = set()
+    paths: list[str] = []
+    pidfd = -1
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:
+        pass  # gone already: clean up what we are told, then leave
+    except (AttributeError, OSError):
+        pidfd = -2  # no pidfds: notice the launcher's death by being reparented
+    buffer = b""
+    launcher_gone = pidfd == -1
+    eof = False
+    while True:
+        watch = ([] if eof else [sock]) + ([pidfd] if pidfd >= 0 and not launcher_gone else [])
+        timeout = 0.0 if launcher_gone else (0.1 if pidfd == -2 else None)
+        readable, _, _ = select.select(watch, [], [], timeout)
+        if pidfd in readable or (pidfd == -2 and os.getppid() != launcher):
+            launcher_gone = True
+        if sock in readable:
+            data = sock.recv(65536)
+            if not data:
+                eof = launcher_gone = True  # closed without `done`: it died (or gave up on us)
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                verb, _, arg = raw.decode().partition(" ")
+                if verb == "done":
+                    return
+                if verb == "group":
+                    groups.add(int(arg))
+                elif verb == "forget":
+                    groups.discard(int(arg))
+                elif verb == "path":
+                    paths.append(arg)
+                elif verb == "keep" and arg in paths:
+                    paths.remove(arg)
+        if launcher_gone and (eof or sock not in readable):
+            clean_up(groups, paths)
+            return
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))

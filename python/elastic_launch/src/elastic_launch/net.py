@@ -1,0 +1,172 @@
+"""Small network helpers, each in one place: free ports, this host's address, whether a name is
+this host, a host-wide lock without a file, and a presence port that tells whether an agent's
+process is still alive."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import selectors
+import socket
+import threading
+import time
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the kernel says is free on `host` now (on every interface when `host` is not
+    an address of this machine)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:  # a name or address not on this host: any interface will do
+            s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(host: str, port: int) -> bool:
+    """True if nothing listens on host:port (the port can be bound now)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def local_address(target_host: str) -> str:
+    """The address of this host on the route to `target_host` (what other nodes reach)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(target_host), 9))  # no packet is sent
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def is_local_host(host: str) -> bool:
+    """True if `host` names this machine."""
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if addr.startswith("127."):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))  # only an address of this host can be bound
+        return True
+    except OSError:
+        return False
+
+
+class HostLock:
+    """A lock held by one process of this host at a time, released when the process exits in
+    any way: an abstract Unix socket (no file is ever created, so nothing is left in /tmp)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._sock: socket.socket | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free; True if this process holds it now."""
+        if self._sock is not None:
+            return True
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind("\0" + self.name)
+        except OSError:
+            s.close()
+            return False
+        self._sock = s
+        return True
+
+    def release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    @property
+    def held(self) -> bool:
+        return self._sock is not None
+
+
+class PresencePort:
+    """A listening socket whose only job is to exist while this process does: another agent
+    that connects and is refused knows this agent's process is gone, without waiting for its
+    lease to expire. Connections are accepted and closed by a small thread."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.socket(_family(host), socket.SOCK_STREAM)
+        try:
+            try:
+                self._sock.bind((host, 0))
+            except OSError:
+                self._sock.bind(("", 0))
+            self._sock.listen(64)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.port = int(self._sock.getsockname()[1])
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="elasticrun-presence", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    with contextlib.suppress(OSError):
+                        conn, _ = self._sock.accept()
+                        conn.close()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+            self._thread.join(timeout=5)
+        for s in (self._sock, self._wake_r, self._wake_w):
+            s.close()
+
+
+def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, bool]:
+    """Connect to every (host, port) at once; by key, True if it accepted within `timeout`
+    (the process behind it lives), False if refused, unreachable or silent."""
+    result = dict.fromkeys(targets, False)
+    pending: dict[socket.socket, str] = {}
+    with selectors.DefaultSelector() as sel:
+        for key, (host, port) in targets.items():
+            s = socket.socket(_family(host), socket.SOCK_STREAM)
+            s.setblocking(False)
+            code = s.connect_ex((host, port))
+            if code == 0:
+                result[key] = True
+                s.close()
+            elif code in (errno.EINPROGRESS, errno.EAGAIN):
+                pending[s] = key
+                sel.register(s, selectors.EVENT_WRITE)
+            else:
+                s.close()
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for sk, _ in sel.select(left):
+                s = sk.fileobj  # type: ignore[assignment]  # the sockets registered above
+                key = pending.pop(s)
+                sel.unregister(s)
+                result[key] = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+                s.close()
+        for s in pending:
+            s.close()
+    return result

@@ -1,0 +1,318 @@
+"""The decisions of the elastic rendezvous, as pure functions over a snapshot of a round.
+
+A job's rounds are numbered versions that go joinable -> frozen -> final (etcd's classic
+rendezvous), or closed:
+
+- **joinable**: nodes announce themselves; the first to have joined leads. It freezes the round
+  once MAX nodes have joined, or MIN have and the last call has passed. Nodes beyond MAX are
+  spares.
+- **frozen**: the membership and ranks are fixed; when every member has confirmed, the leader
+  makes the round final. A member that vanishes meanwhile sends the job to a new joinable round.
+- **final**: the workers run. A failure, a lost node or a node waiting to be admitted reopens the
+  job (the next version, joinable). A failure counts against the job's restart budget; once it
+  is spent the job is closed.
+- **closed**: the job is over (succeeded, failed, or its nodes cannot work together).
+
+Nothing here does I/O: :mod:`.elastic` reads the store, asks these functions, and writes what
+they return. The restart budget lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from elastic_launch.rendezvous.api import (
+    CloseReason,
+    JobClosed,
+    RendezvousInfo,
+    RestartReason,
+)
+
+#: The rendezvous protocol: keys and the state's format. Nodes of another protocol cannot join.
+PROTOCOL = 2
+
+
+class Status(str, enum.Enum):
+    JOINABLE = "joinable"
+    FROZEN = "frozen"
+    FINAL = "final"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a node says about itself when it joins."""
+
+    addr: str  # where other nodes reach it
+    port: int  # a free port there: MASTER_PORT if it becomes group rank 0
+    lws: int  # local world size
+    release: str = ""  # its elasticrun version
+    protocol: int = PROTOCOL
+    presence: int = 0  # a port that refuses connections once its agent is gone
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Member:
+        raw = json.loads(data)
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """The job's state key."""
+
+    version: int  # the round
+    status: Status
+    restarts: int = 0  # job-wide restarts after failures
+    nodes: Mapping[str, Member] = field(default_factory=dict)  # frozen and final rounds
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    prev_ranks: Mapping[str, int] = field(default_factory=dict)
+    leader: str = ""  # who finalizes a frozen round
+    closed: JobClosed | None = None
+    protocol: int = PROTOCOL
+    release: str = ""  # the elasticrun version that created the job
+    expires_at: float | None = None  # a closed job's keys are removed then (Unix time)
+
+    def to_json(self) -> bytes:
+        data: dict[str, Any] = {
+            "version": self.version,
+            "status": self.status.value,
+            "restarts": self.restarts,
+            "nodes": {n: asdict(m) for n, m in self.nodes.items()},
+            "ranks": dict(self.ranks),
+            "prev_ranks": dict(self.prev_ranks),
+            "leader": self.leader,
+            "protocol": self.protocol,
+            "release": self.release,
+        }
+        if self.closed is not None:
+            data["closed"] = {"reason": self.closed.reason.value, "detail": self.closed.detail}
+            data["expires_at"] = self.expires_at
+        return json.dumps(data).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RoundState:
+        raw = json.loads(data)
+        closed = raw.get("closed")
+        return cls(
+            version=int(raw.get("version", 0)),
+            status=Status(raw.get("status", "closed")),
+            restarts=int(raw.get("restarts", 0)),
+            nodes={
+                n: Member(**{k: v for k, v in m.items() if k in Member.__dataclass_fields__})
+                for n, m in (raw.get("nodes") or {}).items()
+            },
+            ranks=raw.get("ranks") or {},
+            prev_ranks=raw.get("prev_ranks") or {},
+            leader=raw.get("leader", ""),
+            closed=JobClosed(CloseReason(closed["reason"]), closed.get("detail", ""))
+            if isinstance(closed, dict)
+            else (JobClosed(CloseReason.FAILED, str(closed)) if closed else None),
+            # A state without a protocol was written by elasticrun 0.1 (protocol 1).
+            protocol=int(raw.get("protocol", 1)),
+            release=raw.get("release", ""),
+            expires_at=raw.get("expires_at"),
+        )
+
+
+# ---- creating and checking ----------------------------------------------------------------------
+
+
+def initial(release: str) -> RoundState:
+    """A new job's state: round 1, joinable."""
+    return RoundState(version=1, status=Status.JOINABLE, release=release)
+
+
+def version_conflict(state: RoundState, release: str) -> str | None:
+    """Why a node of elasticrun `release` cannot join the job of `state`, if it cannot."""
+    if state.protocol != PROTOCOL:
+        return (
+            f"the job runs rendezvous protocol {state.protocol} (elasticrun "
+            f"{state.release or '0.1.0 or older'}) and this node protocol {PROTOCOL} (elasticrun "
+            f"{release})"
+        )
+    if state.release and state.release != release:
+        return f"the job runs elasticrun {state.release} and this node elasticrun {release}"
+    return None
+
+
+def member_conflict(members: Mapping[str, Member]) -> str | None:
+    """Members of different versions in one round (the first pair found), if any."""
+    seen: dict[tuple[int, str], str] = {}
+    for node, m in members.items():
+        seen.setdefault((m.protocol, m.release), node)
+    if len(seen) < 2:
+        return None
+    (pa, ra), (pb, rb) = sorted(seen)[:2]
+    return (
+        f"node {seen[(pa, ra)]} runs elasticrun {ra or '?'} (protocol {pa}) and node "
+        f"{seen[(pb, rb)]} elasticrun {rb or '?'} (protocol {pb})"
+    )
+
+
+# ---- joinable ------------------------------------------------------------------------------
+
+
+def join_order(joined: Mapping[str, int]) -> list[str]:
+    """Nodes by when they joined (their join keys' creation revisions)."""
+    return sorted(joined, key=lambda n: (joined[n], n))
+
+
+def leader_of(joined: Mapping[str, int]) -> str | None:
+    """Who leads a joinable round: the first to have joined."""
+    order = join_order(joined)
+    return order[0] if order else None
+
+
+def ready_to_freeze(joined: int, min_nodes: int, max_nodes: int, last_call_passed: bool) -> bool:
+    return joined >= max_nodes or (joined >= min_nodes and last_call_passed)
+
+
+def assign_ranks(members: list[str], previous: Mapping[str, int]) -> dict[str, int]:
+    """Ranks 0..n-1: a member keeps its previous rank when it is still in range and free; the
+    others take the free ranks in join order."""
+    n = len(members)
+    ranks: dict[str, int] = {}
+    taken: set[int] = set()
+    for m in members:
+        r = previous.get(m)
+        if r is not None and r < n and r not in taken:
+            ranks[m] = r
+            taken.add(r)
+    free = iter(r for r in range(n) if r not in taken)
+    for m in members:
+        if m not in ranks:
+            ranks[m] = next(free)
+    return ranks
+
+
+def spares(joined: Mapping[str, int], max_nodes: int) -> list[str]:
+    """Joined nodes beyond MAX (the last to come): they wait for a place."""
+    return join_order(joined)[max_nodes:]
+
+
+def freeze(
+    state: RoundState,
+    joined: Mapping[str, int],
+    infos: Mapping[str, Member],
+    min_nodes: int,
+    max_nodes: int,
+) -> RoundState | None:
+    """Fix the round's members (the first MAX to join) and their ranks; None if fewer than
+    MIN are left. Members of different versions close the job instead."""
+    order = [n for n in join_order(joined) if n in infos][:max_nodes]
+    if len(order) < min_nodes:
+        return None
+    members = {n: infos[n] for n in order}
+    conflict = member_conflict(members)
+    if conflict is not None:
+        return close(state, CloseReason.ERROR, f"nodes run different versions: {conflict}")
+    return replace(
+        state,
+        status=Status.FROZEN,
+        nodes=members,
+        ranks=assign_ranks(order, state.prev_ranks),
+        leader=order[0],
+    )
+
+
+# ---- frozen -----------------------------------------------------------------------------------
+
+
+def finalize(state: RoundState, confirmed: set[str]) -> RoundState | None:
+    """The round goes final once every member confirmed; None until then."""
+    if state.status != Status.FROZEN or not set(state.nodes) <= confirmed:
+        return None
+    return replace(state, status=Status.FINAL)
+
+
+def abandon(state: RoundState) -> RoundState:
+    """A member (or the leader) vanished before the round was final: a new joinable round."""
+    return replace(
+        state,
+        version=state.version + 1,
+        status=Status.JOINABLE,
+        nodes={},
+        ranks={},
+        leader="",
+    )
+
+
+# ---- final --------------------------------------------------------------------------------------
+
+
+def spend_restart(restarts: int, max_restarts: int) -> int | None:
+    """The restart budget: the count after one more failure, or None if none is left."""
+    return restarts + 1 if restarts < max_restarts else None
+
+
+def exhausted_detail(max_restarts: int, failure: str) -> str:
+    detail = f"restarts exhausted ({max_restarts})"
+    return f"{detail}; {failure}" if failure else detail
+
+
+def reopen(
+    state: RoundState, reason: RestartReason, max_restarts: int, failure: str = ""
+) -> RoundState:
+    """Leave final round `state` for the next one. A failure spends one restart, or closes the
+    job when none is left (`failure` says what failed, for the closing message)."""
+    restarts = state.restarts
+    if reason == RestartReason.FAILURE:
+        spent = spend_restart(restarts, max_restarts)
+        if spent is None:
+            return close(state, CloseReason.FAILED, exhausted_detail(max_restarts, failure))
+        restarts = spent
+    return replace(
+        state,
+        version=state.version + 1,
+        status=Status.JOINABLE,
+        restarts=restarts,
+        nodes={},
+        ranks={},
+        prev_ranks=dict(state.ranks) or dict(state.prev_ranks),
+        leader="",
+    )
+
+
+def admissible(waiting: set[str], members: Mapping[str, Member], max_nodes: int) -> bool:
+    """Whether a running round should make room: nodes wait and there is room for them."""
+    return bool(waiting) and len(members) < max_nodes
+
+
+def still_runs(state: RoundState | None, version: int) -> bool:
+    """Whether `state` is still round `version`, final."""
+    return state is not None and state.version == version and state.status == Status.FINAL
+
+
+def everyone_done(state: RoundState, done: set[str]) -> bool:
+    return state.status == Status.FINAL and set(state.nodes) <= done
+
+
+def close(
+    state: RoundState, reason: CloseReason, detail: str = "", expires_at: float | None = None
+) -> RoundState:
+    return replace(
+        state, status=Status.CLOSED, closed=JobClosed(reason, detail), expires_at=expires_at
+    )
+
+
+def round_info(state: RoundState, node: str) -> RendezvousInfo:
+    """What the final round means for `node`."""
+    by_rank = sorted(state.ranks, key=lambda n: state.ranks[n])
+    master = state.nodes[by_rank[0]]
+    return RendezvousInfo(
+        round=state.version,
+        group_rank=state.ranks[node],
+        group_world_size=len(by_rank),
+        local_world_sizes=tuple(state.nodes[n].lws for n in by_rank),
+        master_addr=master.addr,
+        master_port=master.port,
+        restart_count=state.restarts,
+    )

@@ -1,0 +1,358 @@
+"""The elastic rendezvous in process: several handlers (one per thread, each with its own store
+connection) against the embedded service and a real etcd."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import CancelToken
+from elastic_launch.rendezvous.api import (
+    CloseReason,
+    RendezvousClosedError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousVersionError,
+    RestartReason,
+    RunIdInUseError,
+)
+from elastic_launch.rendezvous.conf import RendezvousConf
+from elastic_launch.rendezvous.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+# MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
+CONF = RendezvousConf(
+    join_timeout=30.0,
+    last_call_timeout=10.0,
+    heartbeat_timeout=5.0,
+    close_timeout=10.0,
+    reconnect_timeout=5.0,
+)
+
+
+class CountingStore(EtcdV3Store):
+    """Counts compare-and-swap writes of an existing state, its only writes once it exists."""
+
+    cas_calls = 0
+    lock = threading.Lock()
+
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
+        if version:
+            with CountingStore.lock:
+                CountingStore.cas_calls += 1
+        return super().cas(key, value, version, ttl)
+
+
+SLOW = pytest.mark.slow  # a real etcd server
+
+
+@pytest.fixture(params=["embedded", pytest.param("etcd", marks=SLOW)])
+def endpoint(request):
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd").endpoint, None
+    return request.getfixturevalue("embedded")
+
+
+def handlers(
+    endpoint: tuple[str, str | None],
+    n: int,
+    run_id: str,
+    stores: list[type[EtcdV3Store]] | None = None,
+    min_nodes: int = 2,
+    conf: RendezvousConf = CONF,
+    max_restarts: int = 0,
+) -> list[ElasticRendezvous]:
+    """`n` handlers of a job of `min_nodes`..n nodes, each with its own connection."""
+    address, token = endpoint
+    params = RendezvousParameters(
+        "etcd", address, run_id, min_nodes, n, 1, local_addr="127.0.0.1", max_restarts=max_restarts
+    )
+    return [
+        ElasticRendezvous(
+            params, store(address, "test store", token=token, retry_for=5), conf, "127.0.0.1"
+        )
+        for store in stores or [CountingStore] * n
+    ]
+
+
+def form_round(members: list[ElasticRendezvous]) -> list[RendezvousInfo]:
+    pool = ThreadPoolExecutor(len(members))
+    try:
+        return list(pool.map(lambda h: h.next_rendezvous(), members, timeout=60))
+    finally:
+        pool.shutdown(wait=False)  # a thread still waiting ends when the test shuts it down
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def watcher_threads() -> int:
+    return sum(t.name == "elasticrun-rdzv" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_round_of_max_nodes_writes_the_state_twice(endpoint, request):
+    members = handlers(endpoint, 4, f"round-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        CountingStore.cas_calls = 0
+        infos = form_round(members)
+        assert sorted(i.group_rank for i in infos) == [0, 1, 2, 3]
+        assert {(i.round, i.group_world_size, i.master_port) for i in infos} == {
+            (infos[0].round, 4, infos[0].master_port)
+        }
+        # Freeze and final, once each: the leader goes on from what it wrote instead of
+        # writing again until its watch brings the change back.
+        assert CountingStore.cas_calls == 2
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+@pytest.mark.parametrize("settle", [0.0, 0.3], ids=["at-once", "later"])
+def test_the_members_see_a_node_leave_after_the_round(endpoint, request, settle):
+    run_id = f"leave-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 3, run_id)
+    try:
+        form_round(members)
+        if settle:
+            time.sleep(settle)
+            assert not any(h.membership_changed() for h in members)
+        # Its lease is revoked: its join key goes at once, before or after the others'
+        # watchers have taken their first look.
+        members[0].shutdown()
+        wait_for(
+            lambda: all(h.membership_changed() for h in members[1:]),
+            "the others never noticed the node leave",
+        )
+    finally:
+        for h in members:
+            h.shutdown()
+    assert watcher_threads() == 0, "a watcher outlived its handler"
+
+
+def test_a_new_round_right_after_one_formed_starts_clean(endpoint, request):
+    members = handlers(endpoint, 2, f"again-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        first = form_round(members)
+        second = form_round(members)  # at once, while the first round's watchers start
+        assert {i.round for i in second} == {first[0].round + 1}
+        time.sleep(0.3)
+        assert not any(h.membership_changed() for h in members), "a stale change was reported"
+        assert watcher_threads() == len(members), "one watcher per handler, the old ones gone"
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+class SlowConfirmStore(EtcdV3Store):
+    def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
+        if "/confirm/" in key:
+            time.sleep(0.5)
+        return super().put(key, value, ephemeral)
+
+
+def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoint, request):
+    """The join's leader loses its key and rejoins, so another member comes first in the
+    frozen round and leads the confirmations with a watch on the state alone: it must still
+    see every confirmation, not wait out the close timeout and start the round over."""
+    address, token = endpoint
+    run_id = f"confirm-{request.node.callspec.id}-{time.monotonic_ns()}"
+    raw = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    # The other two confirm late, after the confirmations' leader has read them once.
+    members = handlers(endpoint, 3, run_id, [SlowConfirmStore, EtcdV3Store, SlowConfirmStore])
+    join_prefix = f"/elasticrun/{run_id}/m/v1/join/"
+
+    def joined() -> list[tuple[int, str]]:
+        return sorted((kv.created, kv.key) for kv in raw.range(join_prefix)[0])
+
+    pool = ThreadPoolExecutor(3)
+    try:
+        first = pool.submit(members[0].next_rendezvous)
+        wait_for(lambda: len(joined()) == 1, "the first node never joined")
+        second = pool.submit(members[1].next_rendezvous)
+        wait_for(lambda: len(joined()) == 2, "the second node never joined")
+        leader_key = joined()[0][1]
+        raw.delete(leader_key)  # as if its lease had expired: it joins again, now second
+        wait_for(lambda: [k for _, k in joined()][-1:] == [leader_key], "it never rejoined")
+        third = pool.submit(members[2].next_rendezvous)
+        infos = [f.result(timeout=30) for f in (first, second, third)]
+        assert [i.round for i in infos] == [1, 1, 1], "the round was started over"
+        assert sorted(i.group_rank for i in infos) == [0, 1, 2]
+    finally:
+        for h in members:
+            h.shutdown()
+        raw.close()
+        pool.shutdown(wait=False)
+
+
+def test_a_node_that_finished_first_waits_for_the_job_to_close(endpoint, request):
+    """The embedded host lingers until the others' last writes are through: a member that
+    has written its done key but not yet closed the job still needs the service."""
+    members = handlers(endpoint, 2, f"linger-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        form_round(members)
+        first, last = members
+        assert not first.mark_done(), "the other member still runs"
+        last.store.put(f"{last._m}/done/{last.node}", b"1")  # mid-way through mark_done
+        assert not first.wait_for_others(1.0), "it left before the job was closed"
+        assert last.mark_done(), "the last to finish closes the job"
+        assert first.wait_for_others(10.0)
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request):
+    """A new job under the run id of one that finished is told so (it never 'succeeds' without
+    running); the finished job leaves only its state, which expires."""
+    run_id = f"reuse-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 2, run_id)
+    try:
+        form_round(members)
+        assert not members[0].mark_done()
+        assert members[1].mark_done(), "the last to finish closes the job"
+        assert members[1].closed().reason == CloseReason.SUCCEEDED
+        kvs, _ = members[0].store.range(members[0].prefix + "/")
+        assert [kv.key for kv in kvs] == [members[0]._state_key], "only the state is left"
+    finally:
+        for h in members:
+            h.shutdown()
+    (late,) = handlers(endpoint, 1, run_id, min_nodes=1)
+    try:
+        with pytest.raises(RunIdInUseError, match=f"the run id '{run_id}' names a job") as info:
+            late.next_rendezvous()
+        assert "new --rdzv-id" in str(info.value) and "succeeded" in str(info.value)
+        ttl = late.store._call(
+            late.store._lease.LeaseTimeToLive,
+            __import__(
+                "elastic_launch.rendezvous.etcdpb.rpc_pb2", fromlist=["x"]
+            ).LeaseTimeToLiveRequest(ID=_state_lease(late)),
+        ).TTL
+        assert 0 < ttl <= 600, "the closed state has a lease of its own: it expires"
+    finally:
+        late.shutdown()
+
+
+def _state_lease(h: ElasticRendezvous) -> int:
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    reply = h.store._call(h.store._kv.Range, rpc_pb2.RangeRequest(key=h._state_key.encode()))
+    return int(reply.kvs[0].lease)
+
+
+def test_a_node_of_another_version_is_refused_naming_both(endpoint, request):
+    run_id = f"versions-{request.node.callspec.id}-{time.monotonic_ns()}"
+    first, other = handlers(endpoint, 2, run_id)
+    other.release = "9.9.9"
+    token = CancelToken()
+    pool = ThreadPoolExecutor(1)
+    try:
+        waiting = pool.submit(first.next_rendezvous, cancel=token)
+        wait_for(lambda: first.store.get(first._state_key) is not None, "no state")
+        with pytest.raises(RendezvousVersionError) as info:
+            other.next_rendezvous()
+        assert "9.9.9" in str(info.value) and first.release in str(info.value)
+        token.cancel()  # the first one is still waiting for a second node
+        with pytest.raises(Cancelled):
+            waiting.result(timeout=5)
+    finally:
+        for h in (first, other):
+            h.shutdown()
+        pool.shutdown(wait=False)
+
+
+def test_a_cancelled_wait_ends_at_once_and_the_node_leaves_the_round(endpoint, request):
+    run_id = f"cancel-{request.node.callspec.id}-{time.monotonic_ns()}"
+    (alone,) = handlers(endpoint, 2, run_id, stores=[CountingStore])  # waits for a second
+    token = CancelToken()
+    pool = ThreadPoolExecutor(1)
+    try:
+        waiting = pool.submit(alone.next_rendezvous, cancel=token)
+        join_prefix = f"{alone._m}/v1/join/"
+        wait_for(lambda: alone.store.range(join_prefix)[0], "it never joined")
+        t0 = time.monotonic()
+        token.cancel(15)
+        with pytest.raises(Cancelled) as info:
+            waiting.result(timeout=5)
+        assert time.monotonic() - t0 < 1.0 and info.value.signum == 15
+        alone.shutdown()
+        (observer,) = handlers(endpoint, 1, run_id)
+        try:
+            assert observer.store.range(join_prefix)[0] == [], "its join key went with it"
+        finally:
+            observer.shutdown()
+    finally:
+        alone.shutdown()
+        pool.shutdown(wait=False)
+
+
+def test_a_member_whose_agent_died_is_lost_not_failed(endpoint, request):
+    """Its presence port refuses: the survivor knows at once, long before its lease expires,
+    and removes its join key so every other member knows too."""
+    run_id = f"lost-{request.node.callspec.id}-{time.monotonic_ns()}"
+    conf = replace(CONF, last_call_timeout=0.5)
+    members = handlers(endpoint, 3, run_id, min_nodes=2, conf=conf)
+    try:
+        form_round(members)
+        dead = members[2]
+        dead._presence.close()  # as if SIGKILLed: its port refuses, its lease still runs
+        assert members[0].lost_members() == [dead.node]
+        wait_for(members[1].membership_changed, "the other never saw it leave")
+        assert members[1].lost_members() == [dead.node]
+        dead._stop_follower()
+        infos = form_round(members[:2])
+        assert [i.group_world_size for i in infos] == [2, 2]
+        assert [i.restart_count for i in infos] == [0, 0], "a lost node spends no restart"
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+def test_failures_spend_the_job_wide_budget_then_close_it(endpoint, request):
+    run_id = f"budget-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 2, run_id, max_restarts=1)
+    try:
+        form_round(members)
+        pool = ThreadPoolExecutor(2)
+        failed = pool.submit(
+            members[0].next_rendezvous, RestartReason.FAILURE, failure="rank 0 exit code 1"
+        )
+        wait_for(members[1].membership_changed, "the other never heard")
+        other = pool.submit(members[1].next_rendezvous, RestartReason.MEMBERSHIP)
+        infos = [failed.result(timeout=60), other.result(timeout=60)]
+        assert [i.restart_count for i in infos] == [1, 1]
+        with pytest.raises(RendezvousClosedError) as info:
+            members[0].next_rendezvous(RestartReason.FAILURE, failure="rank 0 exit code 1")
+        assert info.value.closed.reason == CloseReason.FAILED
+        assert "restarts exhausted (1); rank 0 exit code 1" in info.value.closed.detail
+        wait_for(members[1].membership_changed, "the other never heard")
+        with pytest.raises(RendezvousClosedError):
+            members[1].next_rendezvous(RestartReason.MEMBERSHIP)
+        pool.shutdown(wait=False)
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+def test_a_spare_abandons_a_round_whose_members_are_all_gone(endpoint, request):
+    """A job whose nodes all died leaves a final round behind: a new node does not wait for it
+    forever."""
+    run_id = f"dead-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 2, run_id)
+    form_round(members)
+    for h in members:
+        h._stop_follower()
+        h.shutdown()  # their leases are revoked: as if they had died long ago
+    (new,) = handlers(endpoint, 1, run_id, min_nodes=1, conf=replace(CONF, last_call_timeout=0.1))
+    try:
+        info = new.next_rendezvous()
+        assert info.round == 2 and info.group_world_size == 1
+    finally:
+        new.shutdown()

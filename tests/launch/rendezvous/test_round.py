@@ -1,0 +1,160 @@
+"""The rendezvous' decisions, without a store: who leads, when a round freezes, ranks, spares,
+the restart budget, closing, versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from elastic_launch.rendezvous import round as rnd
+from elastic_launch.rendezvous.api import CloseReason, JobClosed, RestartReason
+from elastic_launch.rendezvous.round import PROTOCOL, Member, RoundState, Status
+
+
+def member(addr: str = "10.0.0.1", lws: int = 2, release: str = "1.0", protocol: int = PROTOCOL):
+    return Member(addr=addr, port=5000, lws=lws, release=release, protocol=protocol, presence=6000)
+
+
+def joinable(**kw) -> RoundState:
+    return RoundState(version=kw.pop("version", 3), status=Status.JOINABLE, release="1.0", **kw)
+
+
+def test_the_first_to_join_leads():
+    joined = {"b": 12, "a": 15, "c": 11}
+    assert rnd.join_order(joined) == ["c", "b", "a"]
+    assert rnd.leader_of(joined) == "c"
+    assert rnd.leader_of({}) is None
+
+
+@pytest.mark.parametrize(
+    ("joined", "last_call_passed", "ready"),
+    [(1, True, False), (2, False, False), (2, True, True), (4, False, True), (5, False, True)],
+)
+def test_a_round_freezes_at_max_or_at_min_after_the_last_call(joined, last_call_passed, ready):
+    assert rnd.ready_to_freeze(joined, 2, 4, last_call_passed) is ready
+
+
+def test_survivors_keep_their_ranks():
+    assert rnd.assign_ranks(["a", "b", "c"], {}) == {"a": 0, "b": 1, "c": 2}
+    # b (rank 1) died; a spare s arrives: a and c keep 0 and 2, s takes 1.
+    assert rnd.assign_ranks(["a", "c", "s"], {"a": 0, "b": 1, "c": 2}) == {"a": 0, "c": 2, "s": 1}
+    # Shrinking to two: c's old rank 2 is out of range, it takes the free one.
+    assert rnd.assign_ranks(["a", "c"], {"a": 0, "b": 1, "c": 2}) == {"a": 0, "c": 1}
+
+
+def test_freeze_takes_the_first_max_nodes_and_the_rest_are_spares():
+    joined = {"n1": 1, "n2": 2, "n3": 3}
+    infos = {n: member() for n in joined}
+    frozen = rnd.freeze(joinable(prev_ranks={"n2": 0}), joined, infos, 1, 2)
+    assert frozen is not None
+    assert frozen.status == Status.FROZEN and list(frozen.nodes) == ["n1", "n2"]
+    assert dict(frozen.ranks) == {"n2": 0, "n1": 1}, "n2 keeps its rank of the last round"
+    assert frozen.leader == "n1"
+    assert rnd.spares(joined, 2) == ["n3"]
+
+
+def test_freeze_needs_min_nodes_with_their_information():
+    joined = {"n1": 1, "n2": 2}
+    assert rnd.freeze(joinable(), joined, {"n1": member()}, 2, 4) is None, "n2 has no info"
+    assert rnd.freeze(joinable(), {"n1": 1}, {"n1": member()}, 2, 4) is None
+
+
+def test_members_of_different_versions_close_the_job_naming_both():
+    joined = {"old": 1, "new": 2}
+    infos = {"old": member(release="0.9"), "new": member(release="1.0")}
+    closed = rnd.freeze(joinable(), joined, infos, 2, 2)
+    assert closed is not None and closed.status == Status.CLOSED
+    assert closed.closed is not None and closed.closed.reason == CloseReason.ERROR
+    assert "0.9" in closed.closed.detail and "1.0" in closed.closed.detail
+
+
+def test_a_node_of_another_release_or_protocol_cannot_join():
+    assert rnd.version_conflict(rnd.initial("1.0"), "1.0") is None
+    why = rnd.version_conflict(rnd.initial("1.0"), "1.1")
+    assert why is not None and "1.0" in why and "1.1" in why
+    old = RoundState.from_json(json.dumps({"version": 2, "status": "joinable"}).encode())
+    why = rnd.version_conflict(old, "1.0")
+    assert why is not None and "protocol 1" in why and f"protocol {PROTOCOL}" in why
+
+
+def test_a_frozen_round_is_final_once_everyone_confirmed():
+    frozen = rnd.freeze(joinable(), {"a": 1, "b": 2}, {"a": member(), "b": member()}, 2, 2)
+    assert frozen is not None
+    assert rnd.finalize(frozen, {"a"}) is None
+    final = rnd.finalize(frozen, {"a", "b", "stranger"})
+    assert final is not None and final.status == Status.FINAL
+    assert rnd.finalize(final, {"a", "b"}) is None, "only a frozen round is finalized"
+
+
+def test_abandoning_a_round_opens_the_next():
+    frozen = rnd.freeze(joinable(), {"a": 1}, {"a": member()}, 1, 1)
+    assert frozen is not None
+    nxt = rnd.abandon(frozen)
+    assert (nxt.version, nxt.status, dict(nxt.nodes), nxt.leader) == (4, Status.JOINABLE, {}, "")
+
+
+def final_round(restarts: int = 0) -> RoundState:
+    frozen = rnd.freeze(
+        joinable(restarts=restarts), {"a": 1, "b": 2}, {"a": member(), "b": member()}, 2, 2
+    )
+    assert frozen is not None
+    final = rnd.finalize(frozen, {"a", "b"})
+    assert final is not None
+    return final
+
+
+def test_membership_changes_are_free_and_failures_spend_the_budget():
+    final = final_round()
+    moved = rnd.reopen(final, RestartReason.MEMBERSHIP, max_restarts=0)
+    assert (moved.status, moved.version, moved.restarts) == (Status.JOINABLE, 4, 0)
+    assert dict(moved.prev_ranks) == {"a": 0, "b": 1}, "the next round keeps the ranks it can"
+    failed = rnd.reopen(final, RestartReason.FAILURE, max_restarts=2)
+    assert (failed.status, failed.restarts) == (Status.JOINABLE, 1)
+
+
+def test_the_failure_past_the_budget_closes_the_job_with_what_failed():
+    closed = rnd.reopen(final_round(restarts=2), RestartReason.FAILURE, 2, "rank 3 exit code 1")
+    assert closed.status == Status.CLOSED
+    assert closed.closed == JobClosed(
+        CloseReason.FAILED, "restarts exhausted (2); rank 3 exit code 1"
+    )
+    assert rnd.spend_restart(0, 0) is None
+    assert rnd.spend_restart(1, 3) == 2
+
+
+def test_a_running_round_makes_room_only_when_there_is_some():
+    members = {"a": member(), "b": member()}
+    assert rnd.admissible({"s"}, members, 3)
+    assert not rnd.admissible({"s"}, members, 2), "at MAX the waiting node stays a spare"
+    assert not rnd.admissible(set(), members, 3)
+
+
+def test_still_runs_and_everyone_done():
+    final = final_round()
+    assert rnd.still_runs(final, final.version)
+    assert not rnd.still_runs(final, final.version - 1)
+    assert not rnd.still_runs(None, final.version)
+    assert not rnd.everyone_done(final, {"a"})
+    assert rnd.everyone_done(final, {"a", "b"})
+
+
+def test_round_info_puts_rank_zero_node_as_master():
+    final = RoundState(
+        version=7,
+        status=Status.FINAL,
+        restarts=1,
+        nodes={"a": member("10.0.0.1", lws=2), "b": member("10.0.0.2", lws=4)},
+        ranks={"a": 1, "b": 0},
+    )
+    info = rnd.round_info(final, "a")
+    assert (info.round, info.group_rank, info.group_world_size) == (7, 1, 2)
+    assert info.local_world_sizes == (4, 2) and info.world_size == 6 and info.rank_offset == 4
+    assert (info.master_addr, info.master_port, info.restart_count) == ("10.0.0.2", 5000, 1)
+
+
+def test_the_state_survives_its_json():
+    closed = rnd.close(final_round(), CloseReason.SUCCEEDED, "", expires_at=123.0)
+    again = RoundState.from_json(closed.to_json())
+    assert again == closed
+    assert Member.from_json(member().to_json()) == member()
+    assert Member.from_json(b'{"addr": "h", "port": 1, "lws": 1, "future": 3}').addr == "h"

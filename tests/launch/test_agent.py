@@ -1,0 +1,282 @@
+"""The agent's loop, driven by a fake spawner, a fake watchdog and a fake rendezvous: every
+way an attempt ends, and what the agent does next, in milliseconds."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from elastic_launch.agent import ElasticAgent
+from elastic_launch.api import AgentState, FailureKind, LaunchConfig, WorkerState
+from elastic_launch.cancel import CancelToken
+from elastic_launch.entrypoint import Entrypoint, Kind
+from elastic_launch.events import AgentEvent, Events
+from elastic_launch.logs import LogLayout
+from elastic_launch.rendezvous.api import (
+    CloseReason,
+    JobClosed,
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+    RestartReason,
+)
+from elastic_launch.workers import WorkerGroup
+from launch_fakes import FakeRendezvous, FakeSpawner, FakeWatchdog
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[AgentEvent] = []
+
+    def emit(self, event: AgentEvent) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.events]
+
+    def states(self) -> list[str]:
+        return [e.data["state"] for e in self.events if e.name == "state_changed"]
+
+
+class Node:
+    """One agent with its doubles; `play` runs it on a thread so the test can act."""
+
+    def __init__(self, tmp_path, shm_path, rdzv: FakeRendezvous | None = None, **config) -> None:
+        import elastic_core
+
+        config.setdefault("nproc_per_node", 2)
+        config.setdefault("shutdown_timeout", 0.2)
+        config.setdefault("monitor_interval", 0.01)
+        self.config = LaunchConfig(**config)
+        self.watchdog = FakeWatchdog()
+        self.spawner = FakeSpawner(self.watchdog)
+        self.table = elastic_core.HeartbeatTable.create(shm_path("agent"), 2)
+        self.layout = LogLayout(str(tmp_path / "logs"), "run")
+        self.group = WorkerGroup(
+            self.config,
+            Entrypoint(Kind.SCRIPT, "train.py"),
+            "run",
+            self.layout,
+            self.table,
+            self.watchdog,
+            self.spawner,
+        )
+        self.rdzv = rdzv or FakeRendezvous(max_restarts=self.config.max_restarts)
+        self.recorder = Recorder()
+        self.cancel = CancelToken()
+        self.agent = ElasticAgent(
+            self.config,
+            self.group,
+            self.rdzv,
+            Events("run", [self.recorder]),
+            run_id="run",
+            entrypoint="train.py",
+            cancel=self.cancel,
+            host="node0",
+        )
+        self.result = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def play(self) -> Node:
+        def body() -> None:
+            try:
+                self.result = self.agent.run()
+            except BaseException as e:
+                self.error = e
+
+        self._thread = threading.Thread(target=body, daemon=True)
+        self._thread.start()
+        return self
+
+    def finish(self, timeout: float = 10.0):
+        assert self._thread is not None
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the agent is stuck in {self.agent.state}"
+        return self.result
+
+    def wait_for(self, what, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"stuck in {self.agent.state}"
+            time.sleep(0.005)
+
+    def running(self, attempt: int = 0) -> list:
+        """The processes of `attempt`, once it runs."""
+        k = self.config.nproc_per_node
+        self.wait_for(
+            lambda: (
+                self.agent.state == AgentState.RUNNING
+                and self.agent.attempt == attempt
+                and len(self.spawner.spawned) >= (attempt + 1) * k
+            )
+        )
+        return self.spawner.spawned[attempt * k : (attempt + 1) * k]
+
+    def close(self) -> None:
+        self.group.close()
+        self.table.close()
+        self.layout.close()
+
+
+@pytest.fixture
+def node(tmp_path, shm_path):
+    made: list[Node] = []
+
+    def make(**kw) -> Node:
+        n = Node(tmp_path, shm_path, **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.cancel.cancel()
+        n.close()
+
+
+def test_success_walks_through_the_states_and_closes_the_job(node):
+    n = node().play()
+    for p in n.running():
+        n.watchdog.exit_process(p, code=0)
+    result = n.finish()
+    assert result.state == AgentState.SUCCEEDED and result.attempts == 1
+    assert n.recorder.states() == ["rendezvous", "starting", "running", "succeeded"]
+    assert n.recorder.names()[-1] == "job_succeeded"
+    assert n.rdzv.done == 1 and n.rdzv.calls == [(RestartReason.START, "")]
+
+
+def test_a_failure_restarts_the_group_and_spends_one_restart(node):
+    n = node(max_restarts=2).play()
+    first = n.running()
+    n.watchdog.exit_process(first[1], code=3)
+    second = n.running(1)
+    assert first[0].group_signals[0] == signal.SIGTERM, "the survivor is stopped"
+    assert n.rdzv.calls[1] == (RestartReason.FAILURE, "rank 1 exit code 3")
+    for p in second:
+        n.watchdog.exit_process(p, code=0)
+    result = n.finish()
+    assert result.state == AgentState.SUCCEEDED and result.restarts == 1
+    assert "restarting" in n.recorder.states()
+    restarted = [e for e in n.recorder.events if e.name == "group_restarted"]
+    assert restarted and restarted[0].data["reason"] == "failure"
+
+
+def test_the_failure_past_the_budget_fails_the_job_with_its_root_cause(node):
+    n = node(max_restarts=0).play()
+    first = n.running()
+    n.watchdog.exit_process(first[0], signal=signal.SIGSEGV)
+    result = n.finish()
+    assert result.state == AgentState.FAILED
+    assert (
+        result.message
+        == "the job failed: restarts exhausted (0); rank 0 killed by SIGSEGV (signal 11)"
+    )
+    assert result.root_cause.kind == FailureKind.SIGNAL
+    kinds = {f.local_rank: f.kind for f in result.failures}
+    assert kinds == {0: FailureKind.SIGNAL, 1: FailureKind.STOPPED}
+    assert n.recorder.states()[-1] == "failed" and n.agent.health()["healthy"] is False
+
+
+def test_a_hang_is_a_failure_with_the_workers_stack(node):
+    n = node(max_restarts=0).play()
+    first = n.running()
+    n.watchdog.hang(first[1])
+    result = n.finish()
+    root = result.root_cause
+    assert root.kind == FailureKind.HUNG and root.local_rank == 1
+    assert root.stack == "(no Python stack: the worker did not answer)"
+    assert 12 in first[1].signals, "SIGUSR2 asks the worker for its stack"
+
+
+def test_a_gpu_fault_is_a_failure(node):
+    n = node(max_restarts=0).play()
+    n.watchdog.gpu_fault(n.running()[0])
+    assert n.finish().root_cause.kind == FailureKind.GPU
+
+
+def test_a_membership_change_restarts_without_spending_the_budget(node):
+    n = node(max_restarts=0).play()
+    n.running()
+    n.rdzv.changed = True
+    second = n.running(1)
+    assert n.rdzv.calls[1] == (RestartReason.MEMBERSHIP, "")
+    for p in second:
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_a_failure_caused_by_a_lost_node_is_a_membership_change(node):
+    n = node(rdzv=FakeRendezvous(nodes=2, max_restarts=0)).play()
+    first = n.running()
+    n.rdzv.lost = ["node1-123"]
+    n.watchdog.exit_process(first[0], code=1)  # its collective failed: the peer is gone
+    second = n.running(1)
+    assert n.rdzv.calls[1] == (RestartReason.MEMBERSHIP, ""), "no restart was spent"
+    for p in second:
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_a_signal_while_running_stops_the_workers_with_it(node):
+    n = node().play()
+    first = n.running()
+    n.cancel.cancel(signal.SIGINT)
+    result = n.finish()
+    assert result.state == AgentState.STOPPED and result.signal == signal.SIGINT
+    assert all(p.group_signals[0] == signal.SIGINT for p in first)
+    assert n.recorder.states()[-2:] == ["stopping", "stopped"]
+
+
+def test_a_signal_during_the_rendezvous_ends_it_at_once(node):
+    n = node(rdzv=FakeRendezvous(block_until_cancelled=True)).play()
+    n.wait_for(lambda: n.agent.state == AgentState.RENDEZVOUS)
+    t0 = time.monotonic()
+    n.cancel.cancel(signal.SIGTERM)
+    result = n.finish()
+    assert time.monotonic() - t0 < 1.0
+    assert result.state == AgentState.STOPPED and result.signal == signal.SIGTERM
+    assert n.spawner.spawned == [], "no worker was started"
+
+
+def test_a_worker_that_cannot_start_is_a_failure(node):
+    n = node(max_restarts=0)
+    n.spawner.fail_ranks = {1}
+    result = n.play().finish()
+    assert result.state == AgentState.FAILED
+    assert result.root_cause.kind == FailureKind.SPAWN and result.root_cause.local_rank == 1
+    assert "No such file" in result.root_cause.detail
+    assert n.spawner.spawned[0].group_signals, "the worker that did start was stopped"
+
+
+def test_a_job_closed_by_another_node(node):
+    closed = JobClosed(CloseReason.SUCCEEDED)
+    n = node(rdzv=FakeRendezvous(raise_next=[RendezvousClosedError("over", closed)]))
+    assert n.play().finish().state == AgentState.SUCCEEDED
+    failed = JobClosed(CloseReason.FAILED, "restarts exhausted (3); rank 9 exit code 1")
+    n = node(rdzv=FakeRendezvous(raise_next=[RendezvousClosedError("over", failed)]))
+    result = n.play().finish()
+    assert result.state == AgentState.FAILED and "rank 9 exit code 1" in result.message
+
+
+def test_a_rendezvous_error_fails_the_agent_and_goes_up(node):
+    n = node(rdzv=FakeRendezvous(raise_next=[RendezvousTimeoutError("nobody came")]))
+    n.play().finish()
+    assert isinstance(n.error, RendezvousTimeoutError)
+    assert n.agent.state == AgentState.FAILED
+
+
+def test_health_names_the_state_and_the_workers(node):
+    n = node(hang_timeout=7.0).play()
+    n.running()
+    n.wait_for(lambda: n.agent.health()["hang_timeout"] == 7.0)
+    h = n.agent.health()
+    assert (h["state"], h["healthy"], h["attempt"], h["run_id"]) == ("running", True, 0, "run")
+    assert [w["state"] for w in h["workers"]] == [WorkerState.RUNNING.value] * 2
+    assert n.watchdog.timeouts == {0: 7.0, 1: 7.0}
+    n.cancel.cancel(signal.SIGTERM)
+    n.finish()
+    assert n.agent.health()["state"] == "stopped" and not n.agent.health()["healthy"]

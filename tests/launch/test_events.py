@@ -1,0 +1,51 @@
+"""Event handlers: JSON lines, the fan-out, and closing what was opened when one fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from elastic_launch.api import ConfigError
+from elastic_launch.events import Events, JsonLinesHandler, handler_for_name
+
+
+def test_events_json_lines(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    events = Events("run1", [JsonLinesHandler(str(path)), handler_for_name("null")])
+    events.emit("group_started", 3, workers=2)
+    events.close()
+    (line,) = path.read_text().splitlines()
+    data = json.loads(line)
+    assert data["event"] == "group_started" and data["attempt"] == 3 and data["workers"] == 2
+    assert data["run_id"] == "run1"
+
+
+def test_opening_closes_what_it_opened_when_one_handler_fails(tmp_path):
+    import socket
+
+    path = tmp_path / "ev.jsonl"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--metrics-port 127.0.0.1:{port} cannot be served"):
+            Events.open("r", "null", str(path), ("127.0.0.1", port))
+    assert path.exists()
+    with pytest.raises(ConfigError, match=r"--events-file .* cannot be opened"):
+        Events.open("r", "null", str(tmp_path / "missing" / "ev.jsonl"))
+    with pytest.raises(ConfigError, match="--event-log-handler 'loud'"):
+        Events.open("r", "loud")
+
+
+def test_a_failing_handler_never_stops_the_others(tmp_path):
+    class Broken:
+        def emit(self, event):
+            raise OSError("disk full")
+
+        def close(self):
+            pass
+
+    path = tmp_path / "ev.jsonl"
+    with Events("r", [Broken(), JsonLinesHandler(str(path))]) as events:
+        events.emit("job_started", -1)
+    assert json.loads(path.read_text())["event"] == "job_started"

@@ -1,0 +1,46 @@
+"""Network helpers: free ports, the host lock without a file, and presence probes."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from elastic_launch.net import HostLock, PresencePort, free_port, is_local_host, port_free, probe
+
+
+def test_free_ports_are_free():
+    port = free_port()
+    assert port_free("127.0.0.1", port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert not port_free("127.0.0.1", port)
+    assert free_port("192.0.2.1") > 0, "an address not on this host: any interface"
+
+
+def test_local_hosts():
+    assert is_local_host("localhost") and is_local_host("127.0.0.1")
+    assert is_local_host(socket.gethostname())
+    assert not is_local_host("192.0.2.1")
+
+
+def test_one_holder_of_a_host_lock_and_no_file():
+    name = f"elasticrun-test-{time.monotonic_ns()}"
+    a, b = HostLock(name), HostLock(name)
+    assert a.acquire() and a.held and a.acquire()
+    assert not b.acquire()
+    a.release()
+    assert b.acquire()
+    b.release()
+
+
+def test_a_presence_port_answers_while_it_exists_and_refuses_after():
+    presence = PresencePort("127.0.0.1")
+    target = {"n": ("127.0.0.1", presence.port)}
+    for _ in range(70):  # more than its backlog: connections are accepted and closed
+        assert probe(target, 2.0) == {"n": True}
+    presence.close()
+    t0 = time.monotonic()
+    assert probe(target, 2.0) == {"n": False}
+    assert time.monotonic() - t0 < 0.5, "a refused port is seen at once"
+    assert probe({}, 1.0) == {}
