@@ -262,18 +262,3 @@ def test_two_jobs_on_one_host_do_not_collide(tmp_path):
             kill_all(all_pids(out))
     ports = {json.loads((o / "1-0.env.json").read_text())["MASTER_PORT"] for o in outs}
     assert len(ports) == 2, "each job got its own port"
-
-
-@pytest.mark.parametrize("preload", [[], ["--preload", "json"]])
-def test_workers_die_with_a_killed_launcher(out, preload):
-    proc = start([*BASE, *preload, *worker_args(out, "--sleep", "120")])
-    try:
-        assert wait_for(lambda: len(list(out.glob("*.pid"))) == 2), "workers did not start"
-        pids = all_pids(out)
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher (and a zygote) die at once
-        proc.wait(timeout=30)
-        assert wait_gone(pids) == [], "a worker outlived its SIGKILLed launcher"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -5,7 +5,17 @@ from __future__ import annotations
 import socket
 import time
 
-from elastic_launch.net import HostLock, PresencePort, free_port, is_local_host, port_free, probe
+from elastic_launch.net import (
+    REFUSED,
+    SILENT,
+    UP,
+    HostLock,
+    PresencePort,
+    free_port,
+    is_local_host,
+    port_free,
+    probe,
+)
 
 
 def test_free_ports_are_free():
@@ -38,9 +48,28 @@ def test_a_presence_port_answers_while_it_exists_and_refuses_after():
     presence = PresencePort("127.0.0.1")
     target = {"n": ("127.0.0.1", presence.port)}
     for _ in range(70):  # more than its backlog: connections are accepted and closed
-        assert probe(target, 2.0) == {"n": True}
+        assert probe(target, 2.0) == {"n": UP}
     presence.close()
     t0 = time.monotonic()
-    assert probe(target, 2.0) == {"n": False}
+    assert probe(target, 2.0) == {"n": REFUSED}
     assert time.monotonic() - t0 < 0.5, "a refused port is seen at once"
     assert probe({}, 1.0) == {}
+
+
+def test_a_host_that_does_not_answer_is_silent_not_refused():
+    # A listening socket whose backlog is full drops new connections: no answer at all.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        held = []
+        try:
+            for _ in range(8):  # fill the accept queue (nobody accepts)
+                c = socket.socket()
+                c.setblocking(False)
+                c.connect_ex(("127.0.0.1", port))
+                held.append(c)
+            assert probe({"n": ("127.0.0.1", port)}, 0.3) == {"n": SILENT}
+        finally:
+            for c in held:
+                c.close()

@@ -22,10 +22,14 @@ def main() -> None:
     args = p.parse_args()
     rank = int(os.environ["RANK"])
     tag = f"{os.environ['ELASTICRUN_ATTEMPT']}-{rank}"
-    with open(os.path.join(args.out, f"{tag}.pid"), "w") as f:
-        f.write(str(os.getpid()))
-    with open(os.path.join(args.out, f"{tag}.env.json"), "w") as f:
-        json.dump(dict(os.environ), f)
+    for name, text in (
+        (f"{tag}.env.json", json.dumps(dict(os.environ))),
+        (f"{tag}.pid", str(os.getpid())),
+    ):
+        tmp = os.path.join(args.out, f".{name}")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(args.out, name))  # each file appears whole
     dist.init_process_group("gloo")
     start = 0
     if os.path.exists(args.state):

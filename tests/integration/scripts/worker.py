@@ -15,6 +15,13 @@ import sys
 import time
 
 
+def write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def stuck_in_the_data_loader() -> None:
     """A recognisable name for the hang-stack test."""
     time.sleep(3600)
@@ -46,12 +53,11 @@ def main() -> None:
     restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     attempt = os.environ.get("ELASTICRUN_ATTEMPT", str(restarts))
     tag = f"{attempt}-{rank}"
-    with open(os.path.join(args.out, f"{tag}.pid"), "w") as f:
-        f.write(str(os.getpid()))
     env = {k: v for k, v in os.environ.items()}
     env["argv"] = json.dumps(sys.argv)
-    with open(os.path.join(args.out, f"{tag}.env.json"), "w") as f:
-        json.dump(env, f)
+    # Each file appears whole (written aside, then renamed): tests read them as they appear.
+    write(os.path.join(args.out, f"{tag}.env.json"), json.dumps(env))
+    write(os.path.join(args.out, f"{tag}.pid"), str(os.getpid()))
     if args.print:
         print(f"{args.print} rank {rank}", flush=True)
         print(f"{args.print} err rank {rank}", file=sys.stderr, flush=True)

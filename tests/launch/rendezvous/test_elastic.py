@@ -3,6 +3,7 @@ connection) against the embedded service and a real etcd."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -356,3 +357,41 @@ def test_a_spare_abandons_a_round_whose_members_are_all_gone(endpoint, request):
         assert info.round == 2 and info.group_world_size == 1
     finally:
         new.shutdown()
+
+
+def _silence(port: int) -> list[socket.socket]:
+    """Make `port` drop connections (a full accept queue): the host 'does not answer'."""
+    full = socket.socket()
+    full.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    full.bind(("127.0.0.1", port))
+    full.listen(0)
+    held = [full]
+    for _ in range(8):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        held.append(c)
+    return held
+
+
+def test_a_member_that_does_not_answer_is_lost_only_if_its_lease_expires(endpoint, request):
+    """A firewall that drops the probe must not make a real failure a free restart: a silent
+    member counts as lost only when its lease runs out."""
+    run_id = f"silent-{request.node.callspec.id}-{time.monotonic_ns()}"
+    conf = replace(CONF, heartbeat_timeout=2.0)
+    members = handlers(endpoint, 2, run_id, conf=conf)
+    held: list[socket.socket] = []
+    try:
+        form_round(members)
+        alive, quiet = members
+        port = quiet._presence.port
+        quiet._presence.close()
+        held = _silence(port)
+        assert alive.lost_members() == [], "its lease is renewed: it is there"
+        quiet.store._stop.set()  # its keeper stops: the lease runs out
+        assert alive.lost_members() == [quiet.node]
+    finally:
+        for s in held:
+            s.close()
+        for h in members:
+            h.shutdown()

@@ -138,10 +138,14 @@ class PresencePort:
             s.close()
 
 
-def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, bool]:
-    """Connect to every (host, port) at once; by key, True if it accepted within `timeout`
-    (the process behind it lives), False if refused, unreachable or silent."""
-    result = dict.fromkeys(targets, False)
+UP, REFUSED, SILENT = "up", "refused", "silent"
+
+
+def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, str]:
+    """Connect to every (host, port) at once; by key: UP if it accepted within `timeout` (the
+    process behind it lives), REFUSED if nothing listens there any more (it is gone), SILENT if
+    no answer came (a host that is down, or a network that drops: nobody can tell)."""
+    result = dict.fromkeys(targets, SILENT)
     pending: dict[socket.socket, str] = {}
     with selectors.DefaultSelector() as sel:
         for key, (host, port) in targets.items():
@@ -149,12 +153,13 @@ def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, bool
             s.setblocking(False)
             code = s.connect_ex((host, port))
             if code == 0:
-                result[key] = True
+                result[key] = UP
                 s.close()
             elif code in (errno.EINPROGRESS, errno.EAGAIN):
                 pending[s] = key
                 sel.register(s, selectors.EVENT_WRITE)
             else:
+                result[key] = REFUSED if code == errno.ECONNREFUSED else SILENT
                 s.close()
         deadline = time.monotonic() + timeout
         while pending:
@@ -165,7 +170,8 @@ def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, bool
                 s = sk.fileobj  # type: ignore[assignment]  # the sockets registered above
                 key = pending.pop(s)
                 sel.unregister(s)
-                result[key] = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+                code = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                result[key] = UP if code == 0 else REFUSED if code == errno.ECONNREFUSED else SILENT
                 s.close()
         for s in pending:
             s.close()

@@ -30,7 +30,7 @@ import time
 from elastic_launch._version import __version__
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
-from elastic_launch.net import PresencePort, free_port, local_address, probe
+from elastic_launch.net import REFUSED, SILENT, PresencePort, free_port, local_address, probe
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
     CloseReason,
@@ -333,9 +333,16 @@ class ElasticRendezvous(RendezvousHandler):
         join_prefix = round_prefix + "join/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
         leading = state.leader == self.node
-        # One read of the job: the state may have moved on since the caller looked (the
-        # round may be final already), and the watches start where this read ends.
-        kvs, revision = self.store.range(self.prefix + "/")
+        # The state may have moved on since the caller looked (the round may be final
+        # already), and the watches start where this look ends. The leader reads the round
+        # (every member's keys); the others only the state and the leader's join key, so a
+        # round costs O(N) reads, not O(N^2).
+        if leading:
+            kvs, revision = self.store.range(self.prefix + "/")
+        else:
+            kvs, revision = self.store.range(self._state_key)
+            leader_kvs, leader_revision = self.store.range(join_prefix + state.leader)
+            kvs, revision = kvs + leader_kvs, min(revision, leader_revision)
         found, found_version = self._state_in(kvs)
         if found is None:
             return None
@@ -345,6 +352,9 @@ class ElasticRendezvous(RendezvousHandler):
             kv.key[len(confirm_prefix) :] for kv in kvs if kv.key.startswith(confirm_prefix)
         }
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        # Who must be there for the round to go on: the leader follows every member, the
+        # others the leader.
+        required = set(state.nodes) if leading else {state.leader}
         # The leader gives the members `close_timeout` to confirm; should the leader itself
         # vanish, the others start over at once (its key is gone), or a lease later.
         until = Deadline(self.conf.close_timeout + (0.0 if leading else self.conf.lease_ttl))
@@ -364,7 +374,7 @@ class ElasticRendezvous(RendezvousHandler):
                 nxt: RoundState | None = None
                 if leading:
                     nxt = rnd.finalize(state, confirmed)
-                if nxt is None and (not set(state.nodes) <= present or until.passed):
+                if nxt is None and (not required <= present or until.passed):
                     nxt = rnd.abandon(state)  # a member (or the leader) died: start over
                 if nxt is not None:
                     found, sversion = self._advance(nxt, sversion)
@@ -444,31 +454,49 @@ class ElasticRendezvous(RendezvousHandler):
         )
 
     def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
-        """Members whose agent is gone: their join key vanished, or their presence port
-        refuses (an agent SIGKILLed with its host still up is seen at once) or stays silent
-        for PROBE_TIMEOUT. Their join keys are removed, so the others see it at once too."""
+        """Members whose agent is gone. Its join key vanished, or its presence port refuses (an
+        agent SIGKILLed on a host that is up: seen at once); their join keys are removed, so
+        the others see it at once too. A member that does not answer at all (a host that is
+        down, or a network that drops) is lost only if its lease expires within its TTL: a
+        firewall never turns a failure into a free restart."""
         current = self._round
         if current is None:
             return []
         self.session.use(cancel)
         join_prefix = f"{self._m}/v{current.version}/join/"
         try:
-            kvs, _ = self.store.range(f"{self._m}/")
+            kvs, revision = self.store.range(f"{self._m}/")
         except StoreError:
             return []
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{self._m}/done/")}
         others = {n: m for n, m in current.nodes.items() if n != self.node and n not in done}
-        gone = [n for n in others if n not in present]
+        gone = {n for n in others if n not in present}
         targets = {
             n: (m.addr, m.presence) for n, m in others.items() if n in present and m.presence
         }
-        answered = probe(targets, min(PROBE_TIMEOUT, self.conf.lease_ttl))
-        gone += [n for n, alive in answered.items() if not alive]
-        for n in gone:
+        answers = probe(targets, min(PROBE_TIMEOUT, self.conf.lease_ttl))
+        refused = {n for n, a in answers.items() if a == REFUSED}
+        for n in refused:
             with contextlib.suppress(StoreError):
                 self.store.delete(join_prefix + n)
-        return sorted(gone)
+        silent = {n for n, a in answers.items() if a == SILENT}
+        if silent:
+            gone |= self._expired(silent, join_prefix, revision)
+        return sorted(gone | refused)
+
+    def _expired(self, nodes: set[str], join_prefix: str, revision: int) -> set[str]:
+        """Which of `nodes` lose their join key within a lease's TTL (from `revision` on)."""
+        expired: set[str] = set()
+        deadline = Deadline(self.conf.lease_ttl + 1.0)
+        watched = [join_prefix + n for n in sorted(nodes)]
+        with self.session.watching(watched, revision) as inbox:
+            while expired != nodes and not deadline.passed:
+                for change in self.session.wait(inbox, deadline):
+                    node = change.key[len(join_prefix) :]
+                    if change.value is None and node in nodes:
+                        expired.add(node)
+        return expired
 
     def closed(self) -> JobClosed | None:
         return self._closed
