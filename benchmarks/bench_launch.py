@@ -166,12 +166,15 @@ def run(cpp_build: Path) -> list[Row]:
             f"by hand {by_hand:.2f} s",
         )
     )
+    # The overhead alone: to every worker running its first line (no torch import, whose
+    # seconds of noise on 2 cores would swamp it), median of 10, minus the same by hand.
+    hand_start = launch_time(None, trials=10, start_only=True)
     rows.append(
         Row(
             "launch",
-            "launch overhead over spawning by hand",
-            (ours - by_hand) * 1000,
-            (theirs - by_hand) * 1000,
+            "launch overhead over spawning by hand (to every worker running, median of 10)",
+            (launch_time(ELASTICRUN, trials=10, start_only=True) - hand_start) * 1000,
+            (launch_time(TORCHRUN, trials=10, start_only=True) - hand_start) * 1000,
             "torchrun",
             "ms",
         )

@@ -32,13 +32,29 @@ def health(port: int) -> dict:
         return {}
 
 
+def rdzv_files() -> set[str]:
+    """Files an embedded rendezvous host might leave in the temporary directory (older
+    versions left lock files there; this one holds an abstract socket instead)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "elasticrun-rdzv-*")))
+
+
+@pytest.fixture(autouse=True)
+def _rdzv_files_before() -> None:
+    """What was there before the test (another run's files on a shared /tmp are not ours)."""
+    global _BEFORE
+    _BEFORE = rdzv_files()
+
+
+_BEFORE: set[str] = set()
+
+
 def leftovers(launcher_pid: int) -> list[str]:
     """What a launcher may leave: its heartbeat file, its temporary directory, lock files."""
     tmp = tempfile.gettempdir()
     return [
         *glob.glob(f"/dev/shm/elasticrun-{launcher_pid}-*"),
         *glob.glob(os.path.join(tmp, f"elasticrun_{launcher_pid}_*")),
-        *glob.glob(os.path.join(tmp, "elasticrun-rdzv-*")),
+        *sorted(rdzv_files() - _BEFORE),
     ]
 
 
@@ -366,5 +382,5 @@ def test_a_two_node_job_leaves_no_lock_or_directory(tmp_path):
         code, _, err = finish(proc)
         assert code == 0, err[-3000:]
         assert leftovers(proc.pid) == []
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), "elasticrun-rdzv-*"))
+    assert not rdzv_files() - _BEFORE
     assert Path(tmp_path).exists()

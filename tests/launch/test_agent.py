@@ -182,7 +182,7 @@ def test_the_failure_past_the_budget_fails_the_job_with_its_root_cause(node):
 
 
 def test_a_hang_is_a_failure_with_the_workers_stack(node):
-    n = node(max_restarts=0).play()
+    n = node(max_restarts=0, stack_dump_timeout=0.2).play()
     first = n.running()
     n.watchdog.hang(first[1])
     result = n.finish()

@@ -374,6 +374,7 @@ def _silence(port: int) -> list[socket.socket]:
     return held
 
 
+@pytest.mark.slow  # it waits out a lease, twice
 def test_a_member_that_does_not_answer_is_lost_only_if_its_lease_expires(endpoint, request):
     """A firewall that drops the probe must not make a real failure a free restart: a silent
     member counts as lost only when its lease runs out."""

@@ -100,6 +100,7 @@ def test_closing_a_watch_wakes_its_reader_and_ends_its_thread(store):
         assert watch_threads() == before, "a closed watch left its thread running"
 
 
+@pytest.mark.slow  # it outlives a lease's TTL
 @pytest.mark.timeout(60)
 def test_ephemeral_keys_live_with_the_lease(store):
     store.start_liveness(2.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -322,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (api.LaunchError, OSError) as e:  # rendezvous, log directory, ports...
         print(f"elasticrun: error: {type(e).__name__}: {e}", file=sys.stderr)
         return api.EXIT_FAILED
+    except KeyboardInterrupt:  # SIGINT left out of --signals-to-handle: everything was released
+        print("elasticrun: interrupted", file=sys.stderr)
+        return api.EXIT_SIGNAL_BASE + signal.SIGINT
     if result.state == AgentState.SUCCEEDED:
         return api.EXIT_OK
     if result.state == AgentState.STOPPED:

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
+
 if TYPE_CHECKING:
     import importlib.machinery
     from collections.abc import Sequence
@@ -150,8 +152,6 @@ def _reset_signals() -> None:
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)  # the zygote's
     # The launcher forwards --signals-to-handle (a forked function worker has its handlers).
-    from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
-
     forwarded = os.environ.get(SIGNALS_TO_HANDLE_ENV, "").split(",")
     for name in {*_RESET_SIGNALS, *(n.strip() for n in forwarded if n.strip())}:
         sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)

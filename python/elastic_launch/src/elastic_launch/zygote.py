@@ -104,6 +104,8 @@ def serve(fd: int, modules: list[str]) -> None:
             __import__(name)
         except BaseException as e:  # reported to the agent, which then spawns normally
             failed[name] = f"{type(e).__name__}: {e}"
+    from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
+
     send(sock, {"op": "ready", "seconds": time.monotonic() - start, "failed": failed})
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)

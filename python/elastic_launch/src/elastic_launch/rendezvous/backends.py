@@ -24,6 +24,7 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,17 @@ def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[
     return protocol, host, port
 
 
+def _over(
+    params: RendezvousParameters, store: Store, conf: RendezvousConf, host: str
+) -> RendezvousHandler:
+    """The elastic rendezvous over `store`, which is closed if the handler cannot be made."""
+    try:
+        return ElasticRendezvous(params, store, conf, host)
+    except BaseException:
+        store.close()
+        raise
+
+
 def _check_files(conf: RendezvousConf) -> None:
     for path in filter(None, (conf.cacert, conf.cert, conf.key)):
         if not os.path.isfile(path):
@@ -151,11 +163,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
         retry_for=conf.join_timeout,
         read_timeout=conf.read_timeout,
     )
-    try:
-        return ElasticRendezvous(params, store, conf, host)
-    except BaseException:
-        store.close()
-        raise
+    return _over(params, store, conf, host)
 
 
 def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
@@ -176,8 +184,4 @@ def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
         retry_for=conf.join_timeout,
         read_timeout=conf.read_timeout,
     )
-    try:
-        return ElasticRendezvous(params, store, conf, host)
-    except BaseException:
-        store.close()
-        raise
+    return _over(params, store, conf, host)
