@@ -9,7 +9,7 @@ import time
 
 import pytest
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken, Deadline, SignalRelay
+from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, SignalRelay, clock
 
 
 def test_a_token_wakes_its_waits_and_runs_its_callbacks_once():
@@ -79,3 +79,25 @@ def test_outside_the_main_thread_the_relay_does_nothing():
     t.start()
     t.join(5)
     assert errors == []
+
+
+def test_a_notice_says_what_a_wait_waits_for_after_a_while_then_now_and_again():
+    said: list[str] = []
+    state = {"left": 3}
+    notice = Notice(lambda: f"waiting for {state['left']} things", said.append, 0.1, 0.2)
+    notice.check()
+    assert said == [], "a short wait stays quiet"
+    assert 0 < notice.due().left() <= 0.1
+    time.sleep(0.12)
+    state["left"] = 2
+    notice.check()
+    notice.check()
+    assert said == ["waiting for 2 things"], "said once, with the state of the moment"
+    time.sleep(0.22)
+    notice.check()
+    assert len(said) == 2
+
+
+def test_clock_gives_the_wall_time_of_a_deadline():
+    assert clock(Deadline(None)) == "no time limit"
+    assert clock(Deadline(0)) == time.strftime("%H:%M:%S")

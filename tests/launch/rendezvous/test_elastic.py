@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import CancelToken
+from elastic_launch.cancel import CancelToken, Notice
 from elastic_launch.rendezvous.api import (
     CloseReason,
     RendezvousClosedError,
@@ -396,3 +396,39 @@ def test_a_member_that_does_not_answer_is_lost_only_if_its_lease_expires(endpoin
             s.close()
         for h in members:
             h.shutdown()
+
+
+def test_a_long_join_says_what_it_waits_for_where_and_until_when(
+    endpoint, request, caplog, monkeypatch
+):
+    monkeypatch.setattr(Notice, "AFTER", 0.2)
+    run_id = f"alone-{request.node.callspec.id}-{time.monotonic_ns()}"
+    alone, absent = handlers(endpoint, 2, run_id)
+    cancel = CancelToken()
+    threading.Timer(1.0, cancel.cancel).start()
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(Cancelled):
+            alone.next_rendezvous(cancel=cancel)
+    finally:
+        alone.shutdown()
+        absent.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "waiting for nodes" in r.getMessage()]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert f"run '{run_id}'" in lines[0] and "1 node(s) joined, at least 2 needed" in lines[0]
+    assert "--nnodes 2:2" in lines[0] and "giving up at" in lines[0]
+
+
+def test_an_unreachable_store_says_so_while_it_retries(caplog, monkeypatch):
+    monkeypatch.setattr(Notice, "AFTER", 0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    store = EtcdV3Store(f"127.0.0.1:{port}", "etcd at 127.0.0.1", retry_for=1.5)
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(Exception, match="is unreachable"):
+            store.range("/x")
+    finally:
+        store.close()
+    (first, *_) = [r.getMessage() for r in caplog.records if "to answer" in r.getMessage()]
+    assert "waiting for etcd at 127.0.0.1 to answer (UNAVAILABLE" in first
+    assert "retrying until" in first and "--rdzv-endpoint" in first

@@ -113,6 +113,46 @@ class Deadline:
         return min(found, key=lambda d: float("inf") if d.at is None else d.at)
 
 
+def clock(deadline: Deadline) -> str:
+    """When `deadline` comes, as wall-clock time for a message ("no time limit" for none)."""
+    if deadline.at is None:
+        return "no time limit"
+    return time.strftime("%H:%M:%S", time.localtime(time.time() + deadline.left()))
+
+
+class Notice:
+    """Says what a long wait waits for, where and until when: first once it has lasted `after`
+    seconds, then every `every` seconds, so no wait is silent for long. `describe` builds the
+    message when it is due (it sees the wait's current state)."""
+
+    AFTER = 5.0
+    EVERY = 30.0
+
+    def __init__(
+        self,
+        describe: Callable[[], str],
+        log: Callable[[str], None],
+        after: float | None = None,
+        every: float | None = None,
+    ) -> None:
+        self._describe = describe
+        self._log = log
+        self._every = self.EVERY if every is None else every
+        self._next = Deadline(self.AFTER if after is None else after)
+        self.said = 0
+
+    def due(self) -> Deadline:
+        """When the next message is due: a wait wakes then (see :meth:`Deadline.earliest`)."""
+        return self._next
+
+    def check(self) -> None:
+        """Say it if it is due."""
+        if self._next.passed:
+            self._log(self._describe())
+            self.said += 1
+            self._next = Deadline(self._every)
+
+
 class SignalRelay:
     """Installs handlers for `signals` (main thread only) that cancel `token`; restores the old
     handlers on exit. Outside the main thread it does nothing (the caller owns signals)."""

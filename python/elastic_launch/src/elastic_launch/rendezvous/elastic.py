@@ -29,7 +29,7 @@ import time
 
 from elastic_launch._version import __version__
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken, Deadline
+from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.net import REFUSED, SILENT, PresencePort, free_port, local_address, probe
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
@@ -76,6 +76,8 @@ class ElasticRendezvous(RendezvousHandler):
         self._round: RoundState | None = None  # our final round, while it runs
         self._closed: JobClosed | None = None
         self._seen_open = False  # whether this node saw the job before it closed
+        self._spare = False  # it wrote a waiting key (as a spare)
+        self._drop: str | None = None  # a finished round's keys this node is to delete
         self._rounds = 0
         self._phase = ""
         self._presence: PresencePort | None = None
@@ -112,9 +114,8 @@ class ElasticRendezvous(RendezvousHandler):
         written = self._commit(state, version)
         if not written:
             return self._read()
-        if state.status == Status.FINAL:
-            with contextlib.suppress(StoreError):
-                self.store.delete(f"{self._m}/v{state.version - 1}/", prefix=True)
+        if state.status == Status.FINAL and state.version > 1:
+            self._drop = f"{self._m}/v{state.version - 1}/"  # by the follower, off the path
         return state, written
 
     def _me(self) -> bytes:
@@ -154,8 +155,11 @@ class ElasticRendezvous(RendezvousHandler):
             cancel.check()
             state, version = self._read()
             if state is None:
-                self._commit(rnd.initial(self.release), 0)
-                continue
+                first = rnd.initial(self.release)
+                written = self._commit(first, 0)
+                if not written:
+                    continue  # another node created it first: read theirs
+                state, version = first, written
             if state.status == Status.CLOSED:
                 raise self._closed_error(state)
             conflict = rnd.version_conflict(state, self.release)
@@ -228,8 +232,10 @@ class ElasticRendezvous(RendezvousHandler):
         join_prefix = f"{self._m}/v{v}/join/"
         me = join_prefix + self.node
         self.store.create(me, self._me(), ephemeral=True)
-        with contextlib.suppress(StoreError):
-            self.store.delete(f"{self._m}/waiting/{self.node}")
+        if self._spare:  # it waited as a spare: its waiting key goes (else there is none)
+            with contextlib.suppress(StoreError):
+                self.store.delete(f"{self._m}/waiting/{self.node}")
+            self._spare = False
         kvs, revision = self.store.range(self.prefix + "/")
         joined = {
             kv.key[len(join_prefix) :]: kv.created for kv in kvs if kv.key.startswith(join_prefix)
@@ -251,15 +257,27 @@ class ElasticRendezvous(RendezvousHandler):
         leading = leader == self.node
         watched = [self.prefix + "/"] if leading else [self._state_key, join_prefix + leader]
         last_call: Deadline | None = None
+        p = self.params
+
+        def waiting_for() -> str:
+            have = f"{len(joined)} node(s) joined, " if leading else ""
+            return (
+                f"waiting for nodes to join run '{p.run_id}' at {self.store.name}: {have}at "
+                f"least {p.min_nodes} needed (--nnodes {p.min_nodes}:{p.max_nodes}); giving up "
+                f"at {clock(deadline)} (join_timeout {self.conf.join_timeout:g} s)"
+            )
+
+        notice = Notice(waiting_for, logger.warning)
         with self.session.watching(watched, revision) as inbox:
             while True:
+                notice.check()
                 if state.version != v or state.status != Status.JOINABLE:
                     if (
                         state.version == v
                         and state.status == Status.FROZEN
                         and (self.node in state.nodes)
                     ):
-                        return self._confirm(state, sversion, inbox if leading else None)
+                        return self._confirm(state, sversion, (inbox, set(joined), leader))
                     return None
                 if self.session.take_lost():
                     self._rejoin(me, joined)
@@ -284,7 +302,7 @@ class ElasticRendezvous(RendezvousHandler):
                             continue
                 if deadline.passed:
                     raise self._timeout(me, join_prefix, len(joined) if leading else None)
-                until = Deadline.earliest(deadline, last_call)
+                until = Deadline.earliest(deadline, last_call, notice.due())
                 for change in self.session.wait(inbox, until):
                     if change.key == self._state_key:
                         if change.value is None:
@@ -322,10 +340,15 @@ class ElasticRendezvous(RendezvousHandler):
     # ---- frozen ----------------------------------------------------------------------------
 
     def _confirm(
-        self, state: RoundState, sversion: int, inbox: Inbox | None = None
+        self,
+        state: RoundState,
+        sversion: int,
+        joined: tuple[Inbox, set[str], str] | None = None,
     ) -> RendezvousInfo | None:
         """A frozen round with us in it: confirm, and (the leader) make it final once every
-        member has; a member that vanishes sends the round back to joinable."""
+        member has; a member that vanishes sends the round back to joinable. `joined` is what
+        the join phase leaves, when it leads here: its watch (open since before the freeze, so
+        everything after is in it), the members whose join keys it saw, and whom it followed."""
         self._phase = "confirming"
         v = state.version
         round_prefix = f"{self._m}/v{v}/"
@@ -333,25 +356,33 @@ class ElasticRendezvous(RendezvousHandler):
         join_prefix = round_prefix + "join/"
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
         leading = state.leader == self.node
-        # The state may have moved on since the caller looked (the round may be final
-        # already), and the watches start where this look ends. The leader reads the round
-        # (every member's keys); the others only the state and the leader's join key, so a
-        # round costs O(N) reads, not O(N^2).
-        if leading:
-            kvs, revision = self.store.range(self.prefix + "/")
+        inbox: Inbox | None = None
+        if joined is not None and joined[2] == state.leader:
+            # Straight from the join: its watch already covers what this phase follows (the
+            # leader: the whole round; the others: the state and the leader's key), so no
+            # read and no new watch stand between the freeze and the confirmation.
+            inbox, present, _ = joined
+            confirmed = {self.node}
         else:
-            kvs, revision = self.store.range(self._state_key)
-            leader_kvs, leader_revision = self.store.range(join_prefix + state.leader)
-            kvs, revision = kvs + leader_kvs, min(revision, leader_revision)
-        found, found_version = self._state_in(kvs)
-        if found is None:
-            return None
-        if found_version != sversion:
-            state, sversion = found, found_version
-        confirmed = {
-            kv.key[len(confirm_prefix) :] for kv in kvs if kv.key.startswith(confirm_prefix)
-        }
-        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+            # The state may have moved on since the caller looked (the round may be final
+            # already), and the watches start where this look ends. The leader reads the
+            # round (every member's keys); the others only the state and the leader's join
+            # key, so a round costs O(N) reads, not O(N^2).
+            if leading:
+                kvs, revision = self.store.range(self.prefix + "/")
+            else:
+                kvs, revision = self.store.range(self._state_key)
+                leader_kvs, leader_revision = self.store.range(join_prefix + state.leader)
+                kvs, revision = kvs + leader_kvs, min(revision, leader_revision)
+            found, found_version = self._state_in(kvs)
+            if found is None:
+                return None
+            if found_version != sversion:
+                state, sversion = found, found_version
+            confirmed = {
+                kv.key[len(confirm_prefix) :] for kv in kvs if kv.key.startswith(confirm_prefix)
+            }
+            present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
         # Who must be there for the round to go on: the leader follows every member, the
         # others the leader.
         required = set(state.nodes) if leading else {state.leader}
@@ -364,7 +395,7 @@ class ElasticRendezvous(RendezvousHandler):
             else [self._state_key, join_prefix + state.leader]
         )
         with contextlib.ExitStack() as stack:
-            if inbox is None or not leading:
+            if inbox is None:
                 inbox = stack.enter_context(self.session.watching(watched, revision))
             while True:
                 if state.version != v or state.status != Status.FROZEN:
@@ -403,6 +434,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._phase = "spare"
         key = f"{self._m}/waiting/{self.node}"
         self.store.put(key, str(self.params.local_world_size).encode(), ephemeral=True)
+        self._spare = True
         v = state.version
         join_prefix = f"{self._m}/v{v}/join/"
         kvs, revision = self.store.range(self.prefix + "/")
@@ -411,15 +443,25 @@ class ElasticRendezvous(RendezvousHandler):
             return None
         state = found
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        notice = Notice(
+            lambda: (
+                f"this node waits as a spare of run '{self.params.run_id}' at "
+                f"{self.store.name}: round {v} runs with {len(state.nodes)} node(s) (--nnodes "
+                f"{self.params.min_nodes}:{self.params.max_nodes}); it joins when the job "
+                "re-forms (a node leaves or fails) and ends with the job, with no time limit"
+            ),
+            logger.warning,
+        )
         with self.session.watching([self._state_key, join_prefix], revision) as inbox:
             while state.version == v and state.status in (Status.FROZEN, Status.FINAL):
+                notice.check()
                 if self.session.take_lost():
                     self.store.put(key, str(self.params.local_world_size).encode(), ephemeral=True)
                 if not set(state.nodes) & present:
                     logger.warning("every node of round %d is gone: starting a new round", v)
                     self._commit(rnd.abandon(state), sversion)
                     return None
-                for change in self.session.wait(inbox, Deadline(None)):
+                for change in self.session.wait(inbox, notice.due()):
                     if change.key == self._state_key:
                         if change.value is None:
                             return None
@@ -434,7 +476,8 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _start_follower(self) -> None:
         assert self._round is not None
-        self._follower = _Follower(self, self._round)
+        drop, self._drop = self._drop, None
+        self._follower = _Follower(self, self._round, drop)
 
     def _stop_follower(self) -> None:
         if self._follower is not None:
@@ -582,9 +625,10 @@ class _Follower:
     moved on (another node reopened it, or closed the job), a member left, a node waits to be
     admitted and there is room, or this node's own lease expired."""
 
-    def __init__(self, rdzv: ElasticRendezvous, current: RoundState) -> None:
+    def __init__(self, rdzv: ElasticRendezvous, current: RoundState, drop: str | None) -> None:
         self.rdzv = rdzv
         self.round = current
+        self._drop = drop  # the previous round's keys, deleted first (by the leader)
         self.changed = threading.Event()
         self.waiting: set[str] = set()
         self.done: set[str] = set()
@@ -612,6 +656,9 @@ class _Follower:
 
     def _follow(self) -> None:
         r = self.rdzv
+        if self._drop is not None:
+            with contextlib.suppress(StoreError):
+                r.store.delete(self._drop, prefix=True)
         kvs, revision = r.store.range(r.prefix + "/")
         join_prefix = f"{r._m}/v{self.round.version}/join/"
         self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/done/")}
