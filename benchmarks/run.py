@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_hang
 import bench_launch
 import bench_rendezvous
 import bench_replace
@@ -26,6 +27,7 @@ from common import REPO, format_table, save
 SECTIONS = {
     "core": bench_core.run,
     "launch": bench_launch.run,
+    "hang": bench_hang.run,
     "replace": bench_replace.run,
     "rendezvous": bench_rendezvous.run,
     "sampler": bench_sampler.run,

@@ -219,6 +219,10 @@ void Heartbeat::set_timeout_ms(uint64_t timeout_ms) noexcept {
   if (slot_ != nullptr) slot_->timeout_ms.store(timeout_ms, std::memory_order_relaxed);
 }
 
+uint64_t Heartbeat::timeout_ms() const noexcept {
+  return slot_ != nullptr ? slot_->timeout_ms.load(std::memory_order_relaxed) : 0;
+}
+
 void Heartbeat::detach() noexcept {
   if (slot_ == nullptr) return;
   slot_->state.store(ELASTIC_SLOT_DETACHED, std::memory_order_release);

@@ -126,3 +126,41 @@ def test_bad_step_is_a_clear_error(shm_path):
     assert lines[1].startswith("ValueError beat(step='x')")
     assert lines[2].startswith("ValueError beat(step=18446744073709551616)")
     assert "takes one optional argument" in lines[3]
+
+
+def test_quiet_sets_a_limit_for_the_phase_and_restores_the_previous_one(shm_path):
+    path = shm_path("quiet")
+    with ec.HeartbeatTable.create(path, 1) as table:
+        result = run(
+            """
+            import elastic_core as ec
+            for _ in range(4):
+                ec.beat()
+            ec.set_hang_timeout(30)
+            with ec.quiet(900):
+                print(ec.hang_timeout(), ec.current_step())
+                with ec.quiet():
+                    print(ec.hang_timeout())
+                print(ec.hang_timeout())
+            print(ec.hang_timeout(), ec.current_step())
+            try:
+                ec.quiet(0).__enter__()
+            except ValueError as e:
+                print(e)
+            """,
+            {ec.HEARTBEAT_FILE_ENV: path, ec.HEARTBEAT_SLOT_ENV: "0"},
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == "900.0 4", "the phase has its own limit; the step does not move"
+        assert lines[1] == "1000000000.0", "quiet() without seconds: no limit"
+        assert lines[2] == "900.0" and lines[3] == "30.0 4", "nested blocks restore in turn"
+        assert "quiet(seconds=0): give seconds greater than 0" in lines[4]
+        info = table.read(0)
+        assert info.step == 4 and info.timeout_ms == 30_000
+
+
+def test_quiet_is_a_noop_outside_the_launcher():
+    result = run("import elastic_core as ec\nwith ec.quiet(5):\n    print(ec.hang_timeout())\n", {})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0.0"

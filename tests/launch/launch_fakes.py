@@ -102,6 +102,8 @@ class FakeWatchdog:
     def watch(self, worker, pid, table=None, slot=None, hang_timeout=0.0, gpu=None) -> None:
         self.watched[worker] = pid
         self.history.append(("watch", worker))
+        if hang_timeout:
+            self.timeouts[worker] = hang_timeout
 
     def unwatch(self, worker: int) -> bool:
         self.history.append(("unwatch", worker))

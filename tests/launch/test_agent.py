@@ -7,12 +7,15 @@ import signal
 import threading
 import time
 
+import elastic_core
 import pytest
+from elastic_launch.activity import Activity
 from elastic_launch.agent import ElasticAgent
 from elastic_launch.api import AgentState, FailureKind, LaunchConfig, WorkerState
 from elastic_launch.cancel import CancelToken
 from elastic_launch.entrypoint import Entrypoint, Kind
 from elastic_launch.events import AgentEvent, Events
+from elastic_launch.hang import HangMonitor
 from elastic_launch.logs import LogLayout
 from elastic_launch.rendezvous.api import (
     CloseReason,
@@ -45,7 +48,9 @@ class Recorder:
 class Node:
     """One agent with its doubles; `play` runs it on a thread so the test can act."""
 
-    def __init__(self, tmp_path, shm_path, rdzv: FakeRendezvous | None = None, **config) -> None:
+    def __init__(
+        self, tmp_path, shm_path, rdzv: FakeRendezvous | None = None, hangs=None, **config
+    ) -> None:
         import elastic_core
 
         config.setdefault("nproc_per_node", 2)
@@ -77,6 +82,7 @@ class Node:
             entrypoint="train.py",
             cancel=self.cancel,
             host="node0",
+            hangs=hangs,
         )
         self.result = None
         self.error: BaseException | None = None
@@ -190,6 +196,35 @@ def test_a_hang_is_a_failure_with_the_workers_stack(node):
     assert root.kind == FailureKind.HUNG and root.local_rank == 1
     assert root.stack == "(no Python stack: the worker did not answer)"
     assert 12 in first[1].signals, "SIGUSR2 asks the worker for its stack"
+    assert "raise it with --hang-timeout" in root.detail, "the report says what to change"
+
+
+def test_the_summary_labels_each_rank_truthfully(node):
+    n = node(max_restarts=0).play()
+    first = n.running()
+    n.watchdog.exit_process(first[0], code=1)  # the root cause
+    n.watchdog.exit_process(first[1], signal=6)  # failed on its own, before the stop
+    result = n.finish()
+    by_rank = {f.local_rank: f for f in result.failures}
+    assert result.root_cause.local_rank == 0
+    assert by_rank[1].kind == FailureKind.SIGNAL and by_rank[1].signal == 6
+
+
+def test_under_auto_a_quiet_node_is_hung_and_the_report_gives_the_evidence(node):
+    quiet = Activity(cpu_seconds=1.0, io_bytes=10, processes=1, stopped=False, io_wait=False)
+    hangs = HangMonitor(
+        None, floor=0.3, factor=10.0, sampler=lambda pids: dict.fromkeys(pids, quiet)
+    )
+    n = node(max_restarts=0, stack_dump_timeout=0.2, hang_timeout=None, hangs=hangs).play()
+    n.running()
+    beats = [elastic_core.Heartbeat.attach(n.table.path, slot) for slot in (0, 1)]
+    for b in beats:
+        b.beat()
+    root = n.finish().root_cause
+    assert root.kind == FailureKind.HUNG
+    assert "no progress for" in root.detail and "0.00 s of CPU time" in root.detail
+    assert "--hang-timeout-floor 0.3 s" in root.detail
+    assert n.watchdog.timeouts == {}, "under auto the watchdog does not judge heartbeats"
 
 
 def test_a_gpu_fault_is_a_failure(node):

@@ -36,7 +36,10 @@ def test_summary_puts_the_first_failure_first():
     root = text.split("Root cause (first failure):")[1].split("Other workers:")[0]
     assert "rank       : 1" in root and "killed by SIGKILL (signal 9)" in root
     assert "rank 2 (local rank 2): exit code 1" in text
-    assert "rank 0 (local rank 0): stopped by elasticrun after the root cause (SIGTERM)" in text
+    assert (
+        "rank 0 (local rank 0): stopped by elasticrun after the root cause (SIGTERM; killed by SIGTERM (signal 15))"
+        in text
+    )
 
 
 def test_root_cause_leaves_out_the_workers_the_launcher_stopped():

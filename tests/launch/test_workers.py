@@ -148,6 +148,17 @@ def test_a_hung_worker_stays_failed_when_stopped(parts):
         assert group.get(1).state == WorkerState.FAILED
 
 
+def test_a_worker_that_ended_on_its_own_before_the_stop_keeps_its_own_status(parts):
+    watchdog, spawner, _, _ = parts
+    with group_of(parts) as group:
+        group.start_all(INFO, attempt=0, restarts=0)
+        watchdog.exit_process(spawner.spawned[2], code=7)  # queued: nobody polled it yet
+        stopped = group.stop_all(signal.SIGTERM, grace=0.2)
+        assert {w.local_rank for w in stopped} == {0, 1}
+        own = group.get(2)
+        assert own.state == WorkerState.FAILED and own.exit_code == 7
+
+
 def test_a_spawn_failure_names_the_local_rank(parts):
     _watchdog, spawner, _, _ = parts
     spawner.fail_ranks = {1}

@@ -71,6 +71,8 @@ class Heartbeat {
   void beat(uint64_t step) noexcept;
   /// The worker's own hang timeout (0: leave it to the supervisor).
   void set_timeout_ms(uint64_t timeout_ms) noexcept;
+  /// The worker's own hang timeout as last set (0: none).
+  uint64_t timeout_ms() const noexcept;
   uint32_t slot() const noexcept { return index_; }
   uint64_t step() const noexcept { return step_; }
   /// Mark the slot detached (a clean finish) and unmap; also done by the destructor.

@@ -210,6 +210,22 @@ void register_heartbeat(py::module_& m) {
       "Set this worker's own hang timeout (for example around a long checkpoint); 0 returns to "
       "the launcher's. A no-op outside elasticrun.");
   m.def(
+      "current_step",
+      []() -> uint64_t {
+        if (!resolve()) throw py::error_already_set();
+        return g_heartbeat != nullptr ? g_heartbeat->step() : 0;
+      },
+      "The step this worker last beat with (0 before its first beat and outside elasticrun).");
+  m.def(
+      "hang_timeout",
+      []() -> double {
+        if (!resolve()) throw py::error_already_set();
+        return g_heartbeat != nullptr ? static_cast<double>(g_heartbeat->timeout_ms()) / 1000.0
+                                      : 0.0;
+      },
+      "This worker's own hang timeout in seconds as set by set_hang_timeout (0: none, the "
+      "launcher's applies; also 0 outside elasticrun).");
+  m.def(
       "heartbeat_slot",
       []() -> std::optional<uint32_t> {
         if (!resolve()) throw py::error_already_set();

@@ -71,3 +71,15 @@ def test_unknown_backend_and_bad_keys():
         create_handler(params("static", config={"rank": "x"}))
     with pytest.raises(RendezvousConfigError, match="needs --rdzv-endpoint"):
         create_handler(params("embedded", max_nodes=2))
+
+
+def test_a_multi_node_static_job_says_what_its_workers_wait_for(caplog):
+    handler = create_handler(
+        params("static", min_nodes=2, max_nodes=2, node_rank=1, master_addr="10.0.0.5")
+    )
+    with caplog.at_level("WARNING", logger="elasticrun"):
+        info = handler.next_rendezvous()
+        handler.next_rendezvous()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "this is node 1 of 2" in line and "10.0.0.5:29500" in line
+    assert "--node-rank" in line and info.group_rank == 1

@@ -40,12 +40,15 @@ from elastic_core._core import (
     WaitTimeoutError,
     Watchdog,
     beat,
+    current_step,
     detach,
     die_with_parent,
+    hang_timeout,
     heartbeat_slot,
     now_ns,
     set_hang_timeout,
 )
+from elastic_core._phases import quiet
 
 # The package and the C++ library share one version (cpp/VERSION); importlib.metadata would cost
 # ~40 ms of start-up in every worker.
@@ -84,9 +87,12 @@ __all__ = [
     "Watchdog",
     "__version__",
     "beat",
+    "current_step",
     "detach",
     "die_with_parent",
+    "hang_timeout",
     "heartbeat_slot",
     "now_ns",
+    "quiet",
     "set_hang_timeout",
 ]

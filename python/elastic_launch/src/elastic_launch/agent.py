@@ -28,12 +28,13 @@ from elastic_launch.api import (
     LaunchConfig,
     RunResult,
     WorkerFailure,
+    WorkerState,
     root_cause,
 )
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.errors import read_error_file
 from elastic_launch.events import Events
-from elastic_launch.hang import StepIntervalLearner
+from elastic_launch.hang import Beat, HangMonitor
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -75,6 +76,7 @@ class ElasticAgent:
         gpu: elastic_core.GpuHealth | None = None,
         log_dir: str | None = None,
         host: str | None = None,
+        hangs: HangMonitor | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -90,8 +92,9 @@ class ElasticAgent:
         self.attempt = -1
         self.restarts = 0
         self.failures: list[WorkerFailure] = []
-        self.learner = StepIntervalLearner(config.hang_timeout_floor, config.hang_timeout_factor)
-        self._hang_timeout_set: float | None = None
+        self.hangs = hangs or HangMonitor(
+            config.hang_timeout, config.hang_timeout_floor, config.hang_timeout_factor
+        )
         self._detected_ns: int | None = None  # when the last attempt's end was seen
         self._restart_reason = RestartReason.START
 
@@ -141,7 +144,8 @@ class ElasticAgent:
             "attempt": self.attempt,
             "restarts": self.restarts,
             "max_restarts": self.config.max_restarts,
-            "hang_timeout": self._hang_timeout_set,
+            "hang_timeout": _finite(self.hangs.limit()),
+            "hang_detection": "auto" if self.hangs.auto else "fixed",
             "rendezvous": {"phase": counters.phase, "rounds": counters.rounds},
             "workers": workers,
         }
@@ -219,8 +223,8 @@ class ElasticAgent:
     def _attempt(self, info: RendezvousInfo) -> Outcome:
         """Start this node's workers for round `info` and watch them until the attempt ends."""
         self.failures = []
-        self.learner.reset()
-        self._hang_timeout_set = None
+        self.hangs.new_attempt()
+        self.group.set_hang_timeout(self.hangs.watchdog_timeout())
         self._transition(AgentState.STARTING, round=info.round)
         t0 = elastic_core.now_ns()
         if self._gpus_unusable(info):
@@ -265,11 +269,18 @@ class ElasticAgent:
             if self.rdzv.membership_changed():
                 return Outcome.MEMBERSHIP
             event = self.group.next_event(self.config.monitor_interval)
+            if event is not None and event.finding == Finding.HUNG:
+                slot = self.group.beats().get(event.worker.local_rank)
+                own = slot.timeout_ms / 1000 if slot is not None else 0.0
+                advice = self.hangs.advice(own)
+                event = dataclasses.replace(event, detail=f"{event.detail}; {advice}")
             if event is not None:
                 outcome = self._on_event(event)
                 if outcome is not None:
                     return outcome
-            self._learn_hang_timeout()
+            outcome = self._check_hangs()
+            if outcome is not None:
+                return outcome
             if not ready and self.group.all_beating():
                 ready = True
                 first = min(w.started_ns for w in self.group.workers)
@@ -356,12 +367,14 @@ class ElasticAgent:
 
     def _stop_workers(self, sig: int) -> None:
         t0 = elastic_core.now_ns()
+        running = {w.local_rank for w in self.group.alive() if w.state == WorkerState.RUNNING}
         stopped = self.group.stop_all(sig, self.config.shutdown_timeout, self.cancel)
         failed = {f.local_rank for f in self.failures}
         for w in stopped:
             if w.local_rank in failed:
                 continue
-            how = "SIGKILL" if w.signal == signal.SIGKILL else signal.Signals(sig).name
+            sent = signal.Signals(sig).name
+            how = f"{sent}, then SIGKILL" if w.signal == signal.SIGKILL else sent
             self.failures.append(
                 self._failure(
                     FailureKind.STOPPED,
@@ -373,6 +386,23 @@ class ElasticAgent:
                     detail=how,
                 )
             )
+        # A worker that ended on its own just before the stop (its exit was still queued)
+        # reports its own status, not "stopped by elasticrun".
+        for w in self.group.workers:
+            own = w.local_rank in running and w.state == WorkerState.FAILED
+            if own and w.local_rank not in failed:
+                kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
+                self.failures.append(
+                    self._failure(
+                        kind,
+                        w.rank,
+                        w.local_rank,
+                        w.pid,
+                        time_ns=w.exited_ns,
+                        exit_code=w.exit_code,
+                        signal=w.signal,
+                    )
+                )
         self.group.close()
         self.events.emit(
             "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9
@@ -499,18 +529,29 @@ class ElasticAgent:
             return True
         return False
 
-    def _learn_hang_timeout(self) -> None:
-        """Fixed --hang-timeout, or learned from the step interval (automatic mode)."""
-        c = self.config
-        if c.hang_timeout is not None:
-            timeout = c.hang_timeout
-        else:
-            for local_rank, beat in self.group.beats().items():
-                self.learner.observe(local_rank, beat.step, beat.last_beat_ns)
-            timeout = self.learner.timeout()
-        if timeout == float("inf"):
-            timeout = 0.0  # off
-        previous = self._hang_timeout_set
-        if previous is None or abs(timeout - previous) > max(0.1 * previous, 0.001):
-            self.group.set_hang_timeout(timeout)
-            self._hang_timeout_set = timeout
+    def _check_hangs(self) -> Outcome | None:
+        """Under ``--hang-timeout auto``, judge the workers' progress (hang.py)."""
+        if not self.hangs.auto:
+            return None
+        beats = {
+            lr: Beat(
+                b.step,
+                b.last_beat_ns,
+                b.timeout_ms / 1000,
+                beating=b.state == elastic_core.SlotState.BEATING,
+            )
+            for lr, b in self.group.beats().items()
+        }
+        now = elastic_core.now_ns()
+        live = [(w.local_rank, w.pid) for w in self.group.alive()]
+        for hung in self.hangs.check(live, beats, now):
+            w = self.group.get(hung.local_rank)
+            if w is not None:
+                detail = f"{hung.detail}; {self.hangs.advice(0)}"
+                return self._on_event(WorkerEvent(Finding.HUNG, w, now, detail))
+        return None
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: an unlimited value is null."""
+    return None if x == float("inf") else x

@@ -19,6 +19,7 @@ from typing import Any
 from elastic_launch import api, compat
 from elastic_launch.api import AgentState, ConfigError, LaunchConfig
 from elastic_launch.config import (
+    check_range,
     parse_hang_timeout,
     parse_list,
     parse_nnodes,
@@ -46,6 +47,21 @@ class _EnvDefault(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
         setattr(namespace, self.dest, values)
+        _given(namespace).add(self.dest)
+
+
+def _given(namespace: Any) -> set[str]:
+    """The flags given on the command line (the others may come from PET_ variables)."""
+    given: set[str] = namespace.__dict__.setdefault("_given", set())
+    return given
+
+
+def source(args: argparse.Namespace, dest: str) -> str:
+    """Where a value came from, for error messages: ``--flag``, or ``PET_FLAG`` when the
+    flag was absent and the variable set it."""
+    if dest not in _given(args) and compat.pet_value(dest) is not None:
+        return compat.pet_name(dest)
+    return "--" + dest.replace("_", "-")
 
 
 class _EnvFlag(argparse.Action):
@@ -59,6 +75,7 @@ class _EnvFlag(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
         setattr(namespace, self.dest, True)
+        _given(namespace).add(self.dest)
 
 
 class _Append(_EnvDefault):
@@ -67,6 +84,7 @@ class _Append(_EnvDefault):
         items = list(current) if isinstance(current, list) else []
         items.append(values)
         setattr(namespace, self.dest, items)
+        _given(namespace).add(self.dest)
 
 
 def _add(parser: argparse._ActionsContainer, name: str, *extra: str, **kw: Any) -> None:
@@ -78,6 +96,41 @@ def _add(parser: argparse._ActionsContainer, name: str, *extra: str, **kw: Any) 
     parser.add_argument(*extra, *names, dest=name.replace("-", "_"), **kw)
 
 
+def versions() -> str:
+    """The three packages' versions (and the core library's), for ``--version``."""
+    from importlib import metadata
+
+    def dist(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    from elastic_launch._version import __version__
+
+    parts = [f"elasticrun {__version__}", f"elasticrun-launch {dist('elasticrun-launch')}"]
+    try:
+        import elastic_core
+
+        core = (
+            f"elasticrun-core {dist('elasticrun-core')} (C++ library {elastic_core.LIBRARY_VERSION}"
+            f", C ABI {elastic_core.ABI_VERSION})"
+        )
+    except ImportError as e:
+        core = f"elasticrun-core: cannot be imported ({e})"
+    parts += [core, f"elasticrun-sampler {dist('elasticrun-sampler')}"]
+    return "\n".join(parts)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions and exit")
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(versions())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="elasticrun",
@@ -86,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success, 1 job failed, 2 usage error, 128+N stopped by signal N. "
         "Every flag also reads its default from PET_<FLAG_NAME>.",
     )
+    p.add_argument("--version", "-V", action=_Version)
     g = p.add_argument_group("torchrun flags")
     _add(g, "nnodes", default="1:1", help="number of nodes, or MIN:MAX (default 1:1)")
     _add(
@@ -109,12 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         action=_EnvFlag,
         help="single node, no external service: an in-process rendezvous, a fresh run id",
     )
-    _add(g, "max-restarts", default=0, type=int, help="worker group restarts before failing")
+    _add(g, "max-restarts", default=0, help="worker group restarts before failing")
     _add(
         g,
         "monitor-interval",
         default=0.1,
-        type=float,
         help="seconds between the agent's housekeeping passes (deaths are seen at once anyway)",
     )
     _add(
@@ -153,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="copy tee'd stdout lines containing any of these (comma-separated) to a file",
     )
     _add(g, "duplicate-stderr-filters", default=[], type=parse_list, help="the same for stderr")
-    _add(g, "node-rank", default=0, type=int, help="this node's rank (static rendezvous)")
+    _add(g, "node-rank", default=0, help="this node's rank (static rendezvous)")
     _add(g, "master-addr", default="127.0.0.1", help="rank 0's address (static rendezvous)")
-    _add(g, "master-port", default=None, type=int, help="rank 0's port (static; default 29500)")
+    _add(g, "master-port", default=None, help="rank 0's port (static; default 29500)")
     _add(g, "local-addr", default=None, help="this node's address, as others reach it")
     _add(g, "logs-specs", default=None, help="(not supported: elasticrun's log layout is fixed)")
     _add(
@@ -175,7 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
         g,
         "shutdown-timeout",
         default=None,
-        type=float,
         help="seconds between the stop signal and SIGKILL (default "
         "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
     )
@@ -198,14 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         e,
         "hang-timeout-floor",
         default=60.0,
-        type=float,
         help="automatic mode: the smallest timeout, seconds (default 60)",
     )
     _add(
         e,
         "hang-timeout-factor",
         default=10.0,
-        type=float,
         help="automatic mode: multiple of the p99 step interval (default 10)",
     )
     _add(
@@ -223,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
         e,
         "gpu-check-interval",
         default=5.0,
-        type=float,
         help="seconds between GPU health checks through NVML; 0 disables (default 5)",
     )
 
@@ -253,16 +302,28 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         args.no_python,
         args.run_path,
     )
-    min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
-    nproc = parse_nproc_per_node(str(args.nproc_per_node))
+
+    def num(dest: str) -> Any:
+        value = getattr(args, dest)
+        return None if value is None else check_range(dest, value, source(args, dest))
+
+    min_nodes, max_nodes = parse_nnodes(str(args.nnodes), source(args, "nnodes"))
+    nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if args.standalone and max_nodes > 1:
+        raise ConfigError(
+            f"{source(args, 'standalone')} runs one node, but {source(args, 'nnodes')} "
+            f"'{args.nnodes}' asks for up to {max_nodes}: leave out --standalone and give "
+            "--rdzv-backend c10d (or etcd) with --rdzv-endpoint HOST:PORT and --rdzv-id, or "
+            "--nnodes 1"
+        )
     if args.standalone or (
         backend == "static" and not endpoint and args.master_port is None and max_nodes == 1
     ):
         backend, endpoint, run_id = "embedded", "localhost:0", random_id()
     elif backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
-    shutdown = args.shutdown_timeout
+    shutdown = num("shutdown_timeout")
     if shutdown is None:
         shutdown = compat.shutdown_timeout()
     parse_signals(args.signals_to_handle)  # checked now, installed by the agent
@@ -275,31 +336,33 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,
         rdzv_configs=parse_rdzv_conf(args.rdzv_conf),
-        max_restarts=int(args.max_restarts),
-        monitor_interval=float(args.monitor_interval),
+        max_restarts=int(num("max_restarts")),
+        monitor_interval=num("monitor_interval"),
         start_method=args.start_method,
         log_dir=args.log_dir,
-        redirects=parse_std(str(args.redirects), "--redirects"),
-        tee=parse_std(str(args.tee), "--tee"),
-        local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
+        redirects=parse_std(str(args.redirects), source(args, "redirects")),
+        tee=parse_std(str(args.tee), source(args, "tee")),
+        local_ranks_filter=parse_ranks_filter(
+            args.local_ranks_filter, source(args, "local_ranks_filter")
+        ),
         duplicate_stdout_filters=list(args.duplicate_stdout_filters),
         duplicate_stderr_filters=list(args.duplicate_stderr_filters),
-        node_rank=int(args.node_rank),
+        node_rank=int(num("node_rank")),
         master_addr=args.master_addr,
-        master_port=None if args.master_port is None else int(args.master_port),
+        master_port=None if args.master_port is None else int(num("master_port")),
         local_addr=args.local_addr,
         signals_to_handle=args.signals_to_handle,
         shutdown_timeout=float(shutdown),
         virtual_local_rank=args.virtual_local_rank,
         event_log_handler=args.event_log_handler,
-        hang_timeout=parse_hang_timeout(str(args.hang_timeout)),
-        hang_timeout_floor=float(args.hang_timeout_floor),
-        hang_timeout_factor=float(args.hang_timeout_factor),
+        hang_timeout=parse_hang_timeout(str(args.hang_timeout), source(args, "hang_timeout")),
+        hang_timeout_floor=num("hang_timeout_floor"),
+        hang_timeout_factor=num("hang_timeout_factor"),
         preload=parse_preload(args.preload if isinstance(args.preload, list) else [args.preload]),
         events_file=args.events_file,
         metrics_port=args.metrics_port,
         health_port=args.health_port,
-        gpu_check_interval=float(args.gpu_check_interval),
+        gpu_check_interval=num("gpu_check_interval"),
     )
     if compat.set_omp_default(nproc):
         logger.warning(compat.OMP_WARNING)

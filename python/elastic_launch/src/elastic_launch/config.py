@@ -16,8 +16,8 @@ from elastic_launch.api import ConfigError, LaunchConfig, Std
 from elastic_launch.devices import visible_gpu_count
 
 
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """``"N"`` or ``"MIN:MAX"`` with 1 <= MIN <= MAX."""
+def parse_nnodes(value: str, name: str = "--nnodes") -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` with 1 <= MIN <= MAX (at most :data:`MAX_NODES`)."""
     parts = value.split(":")
     try:
         if len(parts) not in (1, 2):
@@ -25,22 +25,78 @@ def parse_nnodes(value: str) -> tuple[int, int]:
         lo, hi = (int(parts[0]), int(parts[-1]))
     except ValueError:
         raise ConfigError(
-            f"--nnodes '{value}' is not a node count: give N or MIN:MAX, for example 2 or 1:4"
+            f"{name} '{value}' is not a node count: give N or MIN:MAX, for example 2 or 1:4"
         ) from None
-    if lo < 1 or hi < lo:
+    if lo < 1 or hi < lo or hi > MAX_NODES:
         raise ConfigError(
-            f"--nnodes '{value}': need 1 <= MIN <= MAX (got MIN={lo}, MAX={hi}); "
-            "for example --nnodes 1:4"
+            f"{name} '{value}': need 1 <= MIN <= MAX <= {MAX_NODES} (got MIN={lo}, MAX={hi}); "
+            "for example 1:4"
         )
     return lo, hi
+
+
+MAX_NODES = 1_000_000  # beyond any cluster; a bound so a typo is an error, not a wait forever
+# Descriptors the agent holds per worker (its pidfd, two output pipes, two log files, the
+# process handle's) and for itself: what --nproc-per-node is checked against.
+FDS_PER_WORKER = 6
+FDS_OWN = 64
+
+
+def max_workers_per_node() -> tuple[int, str]:
+    """How many workers this node can run, and what sets the limit: the heartbeat table's
+    slots, the open-file limit, or the user's process limit."""
+    import resource
+
+    limits = [(4096, "the heartbeat table holds 4096 workers")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(
+            (
+                max(1, (soft - FDS_OWN) // FDS_PER_WORKER),
+                f"the open-file limit is {soft} (ulimit -n) and the launcher needs "
+                f"{FDS_PER_WORKER} per worker",
+            )
+        )
+    nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
+        limits.append((max(1, nproc // 2), f"the process limit is {nproc} (ulimit -u)"))
+    return min(limits)
+
+
+def number(
+    value: object,
+    name: str,
+    *,
+    integer: bool = False,
+    low: float = 0.0,
+    high: float = math.inf,
+    above: bool = False,
+    what: str = "seconds",
+) -> float:
+    """A finite number in ``[low, high]`` (``(low, high]`` when `above`), or a ConfigError that
+    quotes `value` under `name` (the flag, or the PET_ variable it came from)."""
+    text = str(value).strip()
+    try:
+        x = int(text) if integer else float(text)
+    except ValueError:
+        x = math.nan
+    too_low = x <= low if above else x < low
+    if math.isnan(x) or math.isinf(x) or too_low or x > high:
+        bound = f"more than {low:g}" if above else f"{low:g} or more"
+        if high != math.inf:
+            bound += f" and at most {high:g}"
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(f"{name} '{value}' is not valid: give {kind} of {what}, {bound}")
+    return x
 
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def parse_nproc_per_node(value: str) -> int:
-    """An integer > 0, or ``cpu``, ``gpu``, ``auto`` (GPUs if any, else CPUs)."""
+def parse_nproc_per_node(value: str, name: str = "--nproc-per-node") -> int:
+    """An integer from 1 to what the node can run, or ``cpu``, ``gpu``, ``auto`` (GPUs if
+    any, else CPUs)."""
     text = value.strip().lower()
     if text == "cpu":
         return cpu_count()
@@ -48,7 +104,7 @@ def parse_nproc_per_node(value: str) -> int:
         n = visible_gpu_count()
         if n == 0:
             raise ConfigError(
-                f"--nproc-per-node {value}: no GPU found (NVML reports none, or no NVIDIA "
+                f"{name} '{value}': no GPU found (NVML reports none, or no NVIDIA "
                 "driver is loaded); give a number, or 'cpu'"
             )
         return n
@@ -56,17 +112,27 @@ def parse_nproc_per_node(value: str) -> int:
         return visible_gpu_count() or cpu_count()
     if text == "xpu":
         raise ConfigError(
-            "--nproc-per-node xpu: Intel XPUs are not supported by elasticrun; give a number"
+            f"{name} '{value}': Intel XPUs are not supported by elasticrun; give a number"
         )
     try:
         n = int(text)
     except ValueError:
         raise ConfigError(
-            f"--nproc-per-node '{value}' is not valid: give a number > 0, or auto, cpu, gpu"
+            f"{name} '{value}' is not valid: give a number > 0, or auto, cpu, gpu"
         ) from None
     if n < 1:
-        raise ConfigError(f"--nproc-per-node {value}: need at least 1 worker per node")
+        raise ConfigError(f"{name} '{value}': need at least 1 worker per node")
+    check_nproc(n, name)
     return n
+
+
+def check_nproc(n: int, name: str = "nproc_per_node") -> None:
+    limit, why = max_workers_per_node()
+    if n > limit:
+        raise ConfigError(
+            f"{name} '{n}': this node can run at most {limit} workers ({why}); give a smaller "
+            "count, or raise the limit"
+        )
 
 
 _STD_ONE = re.compile(r"^[0-3]$")
@@ -97,7 +163,7 @@ def std_for(setting: Std | dict[int, Std], local_rank: int) -> Std:
     return setting
 
 
-def parse_ranks_filter(value: str) -> set[int] | None:
+def parse_ranks_filter(value: str, name: str = "--local-ranks-filter") -> set[int] | None:
     """``--local-ranks-filter``: comma-separated local ranks; empty means all."""
     text = value.strip()
     if not text:
@@ -106,11 +172,10 @@ def parse_ranks_filter(value: str) -> set[int] | None:
         ranks = {int(x) for x in text.split(",")}
     except ValueError:
         raise ConfigError(
-            f"--local-ranks-filter '{value}' is not valid: give comma-separated local ranks, "
-            "for example 0,1,2"
+            f"{name} '{value}' is not valid: give comma-separated local ranks, for example 0,1,2"
         ) from None
     if any(r < 0 for r in ranks):
-        raise ConfigError(f"--local-ranks-filter '{value}': local ranks are 0 or more")
+        raise ConfigError(f"{name} '{value}': local ranks are 0 or more")
     return ranks
 
 
@@ -213,7 +278,10 @@ def parse_preload(values: Iterable[str]) -> list[str]:
     return out
 
 
-def parse_hang_timeout(value: str) -> float | None:
+MAX_SECONDS = 1e9  # the longest duration the core takes (about 31 years)
+
+
+def parse_hang_timeout(value: str, name: str = "--hang-timeout") -> float | None:
     """``--hang-timeout``: seconds (> 0), ``auto`` (None), or ``0``/``off`` (disabled: inf)."""
     text = value.strip().lower()
     if text == "auto":
@@ -224,10 +292,10 @@ def parse_hang_timeout(value: str) -> float | None:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
+    if not 0 < seconds <= MAX_SECONDS:
         raise ConfigError(
-            f"--hang-timeout '{value}' is not valid: give seconds (for example 300), 'auto' "
-            "to learn it from the step time, or 'off'"
+            f"{name} '{value}' is not valid: give seconds (more than 0 and at most "
+            f"{MAX_SECONDS:g}; for example 300), 'auto' to learn it, or 'off'"
         )
     return seconds
 
@@ -241,28 +309,97 @@ def random_id() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def check_positive(value: float, flag: str, allow_zero: bool = False) -> float:
-    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = "0 or more" if allow_zero else "more than 0"
-        raise ConfigError(f"{flag} {value!r}: must be {bound}")
-    return value
+# The ranges of LaunchConfig's numbers, shared by the command line and the Python API:
+# field -> (integer, low, high, above, what).
+RANGES: dict[str, tuple[bool, float, float, bool, str]] = {
+    "max_restarts": (True, 0, 1_000_000, False, "restarts"),
+    "monitor_interval": (False, 0, 60, True, "seconds"),
+    "node_rank": (True, 0, MAX_NODES - 1, False, "a node rank"),
+    "master_port": (True, 1, 65535, False, "a port"),
+    "shutdown_timeout": (False, 0, 86_400, False, "seconds"),
+    "hang_timeout_floor": (False, 0, MAX_SECONDS, True, "seconds"),
+    "hang_timeout_factor": (False, 0, 1_000_000, True, "times the step interval"),
+    "stack_dump_timeout": (False, 0, 3600, False, "seconds"),
+    "gpu_check_interval": (False, 0, 86_400, False, "seconds"),
+}
+
+
+def check_range(field_name: str, value: object, name: str | None = None) -> float:
+    """`value` for LaunchConfig's `field_name`, checked against :data:`RANGES`."""
+    integer, low, high, above, what = RANGES[field_name]
+    return number(
+        value, name or field_name, integer=integer, low=low, high=high, above=above, what=what
+    )
+
+
+def check_types(config: LaunchConfig) -> None:
+    """Every field has its declared type: a wrong one names the field and the type."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _is(value, hints[f.name]):
+            raise ConfigError(
+                f"LaunchConfig.{f.name} = {value!r} ({type(value).__name__}) is not valid: "
+                f"it takes {_type_name(hints[f.name])}"
+            )
+
+
+def _is(value: object, hint: object) -> bool:
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        if not isinstance(value, origin):
+            return False
+        args = typing.get_args(hint)
+        if origin is dict and args:
+            return all(_is(k, args[0]) and _is(v, args[1]) for k, v in value.items())
+        if args:
+            return all(_is(v, args[0]) for v in value)
+        return True
+    return isinstance(value, hint)  # type: ignore[arg-type]
+
+
+def _type_name(hint: object) -> str:
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(hint))
+        return f"{origin.__name__}[{args}]"
+    return getattr(hint, "__name__", str(hint))
 
 
 def check_config(config: LaunchConfig) -> None:
-    """Reject a bad LaunchConfig before anything starts."""
-    if not 1 <= config.min_nodes <= config.max_nodes:
-        raise ConfigError(
-            f"nodes: need 1 <= min_nodes <= max_nodes (got {config.min_nodes}:{config.max_nodes})"
-        )
+    """Reject a bad LaunchConfig before anything starts: each error names the field."""
+    check_types(config)
+    parse_nnodes(f"{config.min_nodes}:{config.max_nodes}", "min_nodes:max_nodes")
     if config.nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
-    if config.max_restarts < 0:
-        raise ConfigError(f"max_restarts {config.max_restarts}: must be 0 or more")
-    check_positive(config.monitor_interval, "--monitor-interval")
-    check_positive(config.shutdown_timeout, "--shutdown-timeout", allow_zero=True)
-    check_positive(config.hang_timeout_floor, "--hang-timeout-floor")
-    check_positive(config.hang_timeout_factor, "--hang-timeout-factor")
-    check_positive(config.gpu_check_interval, "--gpu-check-interval", allow_zero=True)
+    check_nproc(config.nproc_per_node)
+    for name in RANGES:
+        value = getattr(config, name)
+        if value is not None:
+            check_range(name, value)
+    if config.hang_timeout is not None and config.hang_timeout != math.inf:
+        parse_hang_timeout(repr(config.hang_timeout), "hang_timeout")
     if config.start_method not in ("spawn", "fork", "forkserver"):
         raise ConfigError(
             f"--start-method '{config.start_method}': choose spawn, fork or forkserver"

@@ -152,6 +152,9 @@ def run(
         watchdog = stack.enter_context(
             elastic_core.Watchdog(
                 default_hang_timeout=0.0,
+                # Heartbeats are compared every 50 ms, so a fixed --hang-timeout is kept to
+                # within 100 ms even on a busy node (reading a few slots costs microseconds).
+                hang_check_interval=0.05,
                 gpu=gpu,
                 gpu_check_interval=config.gpu_check_interval if gpu is not None else 0.0,
             )

@@ -20,7 +20,17 @@ def describe(f: WorkerFailure) -> str:
     if f.kind == FailureKind.SPAWN:
         return f"could not start: {f.detail}"
     if f.kind == FailureKind.STOPPED:
-        return f"stopped by elasticrun after the root cause ({f.detail})"
+        status = _status(f)
+        return f"stopped by elasticrun after the root cause ({f.detail}; {status})"
+    return (
+        _status(f)
+        if f.signal is not None or f.exit_code is not None
+        else (f.detail or "exited (status unknown)")
+    )
+
+
+def _status(f: WorkerFailure) -> str:
+    """How the process ended: its signal or exit code."""
     if f.signal is not None:
         try:
             name = signal.Signals(f.signal).name
@@ -29,7 +39,7 @@ def describe(f: WorkerFailure) -> str:
         return f"killed by {name} (signal {f.signal})"
     if f.exit_code is not None:
         return f"exit code {f.exit_code}"
-    return f.detail or "exited (status unknown)"
+    return "status unknown"
 
 
 def _indent(text: str, by: str = "    ") -> str:

@@ -27,7 +27,7 @@ import elastic_core
 
 from elastic_launch import compat, devices, worker_main
 from elastic_launch.api import LaunchConfig, Std, WorkerState
-from elastic_launch.cancel import NEVER, CancelToken, Deadline
+from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.config import std_for
 from elastic_launch.entrypoint import Entrypoint, Kind
 from elastic_launch.logs import LogLayout, OutputPump, console_streams
@@ -82,6 +82,7 @@ class Worker:
     exited: bool = False  # the process is gone (and reaped)
     exit_code: int | None = None
     signal: int | None = None
+    exited_ns: int | None = None  # when its exit was seen (CLOCK_MONOTONIC)
     _files: list[IO[bytes]] = field(default_factory=list, repr=False)
 
     @property
@@ -149,6 +150,7 @@ class WorkerGroup:
         self._pump = OutputPump()
         self._filtered: dict[str, IO[bytes]] = {}
         self._info: RendezvousInfo | None = None
+        self._hang_timeout = 0.0  # the watchdog's heartbeat limit for every worker (0: off)
         self._attempt = -1
         self._restarts = 0
 
@@ -242,7 +244,12 @@ class WorkerGroup:
         if self.guardian is not None:
             self.guardian.watch_group(w.pid)
         self.watchdog.watch(
-            local_rank, w.pid, self.table, slot=local_rank, gpu=self.gpu_of(local_rank)
+            local_rank,
+            w.pid,
+            self.table,
+            slot=local_rank,
+            hang_timeout=self._hang_timeout,
+            gpu=self.gpu_of(local_rank),
         )
         w.process.watched()
         return w
@@ -380,7 +387,9 @@ class WorkerGroup:
         return None
 
     def set_hang_timeout(self, seconds: float) -> None:
-        """Every live worker's hang timeout (0: off)."""
+        """Every worker's heartbeat limit in the watchdog, now and for those started later
+        (0: off)."""
+        self._hang_timeout = seconds
         for w in self.alive():
             self.watchdog.set_hang_timeout(w.local_rank, seconds)
 
@@ -393,6 +402,7 @@ class WorkerGroup:
             code, sig = event.exit_code, event.signal
         w.exit_code, w.signal = code, sig
         w.exited = True
+        w.exited_ns = event.time_ns if event is not None else elastic_core.now_ns()
         if w.state == WorkerState.RUNNING:
             w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
         if self.guardian is not None:
@@ -409,12 +419,19 @@ class WorkerGroup:
     def stop_all(self, sig: int, grace: float, cancel: CancelToken = NEVER) -> list[Worker]:
         """The stop sequence: `sig` to every live worker's process group, up to `grace`
         seconds (cut short by a forced cancellation), then SIGKILL. Returns the workers that
-        were running and were stopped (their state is STOPPED)."""
+        were running and were stopped (their state is STOPPED). A worker whose exit was seen
+        before the signal went out (its event was still queued) ended on its own: it keeps its
+        own state (SUCCEEDED or FAILED) and is not among them."""
         running = [w for w in self.alive() if w.state == WorkerState.RUNNING]
+        sent_ns = elastic_core.now_ns()
         self._stop(self.alive(), sig, grace, cancel)
+        stopped = []
         for w in running:
+            if w.exited_ns is not None and w.exited_ns < sent_ns:
+                continue
             w.state = WorkerState.STOPPED
-        return running
+            stopped.append(w)
+        return stopped
 
     def _stop(
         self, targets: list[Worker], sig: int, grace: float, cancel: CancelToken = NEVER
@@ -422,7 +439,16 @@ class WorkerGroup:
         pending = {w.local_rank: w for w in targets if not w.exited}
         for w in pending.values():
             w.process.signal_group(sig)
-        self._await_exits(pending, Deadline(grace), cancel)
+        deadline = Deadline(grace)
+        notice = Notice(
+            lambda: (
+                f"waiting for {len(pending)} worker(s) to stop after signal {int(sig)}: "
+                + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in pending.values())
+                + f"; SIGKILL at {clock(deadline)} (--shutdown-timeout {grace:g} s)"
+            ),
+            logger.warning,
+        )
+        self._await_exits(pending, deadline, cancel, notice)
         if pending:
             for w in pending.values():
                 w.process.signal_group(signal.SIGKILL)
@@ -431,9 +457,15 @@ class WorkerGroup:
             self._mark_exited(w)
 
     def _await_exits(
-        self, pending: dict[int, Worker], deadline: Deadline, cancel: CancelToken
+        self,
+        pending: dict[int, Worker],
+        deadline: Deadline,
+        cancel: CancelToken,
+        notice: Notice | None = None,
     ) -> None:
         while pending and not deadline.passed and not cancel.forced:
+            if notice is not None:
+                notice.check()
             event = self.watchdog.poll(timeout=deadline.left(0.05))
             if event is None or event.kind != elastic_core.EventKind.EXITED:
                 continue

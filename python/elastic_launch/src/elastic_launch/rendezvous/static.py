@@ -7,6 +7,8 @@ Nodes are assumed to run the same number of workers each.
 
 from __future__ import annotations
 
+import logging
+
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousInfo,
@@ -16,6 +18,7 @@ from elastic_launch.rendezvous.conf import parse_conf
 from elastic_launch.rendezvous.fixed import FixedRendezvous
 
 DEFAULT_MASTER_PORT = 29500
+logger = logging.getLogger("elasticrun")
 
 
 class StaticRendezvous(FixedRendezvous):
@@ -40,12 +43,31 @@ class StaticRendezvous(FixedRendezvous):
 
     def _round_info(self, round_: int) -> RendezvousInfo:
         n = self._params.max_nodes
+        port = self._params.master_port or DEFAULT_MASTER_PORT
+        if n > 1 and round_ == 1:
+            # Nothing here waits: the workers do, in init_process_group, for every node's
+            # workers to reach rank 0's store. Say so, or a missing node looks like a hang.
+            logger.warning(
+                "static rendezvous: this is node %d of %d; the workers wait in "
+                "init_process_group for the workers of all %d nodes at %s:%d (the store of "
+                "node 0's first worker), up to torch's timeout. Start every node with --nnodes "
+                "%d, --master-addr %s, --master-port %d and its own --node-rank; for nodes "
+                "that come and go, use --rdzv-backend c10d or etcd.",
+                self._node_rank,
+                n,
+                n,
+                self._params.master_addr,
+                port,
+                n,
+                self._params.master_addr,
+                port,
+            )
         return RendezvousInfo(
             round=round_,
             group_rank=self._node_rank,
             group_world_size=n,
             local_world_sizes=(self._params.local_world_size,) * n,
             master_addr=self._params.master_addr,
-            master_port=self._params.master_port or DEFAULT_MASTER_PORT,
+            master_port=port,
             restart_count=self._restarts,
         )
