@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from elastic_launch.cli import build_parser
+from elastic_launch.cli import build_parser, config_from_args
 from launcher_util import run, worker_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -38,12 +38,15 @@ def test_every_torchrun_flag_is_accepted_with_its_default():
 def test_both_spellings_and_pet_environment(monkeypatch):
     parser = build_parser()
     a = parser.parse_args(["--nproc_per_node", "3", "--max-restarts", "2", "x.py"])
-    assert (a.nproc_per_node, a.max_restarts) == ("3", 2)
+    config = config_from_args(a)[0]
+    assert (config.nproc_per_node, config.max_restarts) == (3, 2)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
     monkeypatch.setenv("PET_MAX_RESTARTS", "5")
     monkeypatch.setenv("PET_STANDALONE", "1")
     a = build_parser().parse_args(["x.py", "--lr", "1"])
-    assert (a.nproc_per_node, a.max_restarts, a.standalone) == ("4", 5, True)
+    config = config_from_args(a)[0]
+    assert (config.nproc_per_node, config.max_restarts, a.standalone) == (4, 5, True)
+    assert config.rdzv_backend == "embedded", "PET_STANDALONE=1 is --standalone"
     assert a.training_script_args == ["--lr", "1"]
 
 
