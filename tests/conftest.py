@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 #: Fixtures that start real servers: a test that uses one is an integration test.
-_SLOW_FIXTURES = {"etcd", "etcd_v2", "etcd_tls"}
+_SLOW_FIXTURES = {"etcd", "etcd_v2", "etcd_tls", "etcd_v6"}
 #: Parameters for fixtures that pick a store by name (`request.getfixturevalue`).
 ETCD_PARAMS = [
     pytest.param("etcd", marks=pytest.mark.slow),
@@ -114,19 +114,25 @@ def nvml_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 class EtcdServer:
     """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir."""
 
-    def __init__(self, data_dir: Path, enable_v2: bool, tls: dict[str, Path] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        enable_v2: bool,
+        tls: dict[str, Path] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         import socket
 
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
         self.tls = tls  # {"cert", "key", "ca"}: serve clients over https
         ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
+        for bind in (host, "127.0.0.1"):  # clients on `host`, peers on 127.0.0.1
+            with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
+                s.bind((bind, 0))
                 ports.append(s.getsockname()[1])
         self.port, self.peer_port = ports
-        self.endpoint = f"127.0.0.1:{self.port}"
+        self.endpoint = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir.parent / f"etcd-{self.port}.log"
 
@@ -220,6 +226,15 @@ def embedded() -> Iterator[tuple[str, str]]:
     server = EmbeddedServer("127.0.0.1", port, token="t")
     yield f"127.0.0.1:{port}", "t"
     server.close()
+
+
+@pytest.fixture
+def etcd_v6(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd with both APIs serving clients on the IPv6 loopback, [::1]."""
+    server = EtcdServer(tmp_path / "etcd-data", enable_v2=True, host="::1")
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

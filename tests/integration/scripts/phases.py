@@ -93,6 +93,7 @@ def main() -> None:
     elif args.phase == "sleep":
         time.sleep(10**6)
     steps(5)
+    dist.barrier()  # as the other test scripts: no rank tears down while another still uses it
     dist.destroy_process_group()
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_launch.api import ConfigError
+from elastic_launch.net import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class PrometheusHandler:
             self.server, self.thread = start_http_server(port, addr=host, registry=r)
         except OSError as e:
             raise ConfigError(
-                f"--metrics-port {host}:{port} cannot be served: {e.strerror}; choose a free port"
+                f"--metrics-port {host_port(host, port)} cannot be served: {e.strerror}; "
+                "choose a free port"
             ) from None
 
     @property

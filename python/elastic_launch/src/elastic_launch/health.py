@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastic_launch.api import ConfigError
+from elastic_launch.net import host_port
 
 
 class HealthServer:
@@ -33,11 +35,19 @@ class HealthServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # no access log on the console
 
+        server_class = ThreadingHTTPServer
+        if ":" in host:  # an IPv6 address
+
+            class _V6(ThreadingHTTPServer):
+                address_family = socket.AF_INET6
+
+            server_class = _V6
         try:
-            self.server = ThreadingHTTPServer((host, port), Handler)
+            self.server = server_class((host, port), Handler)
         except OSError as e:
             raise ConfigError(
-                f"--health-port {host}:{port} cannot be served: {e.strerror}; choose a free port"
+                f"--health-port {host_port(host, port)} cannot be served: {e.strerror}; choose "
+                "a free port"
             ) from None
         self.server.daemon_threads = True
         self.thread = threading.Thread(

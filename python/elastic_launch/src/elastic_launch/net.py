@@ -37,11 +37,25 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets (``[::1]:29400``), as gRPC and URLs
+    want it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    """The first address of `host` (IPv4 or IPv6) and its family."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)[0]
+    return family, str(sockaddr[0])
+
+
 def local_address(target_host: str) -> str:
-    """The address of this host on the route to `target_host` (what other nodes reach)."""
+    """The address of this host on the route to `target_host` (what other nodes reach), of the
+    same family as the target's."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(target_host), 9))  # no packet is sent
+        family, addr = _resolve(target_host)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # no packet is sent
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
@@ -52,13 +66,13 @@ def is_local_host(host: str) -> bool:
     if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
         return True
     try:
-        addr = socket.gethostbyname(host)
+        family, addr = _resolve(host)
     except OSError:
         return False
-    if addr.startswith("127."):
+    if addr.startswith("127.") or addr == "::1":
         return True
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.bind((addr, 0))  # only an address of this host can be bound
         return True
     except OSError:

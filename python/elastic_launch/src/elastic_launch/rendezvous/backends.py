@@ -16,7 +16,7 @@ import os
 
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.config import parse_endpoint
-from elastic_launch.net import HostLock, is_local_host, port_free
+from elastic_launch.net import HostLock, host_port, is_local_host, port_free
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousHandler,
@@ -62,19 +62,20 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
             try:
                 self.server = EmbeddedServer(host, port, conf.token)
-                logger.info("hosting the rendezvous service on %s:%d", host, port)
+                logger.info("hosting the rendezvous service on %s", host_port(host, port))
             except OSError as e:
                 self._host_lock.release()
                 if conf.is_host:
                     raise RendezvousConfigError(
-                        f"--rdzv-endpoint {host}:{port}: cannot host the rendezvous ({e}); free "
+                        f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
+                        f"({e}); free "
                         "the port, or leave is_host out"
                     ) from None
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
         store = EtcdV3Store(
-            f"{host}:{port}",
-            f"the rendezvous service at {host}:{port}",
+            host_port(host, port),
+            f"the rendezvous service at {host_port(host, port)}",
             token=conf.token,
             retry_for=conf.join_timeout,
             read_timeout=conf.read_timeout,
@@ -155,8 +156,8 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
         else None
     )
     store = EtcdV3Store(
-        f"{host}:{port}",
-        f"etcd at {host}:{port}",
+        host_port(host, port),
+        f"etcd at {host_port(host, port)}",
         user=conf.user,
         password=conf.password,
         tls=tls,
@@ -173,9 +174,9 @@ def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
     protocol, host, port = _etcd_endpoint(params, conf)
     _check_files(conf)
     store = EtcdV2Store(
-        host,
+        f"[{host}]" if ":" in host else host,  # python-etcd puts it in a URL as it is
         port,
-        f"etcd at {host}:{port}",
+        f"etcd at {host_port(host, port)}",
         protocol=protocol,
         user=conf.user,
         password=conf.password,

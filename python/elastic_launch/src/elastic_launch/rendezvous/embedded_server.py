@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from elastic_launch.net import host_port
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -416,7 +417,7 @@ class EmbeddedServer:
         rpc_pb2_grpc.add_LeaseServicer_to_server(service, self.server)
         rpc_pb2_grpc.add_WatchServicer_to_server(service, self.server)
         rpc_pb2_grpc.add_MaintenanceServicer_to_server(service, self.server)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = host_port(host, port)
         try:
             self.port = self.server.add_insecure_port(address)
         except RuntimeError as e:
