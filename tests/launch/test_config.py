@@ -52,6 +52,25 @@ def test_gpu_count_through_nvml(monkeypatch, fake_nvml, nvml_script):
     assert parse_nproc_per_node("gpu") == 2
 
 
+def test_nproc_gpu_reports_an_entry_that_names_no_device(
+    monkeypatch, fake_nvml, nvml_script, caplog
+):
+    monkeypatch.setenv("ELASTIC_NVML_LIBRARY", str(fake_nvml))
+    nvml_script.write_text("devices 2\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,5,1")
+    with caplog.at_level("WARNING", logger="elasticrun"):
+        assert parse_nproc_per_node("gpu") == 1
+    assert "entry '5' names no device (NVML sees 2 GPU(s)" in caplog.text
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    with pytest.raises(ConfigError, match=r"no GPU found .*entry '4' names no device"):
+        parse_nproc_per_node("gpu")
+    assert parse_nproc_per_node("auto") >= 1, "auto counts CPUs then"
+    monkeypatch.setenv("ELASTIC_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match="no GPU found"):
+        parse_nproc_per_node("gpu")  # the variable alone is not a GPU
+
+
 def test_std():
     assert parse_std("3", "-r") == Std.ALL
     assert parse_std("0:1,12:2", "-r") == {0: Std.OUT, 12: Std.ERR}

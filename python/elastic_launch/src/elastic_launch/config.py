@@ -6,6 +6,7 @@ the same thing in both.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -13,7 +14,9 @@ import signal
 from collections.abc import Iterable
 
 from elastic_launch.api import ConfigError, LaunchConfig, Std
-from elastic_launch.devices import visible_gpu_count
+from elastic_launch.devices import usable_gpus
+
+logger = logging.getLogger("elasticrun")
 
 
 def parse_nnodes(value: str, name: str = "--nnodes") -> tuple[int, int]:
@@ -100,16 +103,18 @@ def parse_nproc_per_node(value: str, name: str = "--nproc-per-node") -> int:
     text = value.strip().lower()
     if text == "cpu":
         return cpu_count()
-    if text in ("gpu", "cuda"):
-        n = visible_gpu_count()
+    if text in ("gpu", "cuda", "auto"):
+        n, note = usable_gpus()
+        if n == 0 and text == "auto":
+            if note:
+                logger.warning("%s '%s': %s; counting CPUs instead", name, value, note)
+            return cpu_count()
         if n == 0:
-            raise ConfigError(
-                f"{name} '{value}': no GPU found (NVML reports none, or no NVIDIA "
-                "driver is loaded); give a number, or 'cpu'"
-            )
+            found = note or "NVML reports none, or no NVIDIA driver is loaded"
+            raise ConfigError(f"{name} '{value}': no GPU found ({found}); give a number, or 'cpu'")
+        if note:
+            logger.warning("%s '%s': %s", name, value, note)
         return n
-    if text == "auto":
-        return visible_gpu_count() or cpu_count()
     if text == "xpu":
         raise ConfigError(
             f"{name} '{value}': Intel XPUs are not supported by elasticrun; give a number"

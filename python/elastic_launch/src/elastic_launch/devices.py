@@ -26,15 +26,36 @@ def nvml_gpu_count() -> int:
     return gpu.device_count if gpu.state == elastic_core.GpuState.HEALTHY else 0
 
 
-def visible_gpu_count(nvml_count: int | None = None) -> int:
-    """GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` if set (CUDA stops at the first
-    ``-1``), capped by what NVML counts; else NVML's count."""
+def usable_gpus(nvml_count: int | None = None) -> tuple[int, str | None]:
+    """GPUs this process may use, counted by NVML and narrowed by ``CUDA_VISIBLE_DEVICES`` as
+    CUDA reads it (entries in order, up to the first one that names no device: ``-1``, an index
+    NVML does not have, one given twice, or text that is neither an index nor a GPU/MIG UUID),
+    and, when such an entry stopped the count, a note that names it. Without NVML there is no
+    GPU, whatever the variable says."""
     count = nvml_gpu_count() if nvml_count is None else nvml_count
     visible = visible_devices()
-    if visible is None:
-        return count
-    usable = visible[: visible.index("-1")] if "-1" in visible else visible
-    return min(len(usable), count) if count else len(usable)
+    if visible is None or count == 0:
+        return count, None
+    seen: set[str] = set()
+    for entry in visible:
+        why = None
+        if entry == "-1":
+            return len(seen), None  # CUDA's documented way to hide the rest
+        if entry.isdigit():
+            if int(entry) >= count:
+                why = f"NVML sees {count} GPU(s), indices 0 to {count - 1}"
+        elif not entry.startswith(("GPU-", "MIG-")):
+            why = "it is neither a device index nor a GPU-/MIG- UUID"
+        if why is None and entry in seen:
+            why = "it names a device already listed"
+        if why is not None:
+            return len(seen), (
+                f"{VISIBLE_ENV}='{os.environ.get(VISIBLE_ENV, '')}': entry '{entry}' names no "
+                f"device ({why}); CUDA ignores it and every entry after it, so {len(seen)} "
+                "GPU(s) are usable"
+            )
+        seen.add(entry)
+    return min(len(seen), count), None
 
 
 def nvml_index(local_rank: int, gpu_count: int) -> int | None:
