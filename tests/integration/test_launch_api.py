@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,3 +55,45 @@ def test_program_entrypoint_like_torch(tmp_path):
     script.write_text(f"import os; open({str(marker)!r} + os.environ['RANK'], 'w').write('ok')\n")
     assert launch(config(), sys.executable, "-u", str(script)) == {0: None, 1: None}
     assert (tmp_path / "ran0").exists() and (tmp_path / "ran1").exists()
+
+
+MAIN_SCRIPT = """
+import os
+import sys
+from elastic_launch import LaunchConfig, launch
+
+def train(x):
+    return int(os.environ["RANK"]) * x
+
+if __name__ == "__main__":
+    print(launch(LaunchConfig(nproc_per_node=2, start_method=sys.argv[1]), train, 3))
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+def test_a_function_of_the_callers_main_runs_under_every_start_method(tmp_path, start_method):
+    script = tmp_path / "main_fn.py"
+    script.write_text(MAIN_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "{0: 0, 1: 3}"
+
+
+def test_a_function_of_an_interactive_main_fails_at_once_naming_the_fix(tmp_path):
+    code = (
+        "from elastic_launch import LaunchConfig, launch\n"
+        "def train():\n    return 1\n"
+        "launch(LaunchConfig(nproc_per_node=2, max_restarts=3), train)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode != 0
+    assert "is defined in an interactive session (or python -c)" in result.stderr
+    assert "start_method='fork'" in result.stderr

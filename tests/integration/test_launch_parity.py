@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,33 @@ def test_same_script_same_environment_under_both_launchers(tmp_path: Path):
 
             d = json.loads(dist.read_text())
             assert d == {"sum": 2.0, "launched": True, "world": 2, "rank": rank}, name
+
+
+@pytest.mark.parametrize("form", ["directory", "zip"])
+def test_a_directory_or_zip_application_runs_as_python_runs_it(tmp_path, form):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import sys\nprint('ran', __name__, sys.argv[1:], sys.path[0])\n"
+    )
+    target = app
+    if form == "zip":
+        target = tmp_path / "app.pyz"
+        with zipfile.ZipFile(target, "w") as z:
+            z.write(app / "__main__.py", "__main__.py")
+    theirs = subprocess.run(
+        [sys.executable, str(target), "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    ours = run(["--standalone", str(target), "a", "b"], tmp_path)
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.strip() == theirs.stdout.strip() == f"ran __main__ ['a', 'b'] {target}"
+
+
+def test_a_directory_without_main_is_a_usage_error(tmp_path):
+    result = run(["--standalone", str(tmp_path)], tmp_path)
+    assert result.returncode == 2
+    assert f"training script '{tmp_path}' is a directory without a __main__.py" in result.stderr

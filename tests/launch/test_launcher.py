@@ -143,6 +143,34 @@ def test_a_missing_script_is_reported_before_anything_starts(clean, tmp_path):
         run(config(), Entrypoint(Kind.SCRIPT, str(tmp_path / "nope.py")))
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_function_that_cannot_reach_a_new_interpreter_fails_at_once(clean, start_method):
+    import threading
+
+    def local_function():  # not importable by reference
+        return 1
+
+    lock = threading.Lock()
+    for target, args, why in (
+        (local_function, (), "Can't"),
+        (print, (lock,), "cannot pickle '_thread.lock' object"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            run(
+                config(start_method=start_method, max_restarts=3),
+                Entrypoint.for_launch(target, args),
+            )
+        assert "cannot be sent to a new interpreter" in str(e.value) and why in str(e.value)
+
+
+def test_under_fork_a_local_function_is_fine(clean):
+    def local_function():
+        return 7
+
+    result = run(config(start_method="fork"), Entrypoint.for_launch(local_function, ()))
+    assert result.state == AgentState.SUCCEEDED and result.return_values == {0: 7, 1: 7}
+
+
 def test_the_temporary_log_dir_stays_only_when_it_holds_asked_for_logs(tmp_path, script):
     before = traces()
     result = run(config(redirects=__import__("elastic_launch").Std.ALL), script)

@@ -74,7 +74,8 @@ def test_a_function_runs_from_its_spec_and_its_value_is_kept(tmp_path):
 
     spec, result = tmp_path / "spec", tmp_path / "result"
     with open(spec, "wb") as f:
-        pickle.dump((divmod, (17, 5), str(result)), f)
+        call = pickle.dumps((divmod, (17, 5), str(result)))
+        pickle.dump({"main": None, "call": call}, f)  # as SpawnRequest.write_spec writes it
     assert worker(["--function", str(spec)]).returncode == 0
     assert pickle.loads(result.read_bytes()) == (3, 2)
 

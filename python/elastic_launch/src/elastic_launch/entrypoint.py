@@ -81,9 +81,21 @@ class Entrypoint:
     def is_python(self) -> bool:
         return self.kind != Kind.BINARY
 
-    def check(self) -> None:
-        """A missing script, module or program is reported before any worker starts."""
-        if self.kind == Kind.SCRIPT and not os.path.isfile(str(self.target)):
+    def check(self, start_method: str = "spawn") -> None:
+        """A missing script, module or program, or a function a new interpreter cannot be
+        given, is reported before any worker starts (never by spending restarts)."""
+        if self.kind == Kind.FUNCTION and start_method != "fork":
+            self._check_function()
+        target = str(self.target)
+        if self.kind == Kind.SCRIPT and os.path.isdir(target):
+            # A directory runs its __main__.py, as `python DIR` does (a zip application is a
+            # file and runs the same way).
+            if not os.path.isfile(os.path.join(target, "__main__.py")):
+                raise ConfigError(
+                    f"training script '{target}' is a directory without a __main__.py; give the "
+                    "script inside it, or add __main__.py to run the directory as python does"
+                )
+        elif self.kind == Kind.SCRIPT and not os.path.isfile(target):
             raise ConfigError(
                 f"training script '{self.target}' does not exist (looked in {os.getcwd()}); "
                 "check the path, or pass -m for a module"
@@ -109,6 +121,25 @@ class Entrypoint:
                     "name and that its package is installed"
                 )
 
+    def _check_function(self) -> None:
+        import pickle
+
+        fn = self.target
+        if getattr(fn, "__module__", None) == "__main__" and main_path(fn) is None:
+            raise ConfigError(
+                f"function {self.name!r} is defined in an interactive session (or python -c), "
+                "which a new interpreter cannot import: put it in a file, or use "
+                "start_method='fork'"
+            )
+        try:
+            pickle.dumps((fn, self.fn_args))
+        except Exception as e:  # pickling raises many kinds (PicklingError, TypeError, ...)
+            raise ConfigError(
+                f"function {self.name!r} and its arguments cannot be sent to a new interpreter "
+                f"({type(e).__name__}: {e}); define it at the top level of a module or of the "
+                "main script and pass picklable arguments, or use start_method='fork'"
+            ) from None
+
     def worker_argv(self, local_rank: int, function_spec: str | None = None) -> list[str]:
         """The arguments of :func:`elastic_launch.worker_main.run_target` (Python kinds), or the
         program's own command (binaries)."""
@@ -129,3 +160,14 @@ class Entrypoint:
             return argv
         python = python_executable(sys.executable)
         return [python, "-u", "-m", "elastic_launch.worker_main", *argv]
+
+
+def main_path(fn: object) -> str | None:
+    """The file of the caller's ``__main__`` when `fn` is defined there: a new interpreter
+    runs it as ``__mp_main__`` first (as multiprocessing's spawn does), so that the function
+    can be found by reference. None for a function of an importable module."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return None
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return os.path.abspath(path) if path else None

@@ -128,7 +128,7 @@ def run(
     errors (LaunchError) when the job cannot be formed. `on_agent` sees the agent before it
     runs (tests, embedding)."""
     check_config(config)
-    entrypoint.check()
+    entrypoint.check(config.start_method)
     run_id = config.run_id or random_id()
     with contextlib.ExitStack() as stack:
         cancel = CancelToken()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
-from elastic_launch.entrypoint import Entrypoint
+from elastic_launch.entrypoint import Entrypoint, main_path
 from elastic_launch.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_forked
 
 if TYPE_CHECKING:
@@ -55,8 +55,9 @@ class SpawnRequest:
         if self.call is not None and self.argv[:1] == ["--function"]:
             import pickle
 
+            spec = {"main": main_path(self.call[0]), "call": pickle.dumps(self.call)}
             with open(self.argv[1], "wb") as f:
-                pickle.dump(self.call, f)
+                pickle.dump(spec, f)
 
 
 class Process(abc.ABC):

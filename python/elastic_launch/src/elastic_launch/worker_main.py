@@ -240,12 +240,26 @@ def _run_module(name: str, args: list[str]) -> None:
 FunctionCall = tuple[Callable[..., Any], tuple[Any, ...], str]
 
 
+def _main_from(path: str) -> None:
+    """Make the launching script's module the ``__main__`` the function refers to: run it
+    under the name ``__mp_main__`` (its ``if __name__ == "__main__":`` part does not run), as
+    multiprocessing's spawn does."""
+    import runpy
+
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
 def _run_function(spec_path: str, call: FunctionCall | None) -> None:
     import pickle
 
     if call is None:
         with open(spec_path, "rb") as f:
-            call = pickle.load(f)
+            spec = pickle.load(f)
+        if spec["main"]:
+            _main_from(spec["main"])
+        call = pickle.loads(spec["call"])
     fn, args, result_path = call
     value = fn(*args)
     tmp = result_path + ".tmp"
