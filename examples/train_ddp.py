@@ -8,7 +8,8 @@ It is an ordinary torchrun script: it reads RANK/WORLD_SIZE from the environment
 restarts without any change here. elastic_sampler makes the resume exact: the sampler continues
 the epoch where the checkpoint says (on any number of workers) and checkpoints are atomic,
 checked, and written in the background. ``--crash-at-step`` and ``--hang-at-step`` inject a
-failure on the first attempt, to watch the recovery.
+failure on the first attempt, to watch the recovery. Progress is shown with tqdm; after a
+resume the bar starts at the resumed step, so its rate is the new run's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from elastic_sampler import CheckpointManager, ElasticDistributedSampler, broadc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, int, int]]):
@@ -86,24 +88,6 @@ def training_state(
         "sampler": sampler.state_dict(steps=epoch_steps, batch_size=batch_size),
         "step": step,
     }
-
-
-class Progress:
-    """A one-line progress bar for rank 0 (no dependency)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.start = total, enabled and total > 0, time.monotonic()
-
-    def update(self, done: int, text: str) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * done // self.total
-        rate = done / max(time.monotonic() - self.start, 1e-9)
-        bar = "#" * filled + "-" * (width - filled)
-        end = "\n" if done == self.total or not sys.stdout.isatty() else "\r"
-        if sys.stdout.isatty() or done % 20 == 0 or done == self.total:
-            print(f"[{bar}] {done}/{self.total} steps {rate:5.1f}/s {text}", end=end, flush=True)
 
 
 def main() -> None:
@@ -182,7 +166,16 @@ def main() -> None:
     per_epoch = math.ceil(math.ceil(args.samples / world) / args.batch_size)
     left_now = math.ceil(len(sampler) / args.batch_size) if first_epoch < args.epochs else 0
     total = step + left_now + per_epoch * max(0, args.epochs - first_epoch - 1)
-    progress = Progress(total, rank == 0)
+    # The bar starts at the resumed step, so its rate is this run's, not steps since step 0.
+    progress = tqdm(
+        total=total,
+        initial=step,
+        unit="step",
+        disable=rank != 0,
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stdout.isatty() else 5.0,
+        file=sys.stdout,
+    )
     loss = torch.tensor(0.0)
     for epoch in range(first_epoch, args.epochs):
         sampler.set_epoch(epoch)  # keeps a resumed position within the same epoch
@@ -202,7 +195,8 @@ def main() -> None:
             if record is not None:
                 record.write(f"{epoch} {step} {','.join(map(str, ids.tolist()))}\n")
                 record.flush()
-            progress.update(step, f"epoch {epoch} loss {loss.item():.3f}")
+            progress.update(1)
+            progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
             # (the epoch's last step is saved below, as the start of the next epoch)
             if step % args.checkpoint_every == 0 and rank == 0 and epoch_steps < len(loader):
                 checkpoints.save(
@@ -217,6 +211,7 @@ def main() -> None:
                 step,
                 background=True,
             )
+    progress.close()
     checkpoints.close()
     dist.barrier()
     if rank == 0:

@@ -48,3 +48,7 @@ def test_training_recovers_and_finishes(out, tmp_path, fault):
     assert "restarting the workers (restart 1 of 2)" in result.stderr
     assert "attempt 1: resumed from epoch 1, step 8" in result.stdout
     assert "done: 16 steps, 2 epochs" in result.stdout
+    # The progress bar (tqdm) of the resumed run starts at step 8 with its own clock at zero,
+    # so its rate counts the resumed run's steps over the resumed run's time.
+    resumed = result.stdout.split("attempt 1: resumed from", 1)[1]
+    assert "8/16 [00:00<" in resumed, resumed[:2000]
