@@ -14,13 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.store import (
     Change,
     Inbox,
     KeyValue,
     Store,
     StoreError,
+    Unanswered,
     Watch,
 )
 
@@ -87,19 +88,10 @@ class EtcdV2Store(Store):
         e = self.etcd
         until = time.monotonic() + self.retry_for
         delay = 0.05
-        failing: list[str] = []  # the last failure, while etcd does not answer
-        notice = Notice(
-            lambda: (
-                f"waiting for {self.name} to answer ({failing[-1]}); retrying until "
-                f"{clock(Deadline(until - time.monotonic()))}, then giving up (check that it "
-                "runs and that --rdzv-endpoint is right)"
-            ),
-            logger.warning,
-        )
+        unanswered = Unanswered(self.name, until)
         while True:
             self.cancel.check()
-            if failing:
-                notice.check()
+            unanswered.check()
             self._count()
             try:
                 return fn(client or self.client)
@@ -111,7 +103,7 @@ class EtcdV2Store(Store):
                         f"{self.name} is unreachable ({error}); check that it runs and that "
                         "--rdzv-endpoint is right"
                     ) from None
-                failing[:] = [str(error)]
+                unanswered.failed(str(error))
             except e.EtcdInsufficientPermissions as error:
                 raise StoreError(
                     f"{self.name} refused the request: {error}; check the "

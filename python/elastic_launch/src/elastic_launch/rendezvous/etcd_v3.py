@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     Change,
@@ -26,6 +26,7 @@ from elastic_launch.rendezvous.store import (
     KeyValue,
     Store,
     StoreError,
+    Unanswered,
     Watch,
 )
 
@@ -116,19 +117,10 @@ class EtcdV3Store(Store):
         until = deadline if deadline is not None else time.monotonic() + self.retry_for
         delay = 0.05
         reauthenticated = False
-        failing: list[str] = []  # the last failure, while the store does not answer
-        notice = Notice(
-            lambda: (
-                f"waiting for {self.name} to answer ({failing[-1]}); retrying until "
-                f"{clock(Deadline(until - time.monotonic()))}, then giving up (check that it "
-                "runs and that --rdzv-endpoint is right)"
-            ),
-            logger.warning,
-        )
+        unanswered = Unanswered(self.name, until)
         while True:
             self.cancel.check()
-            if failing:
-                notice.check()
+            unanswered.check()
             self._count()
             future = method.future(request, timeout=self.read_timeout, metadata=self._metadata)
             unregister = self.cancel.on_cancel(future.cancel)
@@ -146,8 +138,7 @@ class EtcdV3Store(Store):
                     continue
                 if code not in _RETRYABLE or time.monotonic() + delay > until:
                     raise self._error(e) from None
-                failing.append(f"{code.name}: {e.details()}")
-                del failing[:-1]
+                unanswered.failed(f"{code.name}: {e.details()}")
             finally:
                 unregister()
             if self.cancel.wait(delay):

@@ -13,13 +13,17 @@ store's cancel token is cancelled.
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.rendezvous.api import RendezvousConnectionError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,30 @@ class Watch(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+class Unanswered:
+    """While a retried request gets no answer: the last failure, said now and again (a
+    :class:`Notice`) with where and until when the request keeps trying."""
+
+    def __init__(self, name: str, until: float) -> None:
+        self.last = ""  # the last failure; empty while the store answers
+        self._notice = Notice(
+            lambda: (
+                f"waiting for {name} to answer ({self.last}); retrying until "
+                f"{clock(Deadline(until - time.monotonic()))}, then giving up (check that it "
+                "runs and that --rdzv-endpoint is right)"
+            ),
+            logger.warning,
+        )
+
+    def failed(self, why: str) -> None:
+        self.last = why
+
+    def check(self) -> None:
+        """Say it if a failure was seen and the notice is due."""
+        if self.last:
+            self._notice.check()
 
 
 class Store(abc.ABC):
