@@ -208,6 +208,8 @@ def test_the_summary_labels_each_rank_truthfully(node):
     by_rank = {f.local_rank: f for f in result.failures}
     assert result.root_cause.local_rank == 0
     assert by_rank[1].kind == FailureKind.SIGNAL and by_rank[1].signal == 6
+    failed = [e.data["local_rank"] for e in n.recorder.events if e.name == "worker_failed"]
+    assert sorted(failed) == [0, 1], "recorded as any failure is: with its event"
 
 
 def test_under_auto_a_quiet_node_is_hung_and_the_report_gives_the_evidence(node):

@@ -293,8 +293,7 @@ class ElasticAgent:
         if event.finding == Finding.EXITED:
             if w.exit_code == 0:
                 return Outcome.SUCCEEDED if self.group.succeeded else None
-            kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
-            self._record_failure(w, kind, event)
+            self._record_failure(w, _exit_kind(w), event)
             return Outcome.FAILED
         self.group.mark_failed(w)
         if event.finding == Finding.HUNG:
@@ -391,18 +390,8 @@ class ElasticAgent:
         for w in self.group.workers:
             own = w.local_rank in running and w.state == WorkerState.FAILED
             if own and w.local_rank not in failed:
-                kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
-                self.failures.append(
-                    self._failure(
-                        kind,
-                        w.rank,
-                        w.local_rank,
-                        w.pid,
-                        time_ns=w.exited_ns,
-                        exit_code=w.exit_code,
-                        signal=w.signal,
-                    )
-                )
+                seen = w.exited_ns or elastic_core.now_ns()
+                self._record_failure(w, _exit_kind(w), WorkerEvent(Finding.EXITED, w, seen, ""))
         self.group.close()
         self.events.emit(
             "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9
@@ -555,3 +544,8 @@ class ElasticAgent:
 def _finite(x: float) -> float | None:
     """JSON has no infinity: an unlimited value is null."""
     return None if x == float("inf") else x
+
+
+def _exit_kind(w: Worker) -> FailureKind:
+    """How a worker that ended on its own failed: by a signal, or with an exit code."""
+    return FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
