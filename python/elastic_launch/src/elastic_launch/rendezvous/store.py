@@ -105,26 +105,31 @@ class Watch(abc.ABC):
 
 class Unanswered:
     """While a retried request gets no answer: the last failure, said now and again (a
-    :class:`Notice`) with where and until when the request keeps trying."""
+    :class:`Notice`) with where and until when the request keeps trying. Every request makes
+    one; the notice is built only at its first failure."""
 
     def __init__(self, name: str, until: float) -> None:
         self.last = ""  # the last failure; empty while the store answers
-        self._notice = Notice(
-            lambda: (
-                f"waiting for {name} to answer ({self.last}); retrying until "
-                f"{clock(Deadline(until - time.monotonic()))}, then giving up (check that it "
-                "runs and that --rdzv-endpoint is right)"
-            ),
-            logger.warning,
-        )
+        self._name = name
+        self._until = until
+        self._notice: Notice | None = None
 
     def failed(self, why: str) -> None:
         self.last = why
+        if self._notice is None:
+            self._notice = Notice(self._describe, logger.warning)
 
     def check(self) -> None:
         """Say it if a failure was seen and the notice is due."""
-        if self.last:
+        if self._notice is not None:
             self._notice.check()
+
+    def _describe(self) -> str:
+        until = clock(Deadline(self._until - time.monotonic()))
+        return (
+            f"waiting for {self._name} to answer ({self.last}); retrying until {until}, then "
+            "giving up (check that it runs and that --rdzv-endpoint is right)"
+        )
 
 
 class Store(abc.ABC):
