@@ -112,12 +112,14 @@ class Unanswered:
         self.last = ""  # the last failure; empty while the store answers
         self._name = name
         self._until = until
+        self._start = time.monotonic()
         self._notice: Notice | None = None
 
     def failed(self, why: str) -> None:
         self.last = why
-        if self._notice is None:
-            self._notice = Notice(self._describe, logger.warning)
+        if self._notice is None:  # due AFTER seconds from the request's start, as any wait
+            waited = time.monotonic() - self._start
+            self._notice = Notice(self._describe, logger.warning, max(0.0, Notice.AFTER - waited))
 
     def check(self) -> None:
         """Say it if a failure was seen and the notice is due."""
