@@ -68,6 +68,7 @@ def test_start_all_gives_each_worker_torchruns_environment(parts):
         assert env["TORCHELASTIC_RUN_ID"] == "run-1" and env["ROLE_NAME"] == "trainer"
         assert env["ELASTIC_HEARTBEAT_FILE"] == table.path and env["ELASTIC_HEARTBEAT_SLOT"] == "1"
         assert env["ELASTICRUN_ATTEMPT"] == "7" and env["ELASTICRUN_ROUND"] == "4"
+        assert env["ELASTICRUN_SHUTDOWN_TIMEOUT"] == "0.2", "what a worker has after SIGTERM"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith("attempt_7/1/error.json")
         assert spawner.spawned[1].request.argv == ["--", "train.py", "--rank", "1"]
 

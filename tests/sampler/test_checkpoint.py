@@ -257,3 +257,247 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
     assert not ours.exists(), "a dead writer's temporary on this host is removed"
     assert theirs.exists(), "another host's writer may still be writing"
     assert running.exists(), "a live writer's temporary is kept"
+
+
+# ---- a background save outlives a script that forgets close() --------------------------------
+
+# The state pickles slowly (`Slow.seconds` in the writer thread), so the script ends while the
+# write is in flight; it unpickles as a plain int.
+SLOW_SAVE = """
+import os, signal, sys, time, torch
+from elastic_sampler import CheckpointManager
+
+class Slow:
+    def __init__(self, seconds):
+        self.seconds = seconds
+    def __deepcopy__(self, memo):
+        return Slow(self.seconds)
+    def __reduce__(self):
+        time.sleep(self.seconds)
+        return (int, (7,))
+
+m = CheckpointManager(sys.argv[1], finish_timeout=float(sys.argv[3]))
+m.save({"w": torch.ones(3)}, 1)
+m.save({"w": torch.ones(3), "slow": Slow(float(sys.argv[4]))}, 2, background=True)
+print("SAVING", flush=True)
+how = sys.argv[2]
+if how == "exit":
+    sys.exit(0)
+if how == "raise":
+    raise RuntimeError("the training script failed")
+if how == "wait-for-sigterm":
+    time.sleep(60)
+"""
+
+
+def _slow_save(tmp_path, how, finish_timeout=300.0, seconds=1.5, env=None):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, str(tmp_path), how, str(finish_timeout), str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        assert proc.stdout.readline() == "SAVING\n"
+        if how == "wait-for-sigterm":
+            proc.send_signal(15)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+def _temporaries(directory):
+    return [p.name for p in Path(directory).iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("how", ["exit", "return", "raise"])
+def test_a_background_save_completes_when_the_script_ends_without_close(tmp_path, how):
+    code, err = _slow_save(tmp_path, how)
+    assert code == (1 if how == "raise" else 0), err
+    assert (
+        "the script ended without CheckpointManager.close(): finishing the background save " in err
+    )
+    assert "checkpoint step 2 saved to" in err
+    m = CheckpointManager(tmp_path)
+    state, step = m.load_latest()
+    assert step == 2 and state["slow"] == 7
+    assert not _temporaries(tmp_path)
+    assert "Fatal Python error" not in err and "Aborted" not in err
+
+
+def test_a_save_that_outlasts_its_bound_at_exit_is_abandoned_and_reported(tmp_path):
+    code, err = _slow_save(tmp_path, "exit", finish_timeout=0.5, seconds=5)
+    assert code == 1, err
+    assert "abandoned the background save of checkpoint step 2: it did not finish in 0.5 s" in err
+    assert not _temporaries(tmp_path), "no temporary file is left"
+    assert CheckpointManager(tmp_path).steps() == [1], "the previous checkpoint is intact"
+
+
+def test_sigterm_finishes_the_save_within_the_launchers_grace(tmp_path):
+    code, err = _slow_save(tmp_path, "wait-for-sigterm", env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "20"})
+    assert code == -15, "the process still dies of SIGTERM"
+    assert "SIGTERM arrived: finishing the background save of checkpoint step 2" in err
+    assert CheckpointManager(tmp_path).load_latest()[1] == 2
+    assert not _temporaries(tmp_path)
+
+
+def test_sigterm_with_too_little_grace_removes_the_temporary_file(tmp_path):
+    code, err = _slow_save(
+        tmp_path, "wait-for-sigterm", seconds=30, env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "1.5"}
+    )
+    assert code == -15
+    assert "SIGTERM arrived: finishing the background save of checkpoint step 2" in err
+    assert "(for at most 0.5 s)" in err, "the grace less a margin to clean up"
+    assert "abandoned the background save of checkpoint step 2" in err
+    assert not _temporaries(tmp_path), "its temporary file was removed"
+    assert CheckpointManager(tmp_path).steps() == [1]
+
+
+def test_a_user_sigterm_handler_is_left_alone(tmp_path):
+    import signal
+
+    m = CheckpointManager(tmp_path)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        m.save({"w": torch.ones(3)}, 1, background=True)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        m.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    m.save({"w": torch.ones(3)}, 2, background=True)
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "taken while a save runs"
+    m.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "given back once it is done"
+
+
+# ---- concurrent managers, large steps, migrating plain torch.save files -----------------------
+
+
+def test_a_checkpoint_pruned_while_it_is_read_sends_the_search_back_to_the_newest(
+    tmp_path, monkeypatch
+):
+    import elastic_sampler.checkpoint as checkpoint
+
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.save(model_state(1), 1)
+    other = CheckpointManager(tmp_path, keep_last=1)
+    real = checkpoint.read_verified
+    calls = []
+
+    def pruned_meanwhile(path, *args):
+        calls.append(Path(path).name)
+        if len(calls) == 1:  # another process saves step 2 and prunes step 1 under us
+            other.save(model_state(2), 2)
+        return real(path, *args)
+
+    monkeypatch.setattr(checkpoint, "read_verified", pruned_meanwhile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no warning about it
+        state, step = m.load_latest()
+    assert step == 2 and state["step"] == 2
+    assert calls == ["checkpoint-000000000001.pt", "checkpoint-000000000002.pt"]
+
+
+PRUNING_WRITER = """
+import sys, warnings, torch
+from elastic_sampler import CheckpointManager
+warnings.simplefilter("ignore")
+m = CheckpointManager(sys.argv[1], keep_last=2)
+first, count = int(sys.argv[2]), int(sys.argv[3])
+for step in range(first, first + 2 * count, 2):
+    m.save({"step": step, "w": torch.full((2000,), float(step))}, step)
+print("DONE", flush=True)
+"""
+
+
+def _writers(tmp_path, firsts, count):
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", PRUNING_WRITER, str(tmp_path), str(first), str(count)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for first in firsts
+    ]
+
+
+def _finish(procs):
+    try:
+        return [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_load_latest_while_another_process_saves_and_prunes(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.save({"step": 0, "w": torch.zeros(2000)}, 0)
+    procs = _writers(tmp_path, [2], 150)
+    seen = []
+    try:
+        while procs[0].poll() is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a save in progress: its checksum comes next
+                state, step = m.load_latest()
+            assert state["step"] == step and float(state["w"][0]) == step
+            seen.append(step)
+    finally:
+        assert _finish(procs) == ["DONE\n"]
+    assert seen == sorted(seen) and len(seen) > 1, seen
+
+
+def test_two_managers_on_one_directory_leave_no_orphan_checksums(tmp_path):
+    assert _finish(_writers(tmp_path, [1, 2], 100)) == ["DONE\n", "DONE\n"]
+    names = {p.name for p in tmp_path.iterdir()}
+    data = {n for n in names if n.endswith(".pt")}
+    checksums = {n.removesuffix(".meta.json") for n in names if n.endswith(".meta.json")}
+    assert checksums == data, "every checksum has its checkpoint and every checkpoint its checksum"
+    assert not _temporaries(tmp_path)
+    assert CheckpointManager(tmp_path).load_latest()[1] == max(CheckpointManager(tmp_path).steps())
+
+
+def test_steps_of_a_trillion_and_more_sort_and_load(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    for step in (999_999_999_999, 10**12, 10**15 + 3):
+        m.save({"step": step}, step)
+    assert m.steps() == [10**12, 10**15 + 3]
+    assert m.path(10**12).name == "checkpoint-1000000000000.pt"
+    state, step = m.load_latest()
+    assert step == state["step"] == 10**15 + 3
+    (tmp_path / "checkpoint-0000000000000005.pt").write_bytes(b"not ours")
+    assert m.steps() == [10**12, 10**15 + 3], "a name this manager would not write is ignored"
+
+
+def test_load_accepts_plain_torch_save_files_and_streams(tmp_path):
+    import io
+
+    plain = tmp_path / "old.pt"
+    torch.save(model_state(3), plain)  # an existing checkpoint, no checksum beside it
+    assert load_checkpoint(plain)["step"] == 3
+    assert load_checkpoint(plain, model=torch.nn.Linear(4, 3))["step"] == 3
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint '.*old.pt' was saved from"):
+        load_checkpoint(plain, model=torch.nn.Linear(5, 3))
+    buffer = io.BytesIO()
+    torch.save({"x": 2}, buffer)
+    buffer.seek(0)
+    assert load_checkpoint(buffer) == {"x": 2}
+    with open(plain, "rb") as f:
+        assert load_checkpoint(f)["step"] == 3
+    with pytest.raises(CheckpointError, match="the stream 'BytesIO' holds no checkpoint"):
+        load_checkpoint(io.BytesIO(b"junk"))
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match=r"'.*junk.pt' is neither a checkpoint with a chec"):
+        load_checkpoint(junk)
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*missing.pt' does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    # Migrating: load the old file, save it as a managed step.
+    m = CheckpointManager(tmp_path / "managed")
+    m.save(load_checkpoint(plain), 3)
+    assert m.load_latest()[1] == 3

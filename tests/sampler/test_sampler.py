@@ -192,3 +192,64 @@ def test_iterating_again_without_set_epoch_gives_the_whole_epoch():
     assert list(s) == [17, 19]
     assert s.state_dict()["consumed"] == 20, "the epoch is complete"
     assert list(s) == list(range(1, 20, 2)), "a second pass is a full epoch, as torch's"
+
+
+def test_takes_torchs_arguments_in_torchs_order():
+    import inspect
+
+    theirs = list(inspect.signature(DistributedSampler.__init__).parameters.values())
+    ours = list(inspect.signature(ElasticDistributedSampler.__init__).parameters.values())
+    assert [(p.name, p.default, p.kind) for p in ours[: len(theirs)]] == [
+        (p.name, p.default, p.kind) for p in theirs
+    ]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
+    assert {p.name for p in ours[len(theirs) :]} == {"start_index", "permutation"}
+    data = Data(23)
+    args = (data, 3, 2, True, 7, True)  # all six positionally
+    theirs_sampler, ours_sampler = DistributedSampler(*args), ElasticDistributedSampler(*args)
+    for s in (theirs_sampler, ours_sampler):
+        s.set_epoch(2)
+    assert list(ours_sampler) == list(theirs_sampler)
+    with pytest.raises(TypeError, match="positional"):
+        ElasticDistributedSampler(data, 3, 2, True, 7, True, 5)  # start_index is keyword-only
+
+
+def test_a_classic_positional_start_index_is_an_error_not_a_shuffle_flag():
+    # torchelastic's sampler: (dataset, num_replicas, rank, start_index)
+    with pytest.raises(TypeError, match=r"shuffle=100: give True or False.*start_index=100"):
+        ElasticDistributedSampler(Data(200), 2, 0, 100)
+    with pytest.raises(TypeError, match="shuffle=0"):
+        ElasticDistributedSampler(Data(200), 2, 0, 0)
+    with pytest.raises(TypeError, match="start_index='5'"):
+        ElasticDistributedSampler(Data(200), 2, 0, start_index="5")
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (None, r"load_state_dict\(None\): expected the dict .* got NoneType \(no state was saved"),
+        ({}, "lacks epoch, consumed"),
+        ({"epoch": 1}, "lacks consumed"),
+        ([1, 2], "got list"),
+        ({"epoch": "1", "consumed": 0}, "epoch='1' is not a count"),
+        ({"epoch": 0, "consumed": -4}, "consumed=-4 is not a count"),
+        ({"epoch": 0, "consumed": 2.5}, "consumed=2.5 is not a count"),
+        ({"epoch": 0, "consumed": 11}, "11 samples of the epoch were consumed, but the dataset"),
+    ],
+)
+def test_a_missing_or_malformed_state_is_a_clear_error(state, message):
+    s = ElasticDistributedSampler(Data(10), 2, 0, seed=1)
+    s.set_epoch(3)
+    with pytest.raises(SamplerStateError, match=message):
+        s.load_state_dict(state)
+    assert s.epoch == 3 and s.start_index == 0, "a refused state changes nothing"
+
+
+@pytest.mark.parametrize(
+    ("steps", "batch_size", "message"),
+    [(-1, 4, "steps=-1"), (2, 0, "batch_size=0"), (2, -3, "batch_size=-3"), (1.5, 2, "steps=1.5")],
+)
+def test_negative_or_fractional_step_counts_are_refused(steps, batch_size, message):
+    s = ElasticDistributedSampler(Data(10), 2, 0)
+    with pytest.raises(ValueError, match=message):
+        s.state_dict(steps=steps, batch_size=batch_size)

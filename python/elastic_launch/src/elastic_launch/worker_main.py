@@ -307,13 +307,15 @@ def run_target(argv: list[str], call: FunctionCall | None = None) -> int:
 def exit_like_interpreter(code: int, run_exit_handlers: bool = True) -> NoReturn:
     """End a forked worker as an interpreter would end: join its threads, run its exit
     handlers, flush its streams, exit with `code`. A copy of the launcher itself (a forked
-    function) must not run the launcher's exit handlers: it ends as a multiprocessing fork
-    does, with its streams flushed."""
+    function) must not run the launcher's atexit handlers: it ends as a multiprocessing fork
+    does, joining its threads and flushing its streams."""
     try:
+        # Join the worker's threads and run threading's exit hooks (which finish background
+        # checkpoint saves) in either case, as a multiprocessing child does.
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
         if run_exit_handlers:
-            threading = sys.modules.get("threading")
-            if threading is not None:
-                threading._shutdown()
             import atexit
 
             atexit._run_exitfuncs()

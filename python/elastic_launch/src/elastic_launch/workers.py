@@ -313,6 +313,8 @@ class WorkerGroup:
                 "ELASTICRUN_ATTEMPT": str(self._attempt),
                 "ELASTICRUN_ROUND": str(info.round),
                 "ELASTICRUN_REPLACEMENT": str(w.generation),
+                # SIGTERM -> SIGKILL: what a worker has to finish (elastic_sampler's saves).
+                "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
             }
         )
         if c.virtual_local_rank:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic_sampler._files import verify
 from elastic_sampler.api import (
     CheckpointError,
     CheckpointMismatchError,
@@ -25,7 +26,6 @@ from elastic_sampler.checkpoint import (
     load_checkpoint,
     save_checkpoint,
     snapshot,
-    verify,
 )
 from elastic_sampler.permutation import FeistelPermutation
 from elastic_sampler.sampler import ElasticDistributedSampler

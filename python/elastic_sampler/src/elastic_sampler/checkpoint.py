@@ -1,11 +1,7 @@
-"""Checkpoints that are never lost: atomic writes with a checksum, the newest one that verifies,
-background saving, and agreement across ranks on node-local storage.
-
-On disk, step N is ``<prefix>-<N:012d>.pt`` (written by ``torch.save``) and
-``<prefix>-<N:012d>.pt.meta.json`` (its size and CRC-32). Each is written to a temporary file,
-fsynced and renamed, then the directory is fsynced; a checkpoint counts only once both are in
-place and agree, so a crash at any moment leaves the previous one intact. Older checkpoints
-beyond ``keep_last`` are removed only after that.
+"""Checkpoints that are never lost: the manager of one job's checkpoints (save, keep the last
+K, load the newest that verifies, background saving), single-file helpers, and agreement across
+ranks on node-local storage. How one file is written and checked: `_files`; how a background
+save outlives a script that forgets ``close()``: `_finish`.
 """
 
 from __future__ import annotations
@@ -13,179 +9,37 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import errno
 import io
-import json
 import logging
 import os
 import re
-import socket
 import threading
 import warnings
-import zlib
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from elastic_sampler.api import CheckpointError, CheckpointMismatchError
+from elastic_sampler import _finish
+from elastic_sampler._files import (
+    HOST,
+    GoneError,
+    UnusableError,
+    atomic_write,
+    check_fits,
+    meta_path,
+    read_verified,
+    record_checksum,
+    remove_my_temporaries,
+    verify,
+    why,
+    write_verified,
+)
+from elastic_sampler.api import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 1
-_BLOCK = 1 << 22
-_HOST = socket.gethostname().replace("/", "_")
-
-
-class _ChecksumWriter(io.RawIOBase):
-    """A write-only stream that computes the CRC-32 and size of what passes through."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f = f
-        self.crc = 0
-        self.size = 0
-        self.error: OSError | None = None  # what the file system said, if a write failed
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b)
-        try:
-            self.f.write(view)
-        except OSError as e:
-            self.error = e  # torch.save turns it into a RuntimeError: keep the real cause
-            raise
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _why(e: OSError) -> str:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"{e.strerror} (the disk or quota is full)"
-    return e.strerror or str(e)
-
-
-def _atomic_write(path: Path, write: Any) -> tuple[int, int]:
-    """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
-    (size, crc32) of what was written. Leaves nothing behind on failure."""
-    # The host in the name: on shared storage, only this host can tell whether pid lives.
-    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}")
-    w: _ChecksumWriter | None = None
-    try:
-        with open(tmp, "wb") as raw:
-            w = _ChecksumWriter(raw)
-            write(w)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if w is not None and w.error is not None and w.error is not e:
-            raise w.error from e
-        raise
-    assert w is not None
-    return w.size, w.crc
-
-
-def _file_crc(path: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    return size, crc
-
-
-def write_verified(path: str | os.PathLike[str], state: Any) -> Path:
-    """``torch.save(state)`` to `path` atomically, with its checksum beside it."""
-    target = Path(path)
-    meta = target.with_name(target.name + ".meta.json")
-    try:
-        size, crc = _atomic_write(target, lambda f: torch.save(state, f))
-        record = {"format": _FORMAT, "size": size, "crc32": crc}
-        _atomic_write(meta, lambda f: f.write(json.dumps(record).encode()))
-        _fsync_dir(target.parent)
-    except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint '{target}': {_why(e)}") from e
-    return target
-
-
-def verify(path: str | os.PathLike[str]) -> str | None:
-    """None if the checkpoint at `path` is complete and intact, else why not."""
-    target = Path(path)
-    meta = target.with_name(target.name + ".meta.json")
-    try:
-        record = json.loads(meta.read_text())
-    except FileNotFoundError:
-        return "its checksum file is missing (the save did not finish)"
-    except (OSError, ValueError) as e:
-        return f"its checksum file is unreadable ({e})"
-    try:
-        size, crc = _file_crc(target)
-    except OSError as e:
-        return f"it cannot be read ({e.strerror or e})"
-    if size != record.get("size"):
-        return f"it is torn ({size} bytes, {record.get('size')} were written)"
-    if crc != record.get("crc32"):
-        return "its contents are corrupt (checksum mismatch)"
-    return None
-
-
-def _check_fits(state: Any, model: torch.nn.Module, where: str) -> None:
-    weights = state.get("model", state) if isinstance(state, dict) else state
-    if not isinstance(weights, dict):
-        raise CheckpointMismatchError(f"{where} holds no model state dict to compare")
-    mine = model.state_dict()
-    missing = sorted(set(mine) - set(weights))
-    unexpected = sorted(set(weights) - set(mine))
-    shapes = [
-        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(mine[k].shape)}"
-        for k in sorted(set(mine) & set(weights))
-        if isinstance(weights[k], torch.Tensor) and weights[k].shape != mine[k].shape
-    ]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-        if shapes:
-            parts.append(f"shapes differ: {'; '.join(shapes[:5])}")
-        raise CheckpointMismatchError(
-            f"{where} was saved from another model ({', '.join(parts)}); point the manager at "
-            "this model's checkpoints"
-        )
-
-
-def read_verified(
-    path: str | os.PathLike[str], map_location: Any = "cpu", model: torch.nn.Module | None = None
-) -> Any:
-    """Load a checkpoint written by `write_verified`, after checking it is intact (and, given
-    `model`, that it fits it)."""
-    problem = verify(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint '{path}' cannot be used: {problem}")
-    state = torch.load(path, map_location=map_location, weights_only=False)
-    if model is not None:
-        _check_fits(state, model, f"checkpoint '{path}'")
-    return state
+_RESCANS = 100  # load_latest: how often others' pruning may send it back to the newest step
 
 
 def _reusable(buffer: Any, tensor: torch.Tensor) -> bool:
@@ -246,7 +100,12 @@ class CheckpointManager:
     With `reuse_buffers` (the default), a background save copies the state into the buffers
     of the previous background save where shapes match, which blocks training about a third
     as long; those buffers (one copy of the state, which every background save needs anyway)
-    stay allocated until `close()`. ``reuse_buffers=False`` frees them after each write."""
+    stay allocated until `close()`. ``reuse_buffers=False`` frees them after each write.
+
+    A background save still running when the script ends (without `close()`) is finished
+    before the process exits, for at most `finish_timeout` seconds; on SIGTERM, for at most the
+    grace the launcher gives (``$ELASTICRUN_SHUTDOWN_TIMEOUT``, else 30 s). Past that it is
+    abandoned and its temporary file removed; the process says so on stderr either way."""
 
     def __init__(
         self,
@@ -254,15 +113,20 @@ class CheckpointManager:
         keep_last: int = 3,
         prefix: str = "checkpoint",
         reuse_buffers: bool = True,
+        *,
+        finish_timeout: float = 300.0,
     ) -> None:
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
             raise ValueError(f"prefix={prefix!r}: use letters, digits, '.', '_' and '-'")
+        if not finish_timeout >= 0:  # also NaN
+            raise ValueError(f"finish_timeout={finish_timeout!r}: give seconds >= 0")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.prefix = prefix
-        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d{{12}})\.pt")
+        self.finish_timeout = float(finish_timeout)
+        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d{{12,}})\.pt(\.meta\.json)?")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             probe = self.directory / f".write-test-{os.getpid()}"
@@ -270,12 +134,14 @@ class CheckpointManager:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(
-                f"cannot write checkpoints to '{self.directory}': {_why(e)}; choose a writable "
+                f"cannot write checkpoints to '{self.directory}': {why(e)}; choose a writable "
                 "directory"
             ) from e
         self.reuse_buffers = reuse_buffers
         self._staging: Any = None  # the last background copy, once written: the next one's buffers
         self._thread: threading.Thread | None = None
+        self._writing: int | None = None  # the step the background write is saving
+        self._abandon = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._remove_stale_temporaries()
@@ -284,7 +150,7 @@ class CheckpointManager:
         """Temporary files of this host's writers that died mid-save (a killed worker)."""
         for p in self.directory.glob(f".{self.prefix}-*.tmp-*"):
             parts = p.name.rsplit(".tmp-", 1)[1].rsplit("-", 2)
-            if len(parts) != 3 or parts[0] != _HOST:
+            if len(parts) != 3 or parts[0] != HOST:
                 continue  # another host's (on shared storage): it may still be writing
             pid = parts[1]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
@@ -304,19 +170,22 @@ class CheckpointManager:
         Saving a step that exists already replaces it; a crash during that replacement
         leaves the step unverifiable (the others stay intact), so with ``keep_last=1`` give
         each save a new step."""
-        if step < 0:
-            raise ValueError(f"step={step} is negative")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r}: give the step as an integer >= 0")
         self.wait()  # one write at a time; raises a background error
         if not background:
             return self._write(state, step)
         copied = snapshot(state, self._take_staging())  # no reference kept here: see snapshot
         self._staging = copied if self.reuse_buffers else None
+        self._abandon.clear()
+        self._writing = step
         self._thread = threading.Thread(
             target=self._write_in_background,
             args=(copied, step),
             name="elastic-checkpoint",
-            daemon=True,
+            daemon=True,  # exit waits for it through _finish, bounded, not forever
         )
+        _finish.started(self)
         self._thread.start()
         return self.path(step)
 
@@ -326,15 +195,22 @@ class CheckpointManager:
 
     def _write_in_background(self, state: Any, step: int) -> None:
         try:
-            self._write(state, step)
+            self._write(state, step, self._abandon)
         except BaseException as e:
             with self._lock:
                 self._error = e
 
-    def _write(self, state: Any, step: int) -> Path:
+    def _write(self, state: Any, step: int, abandon: threading.Event | None = None) -> Path:
         target = self.path(step)
         try:
-            write_verified(target, state)
+            write_verified(target, state, abandon)
+        except GoneError:
+            warnings.warn(
+                f"checkpoint step {step} was removed by another process as soon as it was "
+                f"written: two managers share '{self.directory}' with prefix '{self.prefix}'",
+                stacklevel=3,
+            )
+            return target
         except CheckpointError as e:
             previous = self.latest_step()  # only now: it reads every byte to verify
             keep = (
@@ -348,15 +224,20 @@ class CheckpointManager:
 
     def _prune(self, written: int) -> None:
         # Only up to the step just written: a newer one (of a timeline we resumed before)
-        # never pushes out the checkpoint we just made.
-        older = [s for s in self.steps() if s <= written]
+        # never pushes out the checkpoint we just made. Data before checksum: a reader that
+        # opened the data file still finds its checksum, or learns the step is gone.
+        data, checksums = self._listing()
+        older = [s for s in data if s <= written]
         for step in older[: -self.keep_last]:
-            for p in (
-                self.path(step),
-                self.path(step).with_name(self.path(step).name + ".meta.json"),
-            ):
+            with contextlib.suppress(FileNotFoundError):
+                self.path(step).unlink()
+            with contextlib.suppress(FileNotFoundError):
+                meta_path(self.path(step)).unlink()
+        # Checksums whose checkpoint another manager removed while they were written.
+        for step in checksums - set(data):
+            if step <= written and not self.path(step).exists():
                 with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+                    meta_path(self.path(step)).unlink()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for a background write; raise its error, if it failed."""
@@ -366,10 +247,44 @@ class CheckpointManager:
             if thread.is_alive():
                 raise TimeoutError(f"the background checkpoint write did not finish in {timeout} s")
             self._thread = None
+            self._writing = None
+            _finish.finished(self)
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def finish(self, timeout: float, why: str, hint: str) -> bool:
+        """For `_finish` at exit or SIGTERM: wait for the write at most `timeout` s, else
+        abandon it (its temporary file removed); report on stderr. False if its thread is
+        still running afterwards."""
+        thread, step = self._thread, self._writing
+        if thread is None or step is None:
+            return True
+        target = self.path(step)
+        if thread.is_alive():
+            _finish.say(
+                f"{why}: finishing the background save of checkpoint step {step} to "
+                f"'{target}' (for at most {round(timeout, 1):g} s)"
+            )
+            thread.join(timeout)
+        if thread.is_alive():
+            self._abandon.set()
+            thread.join(_finish.JOIN_AFTER_ABANDON)
+            remove_my_temporaries(target)
+            _finish.say(
+                f"abandoned the background save of checkpoint step {step}: it did not finish "
+                f"in {round(timeout, 1):g} s; its temporary files were removed and '{target}' was "
+                f"not written ({hint})"
+            )
+            return not thread.is_alive()
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            _finish.say(f"the background save of checkpoint step {step} failed: {error}")
+        else:
+            _finish.say(f"checkpoint step {step} saved to '{target}'")
+        return True
 
     def close(self) -> None:
         """Finish any background write (raising its error) and free the copy's buffers."""
@@ -384,18 +299,29 @@ class CheckpointManager:
 
     # ---- loading -------------------------------------------------------------------------
 
+    def _listing(self) -> tuple[list[int], set[int]]:
+        """(steps with a checkpoint file, oldest first; steps with a checksum file)."""
+        data, checksums = [], set()
+        try:
+            names = [p.name for p in self.directory.iterdir()]
+        except FileNotFoundError:
+            return [], set()
+        for name in names:
+            m = self._pattern.fullmatch(name)
+            if m is None:
+                continue
+            step = int(m.group(1))
+            if self.path(step).name != name.removesuffix(".meta.json"):
+                continue  # not how this manager names a step (extra leading zeros)
+            if m.group(2):
+                checksums.add(step)
+            else:
+                data.append(step)
+        return sorted(data), checksums
+
     def steps(self) -> list[int]:
         """Steps with a checkpoint file here (not verified), oldest first."""
-        out = []
-        try:
-            names = list(self.directory.iterdir())
-        except FileNotFoundError:
-            return []
-        for p in names:
-            m = self._pattern.fullmatch(p.name)
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return self._listing()[0]
 
     def latest_step(self, verified: bool = True) -> int | None:
         """The newest step whose checkpoint verifies (or merely exists)."""
@@ -405,32 +331,79 @@ class CheckpointManager:
         return None
 
     def load_latest(
-        self, map_location: Any = "cpu", model: torch.nn.Module | None = None
+        self,
+        map_location: Any = "cpu",
+        model: torch.nn.Module | None = None,
+        *,
+        weights_only: bool = False,
     ) -> tuple[Any, int] | None:
         """(state, step) of the newest checkpoint that verifies, skipping torn or corrupt ones
         with a warning; None if there is none. Given `model`, a checkpoint of another model is
-        an error."""
+        an error. A checkpoint another process prunes meanwhile is not an error: the search
+        starts again from the newest."""
         self.wait()
-        for step in reversed(self.steps()):
-            path = self.path(step)
-            problem = verify(path)
-            if problem is not None:
-                warnings.warn(f"skipping checkpoint '{path}': {problem}", stacklevel=2)
-                continue
-            return read_verified(path, map_location, model), step
-        return None
+        for _ in range(_RESCANS):
+            try:
+                for step in reversed(self.steps()):
+                    try:
+                        state = read_verified(self.path(step), map_location, model, weights_only)
+                    except UnusableError as e:
+                        warnings.warn(f"skipping checkpoint '{e.path}': {e.problem}", stacklevel=2)
+                        continue
+                    return state, step
+                return None
+            except GoneError:
+                continue  # pruned under us: newer checkpoints exist, look again
+        raise CheckpointError(
+            f"the checkpoints in '{self.directory}' kept being removed while being read "
+            f"({_RESCANS} times): is another job pruning this directory?"
+        )
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: Any) -> Path:
     """Save one checkpoint file atomically, with its checksum."""
-    return write_verified(path, state)
+    try:
+        return write_verified(path, state)
+    except GoneError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], map_location: Any = "cpu", model: torch.nn.Module | None = None
+    source: str | os.PathLike[str] | IO[bytes],
+    map_location: Any = "cpu",
+    model: torch.nn.Module | None = None,
+    *,
+    weights_only: bool = False,
 ) -> Any:
-    """Load one checkpoint file, verified (and checked against `model`, when given)."""
-    return read_verified(path, map_location, model)
+    """Load one checkpoint: a file written by `save_checkpoint` or a manager (verified against
+    its checksum), a plain ``torch.save`` file (no checksum beside it: loaded as torch would),
+    or a readable binary stream. Given `model`, a state of another model is an error."""
+    if hasattr(source, "read"):
+        where = f"the stream {getattr(source, 'name', type(source).__name__)!r}"
+        try:
+            state = torch.load(source, map_location=map_location, weights_only=weights_only)
+        except Exception as e:
+            raise CheckpointError(f"{where} holds no checkpoint torch.load can read: {e}") from e
+    else:
+        path = Path(os.fspath(source))
+        where = f"checkpoint '{path}'"
+        if meta_path(path).exists() or not path.exists():
+            try:
+                return read_verified(path, map_location, model, weights_only)
+            except GoneError:
+                raise CheckpointError(f"{where} does not exist") from None
+        try:  # a plain torch.save file: one to migrate
+            state = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except OSError as e:
+            raise CheckpointError(f"{where} cannot be read: {why(e)}") from e
+        except Exception as e:
+            raise CheckpointError(
+                f"'{path}' is neither a checkpoint with a checksum (no "
+                f"'{meta_path(path).name}' beside it) nor a file torch.load can read: {e}"
+            ) from e
+    if model is not None:
+        check_fits(state, model, where)
+    return state
 
 
 def broadcast_latest(
@@ -459,7 +432,7 @@ def broadcast_latest(
         try:
             data = path.read_bytes()
         except OSError as e:
-            problem = _why(e)
+            problem = why(e)
     # -1: the holder could not read it; every rank raises rather than waiting forever.
     size = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
@@ -475,12 +448,10 @@ def broadcast_latest(
     raw = data if me == src else ctypes.string_at(buffer.data_ptr(), buffer.numel())
     if local != step:  # keep our own copy: this node may need it after the next failure
         try:
-            size_written, crc = _atomic_write(path, lambda f: f.write(raw))
-            meta = {"format": _FORMAT, "size": size_written, "crc32": crc}
-            meta_path = path.with_name(path.name + ".meta.json")
-            _atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))
-            _fsync_dir(path.parent)
-        except OSError as e:
-            logger.warning("could not keep a copy of checkpoint %s: %s", path, _why(e))
+            size_written, crc = atomic_write(path, lambda f: f.write(raw))
+            record_checksum(path, size_written, crc)
+        except (OSError, GoneError) as e:
+            reason = why(e) if isinstance(e, OSError) else "removed meanwhile"
+            logger.warning("could not keep a copy of checkpoint %s: %s", path, reason)
     state = torch.load(io.BytesIO(raw), map_location=map_location, weights_only=False)
     return state, step

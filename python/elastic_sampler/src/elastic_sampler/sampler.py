@@ -26,11 +26,22 @@ _CHUNK = 1 << 14  # indices computed at a time: bounds memory, amortises torch c
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):
-    """A ``DistributedSampler`` that starts at `start_index` (samples of the epoch already
-    consumed by the whole job) and whose state survives a change of world size.
+    """A ``DistributedSampler`` that can start part-way through an epoch, and whose state
+    survives a change of world size.
 
-    ``permutation="torch"`` reproduces torch's order exactly (O(n) memory); ``"feistel"`` is a
-    constant-memory permutation for very large datasets.
+    The positional arguments are torch's, in torch's order and with torch's meaning
+    (``dataset, num_replicas, rank, shuffle, seed, drop_last``). The extra ones are
+    keyword-only:
+
+    - `start_index`: how many of the epoch's samples the whole job has consumed already (a
+      position in the epoch's order, as ``state_dict()["consumed"]`` records it). The classic
+      torchelastic sampler (and ``torch.distributed.elastic.utils.data``'s) took
+      ``start_index`` as its fourth positional argument and meant a dataset index: it
+      shuffled only the indices ``start_index .. len(dataset) - 1``. Here the order of the
+      whole epoch is kept and its first `start_index` positions are skipped, which is what a
+      resumed job needs; prefer ``load_state_dict``, which also checks the order matches.
+    - `permutation`: ``"torch"`` reproduces torch's order exactly (O(n) memory);
+      ``"feistel"`` is a constant-memory permutation for very large datasets.
     """
 
     def __init__(
@@ -41,9 +52,17 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
         start_index: int = 0,
         permutation: str = "torch",
     ) -> None:
+        if isinstance(shuffle, int) and not isinstance(shuffle, bool):
+            raise TypeError(
+                f"shuffle={shuffle!r}: give True or False. The fourth positional argument is "
+                "shuffle, as in torch's DistributedSampler; the classic torchelastic sampler "
+                f"took start_index there: write start_index={shuffle} (a keyword here, counted "
+                "in the epoch's order: see the class docstring)"
+            )
         if num_replicas is None and not dist.is_available():
             raise RuntimeError("torch.distributed is unavailable: give num_replicas and rank")
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
@@ -54,6 +73,8 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             )
         self.permutation = permutation
         self.dataset_size = len(dataset)  # type: ignore[arg-type]
+        if isinstance(start_index, bool) or not isinstance(start_index, int):
+            raise TypeError(f"start_index={start_index!r}: give a number of samples (an int)")
         self._set_start(start_index)
         # The epoch of `start_index` is the one the first set_epoch names: keep the start.
         self._start_pending = start_index > 0
@@ -113,9 +134,13 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         trained on: pass steps when you can)."""
         if (steps is None) != (batch_size is None):
             raise ValueError("give both steps and batch_size, or neither")
-        per_rank = (
-            steps * batch_size if steps is not None and batch_size is not None else self._handed_out
-        )
+        if steps is not None and batch_size is not None:
+            for name, value, least in (("steps", steps, 0), ("batch_size", batch_size, 1)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"{name}={value!r}: give an integer >= {least}")
+            per_rank = steps * batch_size
+        else:
+            per_rank = self._handed_out
         return min(self.dataset_size, self.start_index + per_rank * self.num_replicas)
 
     def state_dict(self, steps: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
@@ -132,7 +157,10 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume where `state` says, with this sampler's replicas and rank."""
+        """Resume where `state` (from `state_dict`) says, with this sampler's replicas and
+        rank. A state that is missing, malformed or from another order is a
+        `SamplerStateError` that says what is wrong; this sampler is then unchanged."""
+        epoch, consumed = _check_state(state)
         for key in ("dataset_size", "seed", "shuffle", "permutation"):
             mine = self.dataset_size if key == "dataset_size" else getattr(self, key)
             if key in state and state[key] != mine:
@@ -141,6 +169,36 @@ class ElasticDistributedSampler(DistributedSampler[int]):
                     f"{key}={mine!r}: the remaining samples cannot be told apart; use the same "
                     f"{key}, or start the epoch over"
                 )
-        self.epoch = int(state["epoch"])
-        self._set_start(int(state["consumed"]))
+        if consumed > self.dataset_size:
+            raise SamplerStateError(
+                f"the sampler state says {consumed} samples of the epoch were consumed, but the "
+                f"dataset has {self.dataset_size}: it belongs to another dataset"
+            )
+        self.epoch = epoch
+        self._set_start(consumed)
         self._start_pending = False
+
+
+def _check_state(state: Any) -> tuple[int, int]:
+    """(epoch, consumed) of a sampler state, or a SamplerStateError saying what is wrong."""
+    example = "ElasticDistributedSampler.state_dict()"
+    if not isinstance(state, dict):
+        raise SamplerStateError(
+            f"load_state_dict({state!r:.80}): expected the dict {example} returned, got "
+            f"{type(state).__name__}" + (" (no state was saved?)" if state is None else "")
+        )
+    missing = [k for k in ("epoch", "consumed") if k not in state]
+    if missing:
+        raise SamplerStateError(
+            f"the sampler state {state!r:.200} lacks {', '.join(missing)}: pass what {example} "
+            "returned"
+        )
+    values = []
+    for key in ("epoch", "consumed"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SamplerStateError(
+                f"the sampler state's {key}={value!r} is not a count: expected an integer >= 0"
+            )
+        values.append(value)
+    return values[0], values[1]

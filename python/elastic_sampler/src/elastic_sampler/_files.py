@@ -1,0 +1,285 @@
+"""One checkpoint file on disk: written atomically with its checksum beside it, read back only
+if it verifies, from one open file so that a concurrent prune cannot pull it away mid-read.
+
+Step N of a manager is ``<prefix>-<N:012d>.pt`` (written by ``torch.save``) and
+``<prefix>-<N:012d>.pt.meta.json`` (its size and CRC-32). Each is written to a temporary file,
+fsynced and renamed, then the directory is fsynced: a crash at any moment leaves either the
+whole new file or none of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import socket
+import threading
+import zlib
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from elastic_sampler.api import CheckpointError, CheckpointMismatchError
+
+FORMAT = 1
+_BLOCK = 1 << 22
+HOST = socket.gethostname().replace("/", "_")
+
+
+class AbandonedError(Exception):
+    """A background write given up at exit or on SIGTERM (its time bound passed)."""
+
+
+class UnusableError(CheckpointError):
+    """A checkpoint that is torn, corrupt, unreadable or without its checksum."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"checkpoint '{path}' cannot be used: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class GoneError(Exception):
+    """The checkpoint was removed (pruned by another process) while it was being read."""
+
+
+class _ChecksumWriter(io.RawIOBase):
+    """A write-only stream that computes the CRC-32 and size of what passes through, and stops
+    at the next write once `abandon` is set."""
+
+    def __init__(self, f: IO[bytes], abandon: threading.Event | None) -> None:
+        self.f = f
+        self.crc = 0
+        self.size = 0
+        self.abandon = abandon
+        self.error: OSError | None = None  # what the file system said, if a write failed
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        if self.abandon is not None and self.abandon.is_set():
+            raise AbandonedError("the write was abandoned")
+        view = memoryview(b)
+        try:
+            self.f.write(view)
+        except OSError as e:
+            self.error = e  # torch.save turns it into a RuntimeError: keep the real cause
+            raise
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def why(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"{e.strerror} (the disk or quota is full)"
+    return e.strerror or str(e)
+
+
+def meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".meta.json")
+
+
+def temporary(path: Path, pid: int | None = None, thread: int | None = None) -> Path:
+    """The temporary file a writer fills before renaming it to `path`. The host is in the name:
+    on shared storage, only this host can tell whether `pid` lives."""
+    pid = os.getpid() if pid is None else pid
+    thread = threading.get_ident() if thread is None else thread
+    return path.with_name(f".{path.name}.tmp-{HOST}-{pid}-{thread}")
+
+
+def remove_my_temporaries(path: Path) -> list[Path]:
+    """Remove this process's temporary files for `path` and its checksum (a write given up)."""
+    removed = []
+    for target in (path, meta_path(path)):
+        for p in target.parent.glob(f".{target.name}.tmp-{HOST}-{os.getpid()}-*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def atomic_write(path: Path, write: Any, abandon: threading.Event | None = None) -> tuple[int, int]:
+    """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
+    (size, crc32) of what was written. Leaves nothing behind on failure."""
+    tmp = temporary(path)
+    w: _ChecksumWriter | None = None
+    try:
+        with open(tmp, "wb") as raw:
+            w = _ChecksumWriter(raw, abandon)
+            write(w)
+            raw.flush()
+            os.fsync(raw.fileno())
+        if abandon is not None and abandon.is_set():
+            raise AbandonedError("the write was abandoned")
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if w is not None and w.error is not None and w.error is not e:
+            raise w.error from e
+        raise
+    assert w is not None
+    return w.size, w.crc
+
+
+def write_verified(
+    path: str | os.PathLike[str], state: Any, abandon: threading.Event | None = None
+) -> Path:
+    """``torch.save(state)`` to `path` atomically, with its checksum beside it. Raises GoneError if
+    another process removed it before its checksum was in place."""
+    target = Path(path)
+    try:
+        size, crc = atomic_write(target, lambda f: torch.save(state, f), abandon)
+        written = os.stat(target).st_ino
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint '{target}': {why(e)}") from e
+    try:
+        record_checksum(target, size, crc, abandon)
+    except GoneError:
+        raise
+    except BaseException as e:
+        # Without its checksum the new file can never be used: take it back, if still ours.
+        with contextlib.suppress(OSError):
+            if os.stat(target).st_ino == written:
+                target.unlink()
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint '{target}': {why(e)}") from e
+        raise
+    return target
+
+
+def record_checksum(
+    target: Path, size: int, crc: int, abandon: threading.Event | None = None
+) -> None:
+    """Write the checksum of `target`. If another process removed `target` meanwhile, the
+    checksum goes too: no checksum file outlives its checkpoint."""
+    meta = meta_path(target)
+    record = {"format": FORMAT, "size": size, "crc32": crc}
+    atomic_write(meta, lambda f: f.write(json.dumps(record).encode()), abandon)
+    if not target.exists():  # pruned: (a step rewritten by another writer is its to record)
+        with contextlib.suppress(OSError):
+            meta.unlink()
+        raise GoneError(f"'{target}' was removed by another process while it was written")
+    fsync_dir(target.parent)
+
+
+def _crc_of(f: IO[bytes]) -> tuple[int, int]:
+    crc, size = 0, 0
+    while block := f.read(_BLOCK):
+        crc = zlib.crc32(block, crc)
+        size += len(block)
+    return size, crc
+
+
+def _problem(f: IO[bytes], target: Path) -> str | None:
+    """Why the open checkpoint `f` cannot be used, or None. Raises GoneError if `target` was
+    removed or replaced since `f` was opened (its checksum may belong to another file)."""
+
+    def gone() -> bool:
+        try:
+            return os.stat(target).st_ino != os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            return True
+
+    try:
+        record = json.loads(meta_path(target).read_text())
+    except FileNotFoundError:
+        if gone():
+            raise GoneError(str(target)) from None
+        return "its checksum file is missing (the save did not finish)"
+    except (OSError, ValueError) as e:
+        return f"its checksum file is unreadable ({e})"
+    try:
+        size, crc = _crc_of(f)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if size != record.get("size") or crc != record.get("crc32"):
+        if gone():
+            raise GoneError(str(target))
+        if size != record.get("size"):
+            return f"it is torn ({size} bytes, {record.get('size')} were written)"
+        return "its contents are corrupt (checksum mismatch)"
+    return None
+
+
+def verify(path: str | os.PathLike[str]) -> str | None:
+    """None if the checkpoint at `path` is complete and intact, else why not."""
+    target = Path(path)
+    try:
+        with open(target, "rb") as f:
+            return _problem(f, target)
+    except (FileNotFoundError, GoneError):
+        return "it does not exist (removed meanwhile?)"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+
+
+def read_verified(
+    path: str | os.PathLike[str],
+    map_location: Any = "cpu",
+    model: torch.nn.Module | None = None,
+    weights_only: bool = False,
+) -> Any:
+    """Load a checkpoint written by `write_verified`, after checking it is intact (and, given
+    `model`, that it fits it). Raises GoneError if another process removes it meanwhile."""
+    target = Path(path)
+    try:
+        f = open(target, "rb")  # noqa: SIM115 - one open file for the check and the load
+    except FileNotFoundError:
+        raise GoneError(str(target)) from None
+    except OSError as e:
+        raise UnusableError(target, f"it cannot be read ({why(e)})") from e
+    with f:
+        problem = _problem(f, target)
+        if problem is not None:
+            raise UnusableError(target, problem)
+        f.seek(0)
+        state = torch.load(f, map_location=map_location, weights_only=weights_only)
+    if model is not None:
+        check_fits(state, model, f"checkpoint '{target}'")
+    return state
+
+
+def check_fits(state: Any, model: torch.nn.Module, where: str) -> None:
+    weights = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(weights, dict):
+        raise CheckpointMismatchError(f"{where} holds no model state dict to compare")
+    mine = model.state_dict()
+    missing = sorted(set(mine) - set(weights))
+    unexpected = sorted(set(weights) - set(mine))
+    shapes = [
+        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(mine[k].shape)}"
+        for k in sorted(set(mine) & set(weights))
+        if isinstance(weights[k], torch.Tensor) and weights[k].shape != mine[k].shape
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append(f"shapes differ: {'; '.join(shapes[:5])}")
+        raise CheckpointMismatchError(
+            f"{where} was saved from another model ({', '.join(parts)}); point the manager at "
+            "this model's checkpoints"
+        )
