@@ -77,6 +77,82 @@ def test_watch_delivers_changes_after_a_revision_in_order(store):
         watch.close()
 
 
+def _collect(inbox, count: int) -> list:
+    seen: list = []
+    deadline = time.monotonic() + 10
+    while len(seen) < count and time.monotonic() < deadline:
+        seen += inbox.next(1.0) or []
+    return seen
+
+
+def test_a_watch_that_starts_in_the_past_gets_the_changes_in_between(store):
+    # A rendezvous reads, then watches from its read: others may write in between. (etcd
+    # serves such a watch late, by up to 100 ms: ours starts at the server's revision and
+    # reads the gap instead; the result must be the same changes.)
+    from elastic_launch.rendezvous.store import Inbox
+
+    store.put("/g/gone", b"0")
+    store.put("/g/kept", b"0")
+    _, revision = store.range("/g/")
+    store.put("/g/new", b"1")  # in the gap
+    store.delete("/g/gone")  # in the gap
+    inbox = Inbox()
+    watches = store.watch_many(["/g/", "/h/"], revision, inbox)
+    try:
+        store.put("/h/later", b"2")
+        seen = _collect(inbox, 3)
+        assert [(c.key, c.value) for c in seen] == [
+            ("/g/new", b"1"),
+            ("/g/gone", None),
+            ("/h/later", b"2"),
+        ]
+        assert inbox.next(0.1) is None, "nothing twice"
+    finally:
+        for w in watches:
+            w.close()
+
+
+def test_etcd_v3_serves_several_prefixes_on_one_stream(store):
+    import threading
+
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store import Inbox
+
+    if not isinstance(store, EtcdV3Store):
+        pytest.skip("etcd's v2 API has one long poll per key")
+
+    def watch_threads() -> int:
+        return sum(t.name == "elasticrun-watch" and t.is_alive() for t in threading.enumerate())
+
+    before = watch_threads()
+    inbox = Inbox()
+    watches = store.watch_many(["/m1/", "/m2/", "/m3"], store.range("/m")[1], inbox)
+    try:
+        assert len(watches) == 1 and watch_threads() == before + 1, "one stream, one thread"
+        for key in ("/m3", "/m2/b", "/m1/a"):
+            store.put(key, b"x")
+        assert [c.key for c in _collect(inbox, 3)] == ["/m3", "/m2/b", "/m1/a"]
+    finally:
+        for w in watches:
+            w.close()
+
+
+def test_the_embedded_service_refuses_to_read_a_past_revision(embedded):
+    import grpc
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+
+    endpoint, token = embedded
+    with grpc.insecure_channel(endpoint) as channel:
+        kv = rpc_pb2_grpc.KVStub(channel)
+        metadata = [("token", token)] if token else []
+        put = kv.Put(rpc_pb2.PutRequest(key=b"/p", value=b"1"), metadata=metadata, timeout=5)
+        request = rpc_pb2.RangeRequest(key=b"/p", revision=put.header.revision - 1)
+        with pytest.raises(grpc.RpcError) as e:
+            kv.Range(request, metadata=metadata, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "reads only the current revision" in e.value.details()
+
+
 def test_closing_a_watch_wakes_its_reader_and_ends_its_thread(store):
     import threading
 
@@ -117,3 +193,75 @@ def test_unreachable_store_is_a_clear_error():
     with pytest.raises(StoreError, match="etcd at nowhere is unreachable"):
         dead.get("/x")
     dead.close()
+
+
+def _v3(embedded, **kw):
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    endpoint, token = embedded
+    return EtcdV3Store(endpoint, "embedded", token=token, retry_for=5, **kw)
+
+
+def _ttl(store, lease: int) -> int:
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease)
+    return store._call(store._lease.LeaseTimeToLive, request).TTL
+
+
+def test_a_lease_asked_for_early_is_the_one_used(embedded):
+    store = _v3(embedded)
+    try:
+        store.request_lease(5.0)  # returns at once
+        before = store.requests
+        store.start_liveness(5.0)
+        assert store.requests == before, "no second grant: the early one is used"
+        assert store.create("/early/key", b"1", ephemeral=True)
+        assert _ttl(store, store._lease_id) > 0
+    finally:
+        store.close()
+
+
+def test_an_early_lease_of_another_ttl_or_too_old_is_given_back(embedded, monkeypatch):
+    import elastic_launch.rendezvous.etcd_v3 as etcd_v3
+
+    store = _v3(embedded)
+    observer = _v3(embedded)
+    try:
+        store.request_lease(5.0)
+        early = store._early_grant[2].result().ID
+        clock = time.monotonic()
+        monkeypatch.setattr(etcd_v3.time, "monotonic", lambda: clock + 60)  # a minute later
+        store.start_liveness(5.0)
+        monkeypatch.undo()
+        assert store._lease_id != early, "a fresh lease: the early one may be near expiry"
+        assert _ttl(observer, early) <= 0, "the unused one was revoked"
+        assert store.create("/old/key", b"1", ephemeral=True)
+    finally:
+        store.close()
+        observer.close()
+
+
+def test_closing_before_using_an_early_lease_revokes_it(embedded):
+    store = _v3(embedded)
+    observer = _v3(embedded)
+    try:
+        store.request_lease(5.0)
+        early = store._early_grant[2].result().ID
+        assert _ttl(observer, early) > 0
+        store.close()
+        assert _ttl(observer, early) <= 0
+    finally:
+        observer.close()
+
+
+def test_an_early_lease_request_that_fails_is_asked_again_with_retries():
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    store = EtcdV3Store(f"127.0.0.1:{free_port()}", "nothing", retry_for=0.5, read_timeout=0.5)
+    try:
+        store.request_lease(5.0)
+        with pytest.raises(StoreError, match="nothing is unreachable"):
+            store.start_liveness(5.0)
+    finally:
+        store.close()

@@ -79,6 +79,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             token=conf.token,
             retry_for=conf.join_timeout,
             read_timeout=conf.read_timeout,
+            watch_from_now=False,  # it replays a watch's past at once (etcd: every 100 ms)
         )
         try:
             super().__init__(params, store, conf, host)

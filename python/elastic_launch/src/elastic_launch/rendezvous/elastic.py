@@ -83,6 +83,10 @@ class ElasticRendezvous(RendezvousHandler):
         self._presence: PresencePort | None = None
         self._follower: _Follower | None = None
         self._finished_first = False  # our workers succeeded while other members still ran
+        # The lease is asked for now and the presence port opened, while the agent starts:
+        # the first round costs only its own requests. Neither waits: nothing to cancel here.
+        self.session.prepare()
+        self._presence = PresencePort(self.addr)
 
     # ---- the store ------------------------------------------------------------------------
 

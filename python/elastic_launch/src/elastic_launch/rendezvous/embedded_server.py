@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 _HISTORY = 100_000  # events kept for watches that start in the past
 
 
+VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd by it
+
+
 @dataclass
 class _Entry:
     value: bytes
@@ -214,6 +217,13 @@ class _Service(
     def Range(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name
         self._check(context)
         with self.s.lock:
+            if request.revision and request.revision != self.s.revision:
+                # It keeps no old versions: say so rather than answer with today's keys.
+                context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"the embedded rendezvous service reads only the current revision "
+                    f"({self.s.revision}), not {request.revision}",
+                )
             return self._range(request)
 
     def _put(self, r: rpc_pb2.PutRequest) -> rpc_pb2.PutResponse:
@@ -400,7 +410,7 @@ class _Service(
     def Status(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._check(context)
         with self.s.lock:
-            return rpc_pb2.StatusResponse(header=self.s.header(), version="elasticrun-embedded")
+            return rpc_pb2.StatusResponse(header=self.s.header(), version=VERSION)
 
 
 class EmbeddedServer:

@@ -40,6 +40,11 @@ class Session:
         self.store.cancel = cancel
         self._unregister = cancel.on_cancel(self._wake_all)
 
+    def prepare(self) -> None:
+        """Ask for the lease now, without waiting: `open` finds it granted."""
+        if not self._open:
+            self.store.request_lease(self.ttl)
+
     def open(self) -> None:
         """Take the lease (once): ephemeral keys can be written from now on."""
         if not self._open:
@@ -77,8 +82,7 @@ class Session:
         with self._lock:
             self._inboxes.add(inbox)
         try:
-            for prefix in prefixes:
-                self.store.watch(prefix, after_revision, inbox)
+            self.store.watch_many(prefixes, after_revision, inbox)
             yield inbox
         finally:
             with self._lock:

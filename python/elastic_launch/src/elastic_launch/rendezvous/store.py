@@ -184,11 +184,19 @@ class Store(abc.ABC):
     def watch(self, prefix: str, after_revision: int, inbox: Inbox | None = None) -> Watch:
         """Watch changes under `prefix` made after `after_revision`."""
 
+    def watch_many(self, prefixes: list[str], after_revision: int, inbox: Inbox) -> list[Watch]:
+        """Watch several prefixes into one inbox (a store may serve them on one stream)."""
+        return [self.watch(p, after_revision, inbox) for p in prefixes]
+
     @abc.abstractmethod
     def start_liveness(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
         """Start this client's lease (renewed in the background every ttl/3 seconds). Should
         it expire (the client was cut off), a new one is granted and `on_lost` is called: the
         store may have dropped our ephemeral keys."""
+
+    def request_lease(self, ttl: float) -> None:  # noqa: B027 - optional: an early start
+        """Ask for the lease now without waiting for the answer (the agent starts meanwhile);
+        `start_liveness` then uses it, or asks again if the request failed."""
 
     def ensure_lease(self) -> None:  # noqa: B027 - optional: TTL-key stores (v2) need nothing
         """Make sure the lease is valid now (grant a new one if it expired), before writing
