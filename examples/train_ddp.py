@@ -114,6 +114,13 @@ def main() -> None:
         help="on the first attempt, the last rank stops making progress here",
     )
     p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="seconds each step takes at least (a slower model: to watch a run, or to stop, "
+        "kill or cut off its parts by hand while it trains)",
+    )
+    p.add_argument(
         "--record-samples",
         type=Path,
         default=None,
@@ -187,11 +194,13 @@ def main() -> None:
                 if step == args.hang_at_step:
                     print(f"rank {rank}: simulating a hang at step {step}", flush=True)
                     time.sleep(3600)
+            started = time.monotonic()
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()  # elasticrun beats here
             step += 1
+            time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
             if record is not None:
                 record.write(f"{epoch} {step} {','.join(map(str, ids.tolist()))}\n")
                 record.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -25,14 +26,30 @@ ETCD_PARAMS = [
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`slow` marks the real thing: everything under integration/ (real launchers, workers,
-    clusters) and every test that starts an etcd server. `pytest -m "not slow"` is the unit
+    """`slow` marks the real thing: everything under integration/ and faults/ (real launchers,
+    workers, clusters, injected faults) and every test that starts an etcd server. `pytest -m "not slow"` is the unit
     suite."""
-    integration = REPO / "tests" / "integration"
+    real = (REPO / "tests" / "integration", REPO / "tests" / "faults")
     for item in items:
         path = Path(str(item.fspath))
-        if integration in path.parents or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if any(d in path.parents for d in real) or _SLOW_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Iterator[Path]:
+    """An output directory for real jobs; the workers they record there (`*.pid`) are killed
+    at teardown, whatever the test did."""
+    d = tmp_path / "out"
+    d.mkdir()
+    yield d
+    for p in d.glob("*.pid"):
+        text = p.read_text().strip()
+        if text:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(text), signal.SIGKILL)
 
 
 @pytest.fixture

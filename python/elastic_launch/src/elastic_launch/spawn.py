@@ -17,6 +17,7 @@ import abc
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,9 +83,13 @@ class Process(abc.ABC):
 
     def signal_group(self, sig: int) -> None:
         """Send `sig` to the process's whole group: everything the worker started (its group
-        id is its pid, held until the process is reaped)."""
+        id is its pid, held until the process is reaped). A stopped process acts on a signal
+        only once continued: SIGCONT follows (as a shell's kill does), so a SIGSTOPped worker
+        ends at its SIGTERM instead of sitting out the whole grace before SIGKILL."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
+            if sig not in (signal.SIGKILL, signal.SIGCONT, signal.SIGSTOP):
+                os.killpg(self.pid, signal.SIGCONT)
 
 
 def _status(code: int) -> tuple[int | None, int | None]:

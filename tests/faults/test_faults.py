@@ -1,0 +1,309 @@
+"""The fault suite: a small deterministic DDP job (examples/train_ddp.py) meets a real fault
+while it trains, and must end with the very weights of a fault-free run (or fail with a clear
+error), with nothing left running and its last good checkpoint intact.
+
+Faults are injected from outside, as they happen: signals to real processes, an etcd server
+stopped, a full disk. Each waits for the job's own record of its progress (the steps it
+trained), not for a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from elastic_sampler import CheckpointManager
+from launcher_util import finish, free_port, start, wait_for, wait_gone
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+# 2 epochs of 16 steps of 16 samples per rank on 2 ranks; a checkpoint every 5 steps; each
+# step takes 0.1 s, so a fault lands mid-run.
+JOB = [
+    "--samples",
+    "512",
+    "--image-size",
+    "16",
+    "--classes",
+    "10",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--checkpoint-every",
+    "5",
+    "--step-time",
+    "0.1",
+]
+TOTAL_STEPS = 32
+FAST = ["--monitor-interval", "0.05"]
+
+
+class Job:
+    """One training job's files: checkpoints, the samples of each step, the final weights."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.checkpoints = root / f"{name}-ckpt"
+        self.samples = root / f"{name}-samples"
+        self.weights = root / f"{name}.pt"
+
+    def args(self) -> list[str]:
+        return [
+            str(EXAMPLE),
+            *JOB,
+            "--checkpoint-dir",
+            str(self.checkpoints),
+            "--record-samples",
+            str(self.samples),
+            "--final-weights",
+            str(self.weights),
+        ]
+
+    def step(self) -> int:
+        """The newest step any rank has trained."""
+        newest = 0
+        for f in self.samples.glob("attempt*-rank*.txt"):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(ValueError, IndexError):
+                    newest = max(newest, int(line.split(" ")[1]))
+        return newest
+
+    def wait_step(self, step: int, *procs: subprocess.Popen[str], timeout: float = 90) -> None:
+        def reached() -> bool:
+            for p in procs:
+                assert p.poll() is None, f"the job ended before step {step}: {p.returncode}"
+            return self.step() >= step
+
+        assert wait_for(reached, timeout), f"the job did not reach step {step} in {timeout} s"
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of this job's running workers (their command line names its files)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(self.samples) not in cmdline or "worker_main" not in cmdline:
+                continue
+            for var in environ:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+        return found
+
+    def assert_same_weights(self, reference: Path) -> None:
+        expected, got = torch.load(reference), torch.load(self.weights)
+        assert expected.keys() == got.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(tensor, got[name]), f"{name} differs from the fault-free run"
+
+    def assert_checkpoint_intact(self, at_least: int = 5) -> int:
+        assert not [p for p in self.checkpoints.iterdir() if ".tmp-" in p.name], "half-written"
+        latest = CheckpointManager(self.checkpoints).load_latest()
+        assert latest is not None, "no checkpoint survived"
+        assert latest[1] >= at_least
+        return latest[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fault-free run's final weights."""
+    root = tmp_path_factory.mktemp("reference")
+    job = Job(root, "clean")
+    code, _, err = finish(
+        start(["--standalone", "--nproc-per-node", "2", *FAST, *job.args()]), timeout=150
+    )
+    assert code == 0, err[-3000:]
+    return job.weights
+
+
+def _gone(job: Job, seen: list[int]) -> None:
+    assert wait_gone(seen) == [], "a worker outlived its job"
+    assert job.workers() == {}
+
+
+def _signal_one_worker(job: Job, sig: int, *flags: str) -> tuple[int, str, list[int]]:
+    """Run the job on one node with 2 restarts; at step 12, send rank 1 `sig`. Returns the
+    launcher's exit code and stderr, and the workers the fault met."""
+    proc = start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", *flags])
+    try:
+        job.wait_step(12, proc)
+        victims = job.workers()
+        os.kill(victims[1], sig)
+        code, _, err = finish(proc, timeout=150)
+    finally:
+        finish_quietly(proc)
+    return code, err, list(victims.values())
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_killed_mid_run(tmp_path, reference):
+    job = Job(tmp_path, "sigkill")
+    code, err, victims = _signal_one_worker(job, signal.SIGKILL, *FAST, *job.args())
+    assert code == 0, err[-3000:]
+    assert "restarting the workers (restart 1 of 2)" in err
+    job.assert_same_weights(reference)
+    job.assert_checkpoint_intact(TOTAL_STEPS)
+    _gone(job, victims)
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_stopped_mid_run_is_found_hung_and_replaced(tmp_path, reference):
+    job = Job(tmp_path, "sigstop")
+    flags = ["--hang-timeout", "3", *FAST]
+    code, err, victims = _signal_one_worker(job, signal.SIGSTOP, *flags, *job.args())
+    assert code == 0, err[-3000:]
+    assert "hung" in err and "restart 1 of 2" in err, err[-3000:]
+    job.assert_same_weights(reference)
+    job.assert_checkpoint_intact(TOTAL_STEPS)
+    _gone(job, victims)
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, reference):
+    # Two "nodes" (agents) of one worker each; the embedded rendezvous is hosted by the
+    # first. The second node's agent is SIGKILLed (its worker dies with it); as a cluster
+    # would, a new agent is started in its place, and the job goes on from the checkpoint.
+    job = Job(tmp_path, "agent")
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        f"faults-{os.getpid()}",
+        "--max-restarts",
+        "3",
+        *FAST,
+        *job.args(),
+    ]
+    # One worker per node: elasticrun (as torchrun) leaves OMP_NUM_THREADS alone, and torch's
+    # kernels would sum in another order than the reference's (2 workers: 1 thread each).
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    host = start(node, one_thread)
+    procs = [host]
+    try:
+        assert wait_for(lambda: _listening(endpoint), 30), "the first agent did not host"
+        other = start(node, one_thread)
+        procs.append(other)
+        job.wait_step(12, host, other)
+        victims = job.workers()
+        os.kill(other.pid, signal.SIGKILL)  # the agent only: its worker must die with it
+        other.wait(timeout=30)
+        assert wait_for(lambda: len(job.workers()) < 2, 30), "the dead agent's worker lives"
+        again = start(node, one_thread)
+        procs.append(again)
+        results = [finish(p, timeout=180) for p in (host, again)]
+    finally:
+        for p in procs:
+            finish_quietly(p)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    job.assert_same_weights(reference)
+    job.assert_checkpoint_intact(TOTAL_STEPS)
+    _gone(job, list(victims.values()))
+
+
+@pytest.mark.timeout(200)
+def test_etcd_stopped_and_started_again_mid_run(tmp_path, reference, etcd):
+    job = Job(tmp_path, "etcd")
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--nnodes", "1"]
+    proc = start([*rdzv, "--nproc-per-node", "2", "--max-restarts", "2", *FAST, *job.args()])
+    try:
+        job.wait_step(6, proc)
+        etcd.stop()
+        job.wait_step(12, proc)  # training goes on without the store
+        etcd.start()
+        code, _, err = finish(proc, timeout=150)
+    finally:
+        finish_quietly(proc)
+    assert code == 0, err[-3000:]
+    assert "restarting" not in err, "a store outage is no reason to restart the workers"
+    job.assert_same_weights(reference)
+    job.assert_checkpoint_intact(TOTAL_STEPS)
+
+
+@pytest.mark.timeout(120)
+def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
+    job = Job(tmp_path, "no-etcd")
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--nnodes", "1"]
+    began = time.monotonic()
+    code, _, err = finish(
+        start([*args, "--rdzv-conf", "join_timeout=4", "--nproc-per-node", "2", *job.args()]),
+        timeout=90,
+    )
+    assert code != 0
+    assert f"etcd at {endpoint} is unreachable" in err, err[-3000:]
+    assert time.monotonic() - began < 60, "bounded by join_timeout"
+    assert not job.samples.exists(), "no worker started"
+    assert job.workers() == {}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, reference: Path):
+    """A tmpfs that holds two of the job's checkpoints but not three (root only)."""
+    sizes = [p.stat().st_size for p in reference.parent.glob("clean-ckpt/checkpoint-*")]
+    one = max(s for s in sizes if s > 1000) + 4096  # a checkpoint, its checksum's page
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = (one * 5 // 2 + 4095) // 4096 * 4096
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}): needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.timeout(200)
+def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_last_good_one(
+    tmp_path, small_disk
+):
+    job = Job(tmp_path, "full")
+    job.checkpoints = small_disk / "ckpt"
+    code, _, err = finish(
+        start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *FAST, *job.args()]),
+        timeout=150,
+    )
+    assert code != 0
+    assert "No space left on device (the disk or quota is full)" in err, err[-3000:]
+    step = job.assert_checkpoint_intact(at_least=5)
+    assert step < TOTAL_STEPS
+    assert job.workers() == {}
+
+
+def _listening(endpoint: str) -> bool:
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def finish_quietly(proc: subprocess.Popen[str]) -> None:
+    """End a launcher a test left running (after a failed assertion): its whole group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
