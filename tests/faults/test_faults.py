@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_sampler import CheckpointManager
-from launcher_util import finish, free_port, start, wait_for, wait_gone
+from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 # 2 epochs of 16 steps of 16 samples per rank on 2 ranks; a checkpoint every 5 steps; each
@@ -105,6 +105,14 @@ class Job:
         for name, tensor in expected.items():
             assert torch.equal(tensor, got[name]), f"{name} differs from the fault-free run"
 
+    def assert_recovered(self, reference: Path, met: list[int]) -> None:
+        """The job ended as the fault-free run did, with its last checkpoint intact and none
+        of the workers the fault `met` (nor any other of its workers) still running."""
+        self.assert_same_weights(reference)
+        self.assert_checkpoint_intact(TOTAL_STEPS)
+        assert wait_gone(met) == [], "a worker outlived its job"
+        assert self.workers() == {}
+
     def assert_checkpoint_intact(self, at_least: int = 5) -> int:
         assert not [p for p in self.checkpoints.iterdir() if ".tmp-" in p.name], "half-written"
         latest = CheckpointManager(self.checkpoints).load_latest()
@@ -123,11 +131,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert code == 0, err[-3000:]
     return job.weights
-
-
-def _gone(job: Job, seen: list[int]) -> None:
-    assert wait_gone(seen) == [], "a worker outlived its job"
-    assert job.workers() == {}
 
 
 def _signal_one_worker(job: Job, sig: int, *flags: str) -> tuple[int, str, list[int]]:
@@ -150,9 +153,7 @@ def test_a_worker_killed_mid_run(tmp_path, reference):
     code, err, victims = _signal_one_worker(job, signal.SIGKILL, *FAST, *job.args())
     assert code == 0, err[-3000:]
     assert "restarting the workers (restart 1 of 2)" in err
-    job.assert_same_weights(reference)
-    job.assert_checkpoint_intact(TOTAL_STEPS)
-    _gone(job, victims)
+    job.assert_recovered(reference, victims)
 
 
 @pytest.mark.timeout(200)
@@ -162,9 +163,7 @@ def test_a_worker_stopped_mid_run_is_found_hung_and_replaced(tmp_path, reference
     code, err, victims = _signal_one_worker(job, signal.SIGSTOP, *flags, *job.args())
     assert code == 0, err[-3000:]
     assert "hung" in err and "restart 1 of 2" in err, err[-3000:]
-    job.assert_same_weights(reference)
-    job.assert_checkpoint_intact(TOTAL_STEPS)
-    _gone(job, victims)
+    job.assert_recovered(reference, victims)
 
 
 @pytest.mark.timeout(240)
@@ -196,7 +195,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
     host = start(node, one_thread)
     procs = [host]
     try:
-        assert wait_for(lambda: _listening(endpoint), 30), "the first agent did not host"
+        assert wait_for(lambda: listening(endpoint), 30), "the first agent did not host"
         other = start(node, one_thread)
         procs.append(other)
         job.wait_step(12, host, other)
@@ -212,9 +211,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
             finish_quietly(p)
     for code, _, err in results:
         assert code == 0, err[-3000:]
-    job.assert_same_weights(reference)
-    job.assert_checkpoint_intact(TOTAL_STEPS)
-    _gone(job, list(victims.values()))
+    job.assert_recovered(reference, list(victims.values()))
 
 
 @pytest.mark.timeout(200)
@@ -290,15 +287,6 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_last_good_o
     step = job.assert_checkpoint_intact(at_least=5)
     assert step < TOTAL_STEPS
     assert job.workers() == {}
-
-
-def _listening(endpoint: str) -> bool:
-    import socket
-
-    host, port = endpoint.rsplit(":", 1)
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, int(port))) == 0
 
 
 def finish_quietly(proc: subprocess.Popen[str]) -> None:

@@ -95,6 +95,16 @@ def run(
     return Run(code, stdout, stderr, out)
 
 
+def listening(endpoint: str) -> bool:
+    """True if something accepts connections at host:port (a hosted rendezvous service)."""
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, int(port))) == 0
+
+
 def wait_for(pred, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

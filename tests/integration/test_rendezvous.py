@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_util import alive, finish, free_port, kill_all, start, wait_for, worker_args
+from launcher_util import (
+    alive,
+    finish,
+    free_port,
+    kill_all,
+    listening,
+    start,
+    wait_for,
+    worker_args,
+)
 
 FAST = "heartbeat_timeout=2,last_call_timeout=1,join_timeout=60"
 
@@ -146,7 +155,7 @@ def test_a_spare_takes_a_lost_nodes_place(nodes):
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = rdzv_args("c10d", endpoint)
     a = nodes("a", rdzv, "--dist", "--hold-round", "1")
-    assert wait_for(lambda: _listening(endpoint)), "A hosts the rendezvous"
+    assert wait_for(lambda: listening(endpoint)), "A hosts the rendezvous"
     b = nodes("b", rdzv, "--dist", "--hold-round", "1")
     assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in (a, b)))
     spare = nodes("spare", rdzv, "--dist", "--hold-round", "1")
@@ -165,7 +174,7 @@ def test_losing_the_embedded_service_is_a_clear_error(nodes):
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
     host = nodes("host", rdzv, "--dist", "--hold-round", "1")
-    assert wait_for(lambda: _listening(endpoint))
+    assert wait_for(lambda: listening(endpoint))
     other = nodes("other", rdzv, "--dist", "--hold-round", "1")
     assert wait_for(lambda: list(other[1].glob("*.dist.json")))
     os.killpg(host[0].pid, signal.SIGKILL)
@@ -180,7 +189,7 @@ def test_the_host_outlives_the_nodes_still_running(nodes):
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
     host = nodes("host", rdzv, "--dist")
-    assert wait_for(lambda: _listening(endpoint))
+    assert wait_for(lambda: listening(endpoint))
     other = nodes("other", rdzv, "--dist", "--sleep", "4")
     assert wait_for(lambda: list(host[1].glob("*.dist.json")))
     pids = [int(p.read_text()) for p in host[1].glob("*.pid")]
@@ -240,7 +249,7 @@ def test_wrong_token_is_refused(nodes):
             "token=right,join_timeout=3",
         ],
     )
-    assert wait_for(lambda: _listening(endpoint), 30)
+    assert wait_for(lambda: listening(endpoint), 30)
     intruder = nodes(
         "intruder",
         [
@@ -259,14 +268,6 @@ def test_wrong_token_is_refused(nodes):
     assert "invalid rendezvous token" in err
     code, _, err = finish(host[0])
     assert code == 1 and "timed out" in err
-
-
-def _listening(endpoint: str) -> bool:
-    import socket
-
-    host, port = endpoint.rsplit(":", 1)
-    with socket.socket() as s:
-        return s.connect_ex((host, int(port))) == 0
 
 
 @pytest.mark.timeout(120)

@@ -117,6 +117,19 @@ def remove_my_temporaries(path: Path) -> list[Path]:
     return removed
 
 
+def remove_dead_temporaries(directory: Path, prefix: str) -> None:
+    """Remove the temporary files (named by `temporary`) of this host's writers that died
+    mid-save, a killed worker's, for files whose name starts with `prefix`."""
+    for p in directory.glob(f".{prefix}*.tmp-*"):
+        parts = p.name.rsplit(".tmp-", 1)[1].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != HOST:
+            continue  # another host's (on shared storage): it may still be writing
+        pid = parts[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
 def atomic_write(path: Path, write: Any, abandon: threading.Event | None = None) -> tuple[int, int]:
     """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
     (size, crc32) of what was written. Leaves nothing behind on failure."""

@@ -22,7 +22,6 @@ import torch
 
 from elastic_sampler import _finish
 from elastic_sampler._files import (
-    HOST,
     GoneError,
     UnusableError,
     atomic_write,
@@ -30,6 +29,7 @@ from elastic_sampler._files import (
     meta_path,
     read_verified,
     record_checksum,
+    remove_dead_temporaries,
     remove_my_temporaries,
     verify,
     why,
@@ -144,18 +144,7 @@ class CheckpointManager:
         self._abandon = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._remove_stale_temporaries()
-
-    def _remove_stale_temporaries(self) -> None:
-        """Temporary files of this host's writers that died mid-save (a killed worker)."""
-        for p in self.directory.glob(f".{self.prefix}-*.tmp-*"):
-            parts = p.name.rsplit(".tmp-", 1)[1].rsplit("-", 2)
-            if len(parts) != 3 or parts[0] != HOST:
-                continue  # another host's (on shared storage): it may still be writing
-            pid = parts[1]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        remove_dead_temporaries(self.directory, f"{self.prefix}-")
 
     # ---- saving --------------------------------------------------------------------------
 
