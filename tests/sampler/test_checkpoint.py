@@ -314,6 +314,7 @@ def _temporaries(directory):
     return [p.name for p in Path(directory).iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.slow  # real processes
 @pytest.mark.parametrize("how", ["exit", "return", "raise"])
 def test_a_background_save_completes_when_the_script_ends_without_close(tmp_path, how):
     code, err = _slow_save(tmp_path, how)
@@ -329,6 +330,7 @@ def test_a_background_save_completes_when_the_script_ends_without_close(tmp_path
     assert "Fatal Python error" not in err and "Aborted" not in err
 
 
+@pytest.mark.slow  # real processes
 def test_a_save_that_outlasts_its_bound_at_exit_is_abandoned_and_reported(tmp_path):
     code, err = _slow_save(tmp_path, "exit", finish_timeout=0.5, seconds=5)
     assert code == 1, err
@@ -337,6 +339,7 @@ def test_a_save_that_outlasts_its_bound_at_exit_is_abandoned_and_reported(tmp_pa
     assert CheckpointManager(tmp_path).steps() == [1], "the previous checkpoint is intact"
 
 
+@pytest.mark.slow  # real processes
 def test_sigterm_finishes_the_save_within_the_launchers_grace(tmp_path):
     code, err = _slow_save(tmp_path, "wait-for-sigterm", env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "20"})
     assert code == -15, "the process still dies of SIGTERM"
@@ -345,6 +348,7 @@ def test_sigterm_finishes_the_save_within_the_launchers_grace(tmp_path):
     assert not _temporaries(tmp_path)
 
 
+@pytest.mark.slow  # real processes
 def test_sigterm_with_too_little_grace_removes_the_temporary_file(tmp_path):
     code, err = _slow_save(
         tmp_path, "wait-for-sigterm", seconds=30, env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "1.5"}
@@ -435,6 +439,7 @@ def _finish(procs):
                 p.wait()
 
 
+@pytest.mark.slow  # real processes
 def test_load_latest_while_another_process_saves_and_prunes(tmp_path):
     m = CheckpointManager(tmp_path, keep_last=2)
     m.save({"step": 0, "w": torch.zeros(2000)}, 0)
@@ -452,6 +457,7 @@ def test_load_latest_while_another_process_saves_and_prunes(tmp_path):
     assert seen == sorted(seen) and len(seen) > 1, seen
 
 
+@pytest.mark.slow  # real processes
 def test_two_managers_on_one_directory_leave_no_orphan_checksums(tmp_path):
     assert _finish(_writers(tmp_path, [1, 2], 100)) == ["DONE\n", "DONE\n"]
     names = {p.name for p in tmp_path.iterdir()}
