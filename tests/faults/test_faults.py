@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_sampler import CheckpointManager
-from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
+from launcher_util import ELASTICRUN, finish, free_port, listening, start, wait_for, wait_gone
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 # 2 epochs of 16 steps of 16 samples per rank on 2 ranks; a checkpoint every 5 steps; each
@@ -248,6 +248,134 @@ def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
     assert time.monotonic() - began < 60, "bounded by join_timeout"
     assert not job.samples.exists(), "no worker started"
     assert job.workers() == {}
+
+
+class Hosts:
+    """Two network namespaces joined by a veth pair: two hosts on one machine (root only)."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.names = [f"elx{tag}a", f"elx{tag}b"]
+        self.links = [f"elx{tag}va", f"elx{tag}vb"]
+        self.addrs = ["10.231.0.1", "10.231.0.2"]
+
+    def setup(self) -> str:
+        """Create them; returns why they cannot be made here ("" when made)."""
+        for name in self.names:
+            if (problem := _ip("netns", "add", name)) is not None:
+                return problem
+        a, b = self.links
+        steps = [("link", "add", a, "type", "veth", "peer", "name", b)]
+        for name, link, addr in zip(self.names, self.links, self.addrs, strict=True):
+            steps += [
+                ("link", "set", link, "netns", name),
+                ("-n", name, "addr", "add", f"{addr}/24", "dev", link),
+                ("-n", name, "link", "set", link, "up"),
+                ("-n", name, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            if (problem := _ip(*step)) is not None:
+                return problem
+        return ""
+
+    def cut(self, up: bool = False) -> None:
+        """Take the link down (both ends lose their carrier), or bring it up again."""
+        for name, link in zip(self.names, self.links, strict=True):
+            assert _ip("-n", name, "link", "set", link, "up" if up else "down") is None
+
+    def launcher(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[host], *ELASTICRUN]
+
+    def remove(self) -> None:
+        for name in self.names:  # the veth pair goes with its namespaces
+            _ip("netns", "delete", name)
+
+
+def _ip(*args: str) -> str | None:
+    """Run `ip ARGS`: None when it succeeds, else what it said."""
+    try:
+        done = subprocess.run(
+            ["ip", *args], check=False, capture_output=True, text=True, timeout=30
+        )
+    except FileNotFoundError:
+        return "`ip` (iproute2) is not installed"
+    if done.returncode != 0:
+        return f"`ip {' '.join(args)}` failed: {done.stderr.strip()}"
+    return None
+
+
+@pytest.fixture
+def two_hosts():
+    hosts = Hosts()
+    try:
+        problem = hosts.setup()
+        if problem:
+            pytest.skip(f"cannot make two network namespaces here ({problem}): needs root")
+        yield hosts
+    finally:
+        hosts.remove()
+
+
+@pytest.mark.timeout(240)
+def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, two_hosts):
+    # Two hosts (network namespaces) of one worker each; the first hosts the embedded
+    # rendezvous. At step 12 the link between them goes down: the first host sees the
+    # second's lease expire and stops its worker (stuck in a collective with its lost peer:
+    # it is killed after --shutdown-timeout). The link comes back; the second host finds its
+    # lease gone, stops its worker, rejoins, and the job goes on from the last checkpoint.
+    job = Job(tmp_path, "partition")
+    endpoint = f"{two_hosts.addrs[0]}:29400"
+    procs = []
+
+    def node(host: int) -> subprocess.Popen[str]:
+        args = [
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            f"partition-{os.getpid()}",
+            "--rdzv-conf",
+            f"is_host={'true' if host == 0 else 'false'}",
+            "--local-addr",
+            two_hosts.addrs[host],
+            "--max-restarts",
+            "3",
+            "--shutdown-timeout",
+            "3",
+            *FAST,
+            *job.args(),
+        ]
+        # gloo binds the interface named here (the hostname resolves to 127.0.0.1 on both);
+        # one thread per worker, as in the agent scenario above.
+        env = {"GLOO_SOCKET_IFNAME": two_hosts.links[host], "OMP_NUM_THREADS": "1"}
+        proc = start(args, env, launcher=two_hosts.launcher(host))
+        procs.append(proc)
+        return proc
+
+    try:
+        first, second = node(0), node(1)
+        job.wait_step(12, first, second)
+        victims = job.workers()
+        two_hosts.cut()
+        # The first host's record of the fault: its worker is stopped (within the lease's
+        # 5 s, the --shutdown-timeout's 3 s and a margin).
+        pids = list(victims.values())
+        assert wait_for(lambda: len(wait_gone(pids, 0)) < 2, 30), "the partition went unnoticed"
+        two_hosts.cut(up=True)
+        results = [finish(p, timeout=180) for p in (first, second)]
+    finally:
+        for p in procs:
+            finish_quietly(p)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    assert "left the job" in results[0][2], results[0][2][-3000:]
+    assert "the rendezvous lease expired; this node will rejoin" in results[1][2]
+    job.assert_recovered(reference, list(victims.values()))
 
 
 @pytest.fixture

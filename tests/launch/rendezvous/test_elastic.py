@@ -248,6 +248,52 @@ def _state_lease(h: ElasticRendezvous) -> int:
     return int(reply.kvs[0].lease)
 
 
+class SlowLookStore(EtcdV3Store):
+    """Once armed, its next look at the whole job comes late: the round it joined is frozen
+    by then."""
+
+    armed = False
+
+    def range(self, prefix: str):
+        if self.armed and prefix.rstrip("/").count("/") == 2:  # /elasticrun/RUN_ID/
+            self.armed = False
+            time.sleep(0.5)
+        return super().range(prefix)
+
+
+def test_a_node_cut_off_longer_than_its_lease_is_in_the_next_round_at_once(endpoint, request):
+    # A network partition: the member's lease expires on the server (revoked here, as expiry
+    # does) while its workers run. Once the link is back its next write finds the lease gone
+    # and replaces it. The next round forms at once: the loss is not taken for one at the
+    # confirmation (waiting out close_timeout) nor reported as a change right after.
+    run_id = f"cutoff-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 2, run_id, stores=[CountingStore, SlowLookStore])
+    leader, cut = members
+    pool = ThreadPoolExecutor(1)
+    try:
+        first = form_round(members)
+        from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+        lease = cut.store._lease_id
+        cut.store._call(cut.store._lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=lease))
+        wait_for(leader.membership_changed, "the leader never saw it go")
+        wait_for(cut.membership_changed, "it never saw its key go")
+        waiting = pool.submit(leader.next_rendezvous, RestartReason.MEMBERSHIP)
+        wait_for(lambda: leader.counters().phase == "joining", "the leader never joined")
+        cut.store.armed = True  # it joins, then finds the round frozen: it confirms
+        t0 = time.monotonic()
+        mine = cut.next_rendezvous(RestartReason.MEMBERSHIP)
+        theirs = waiting.result(timeout=30)
+        assert mine.round == theirs.round == first[0].round + 1, "one round, not abandoned"
+        assert time.monotonic() - t0 < CONF.close_timeout, "it waited out the confirmation"
+        time.sleep(0.3)
+        assert [h.membership_changed() for h in members] == [False, False], "a stale loss"
+    finally:
+        for h in members:
+            h.shutdown()
+        pool.shutdown(wait=False)
+
+
 def test_a_node_of_another_version_is_refused_naming_both(endpoint, request):
     run_id = f"versions-{request.node.callspec.id}-{time.monotonic_ns()}"
     first, other = handlers(endpoint, 2, run_id)

@@ -152,6 +152,9 @@ class ElasticRendezvous(RendezvousHandler):
         if self._presence is None:
             self._presence = PresencePort(self.addr)
         self.session.open()
+        # A lease lost before now (this node was cut off while its workers ran) cost us the
+        # keys of the round we leave; every key of this call is written with the new lease.
+        self.session.take_lost()
         if self._round is not None:
             self._leave(reason, failure)
         deadline = Deadline(self.conf.join_timeout)
@@ -633,6 +636,9 @@ class _Follower:
         self.rdzv = rdzv
         self.round = current
         self._drop = drop  # the previous round's keys, deleted first (by the leader)
+        # A loss before now is not this round's: its keys were written with the new lease
+        # (or are missing, which the first look below sees).
+        self._losses = rdzv.session.losses
         self.changed = threading.Event()
         self.waiting: set[str] = set()
         self.done: set[str] = set()
@@ -688,7 +694,7 @@ class _Follower:
             if self._stop.is_set():
                 return
             while not self._stop.is_set():
-                if r.session.lost:
+                if r.session.losses != self._losses:
                     self.changed.set()  # our lease expired: the others think we are gone
                 batch = inbox.next(float("inf"))
                 for change in batch or []:

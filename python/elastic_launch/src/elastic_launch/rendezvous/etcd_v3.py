@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+class _LeaseGoneError(StoreError):
+    """A write named a lease the store no longer has: it expired while this node was cut off."""
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """etcd's range_end for "every key starting with prefix"."""
     end = bytearray(prefix)
@@ -98,6 +102,7 @@ class EtcdV3Store(Store):
             self._authenticate()
         self._lease_id = 0
         self._lease_ttl = 0.0
+        self._lease_lock = threading.Lock()  # the keeper and a write may both find it expired
         # (TTL, when, future) of request_lease's grant
         self._early_grant: tuple[int, float, Any] | None = None
         self._stop = threading.Event()
@@ -154,6 +159,8 @@ class EtcdV3Store(Store):
 
     def _error(self, e: grpc.RpcError) -> StoreError:
         code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+            return _LeaseGoneError(f"{self.name}: the lease of this node expired ({details})")
         if code == grpc.StatusCode.UNAVAILABLE:
             return StoreError(
                 f"{self.name} is unreachable ({details}); check that it runs and that "
@@ -180,17 +187,36 @@ class EtcdV3Store(Store):
         return [_kv(kv) for kv in reply.kvs], reply.header.revision
 
     def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
-        request = rpc_pb2.PutRequest(
-            key=key.encode(), value=value, lease=self._lease_for(ephemeral)
-        )
-        return int(self._call(self._kv.Put, request).header.revision)
+        def put(lease: int) -> int:
+            request = rpc_pb2.PutRequest(key=key.encode(), value=value, lease=lease)
+            return int(self._call(self._kv.Put, request).header.revision)
 
-    def _lease_for(self, ephemeral: bool) -> int:
+        return self._with_lease(ephemeral, put)
+
+    def _with_lease(self, ephemeral: bool, write: Callable[[int], int]) -> int:
+        """`write(lease)`: with our lease for an ephemeral key (else none). A lease that
+        expired while this node was cut off (a network partition longer than its TTL) is
+        replaced, the session told, and the write made with the new one."""
         if not ephemeral:
-            return 0
+            return write(0)
         if not self._lease_id:
             raise StoreError("an ephemeral key needs start_liveness() first")
-        return self._lease_id
+        lease = self._lease_id
+        try:
+            return write(lease)
+        except _LeaseGoneError:
+            self._replace_lease(lease)
+            return write(self._lease_id)
+
+    def _replace_lease(self, expired: int) -> None:
+        """Grant a new lease in place of `expired` (once, whichever thread finds it gone
+        first) and tell the session: the store has dropped our ephemeral keys."""
+        with self._lease_lock:
+            if self._lease_id != expired:
+                return
+            logger.warning("the rendezvous lease expired; this node will rejoin")
+            self._grant()
+        self._on_lost()
 
     def _txn(self, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> int:
         """The put if `compare` holds: the revision it made, or 0."""
@@ -208,8 +234,10 @@ class EtcdV3Store(Store):
             result=rpc_pb2.Compare.EQUAL,
             create_revision=0,
         )
-        put = rpc_pb2.PutRequest(key=k, value=value, lease=self._lease_for(ephemeral))
-        return self._txn(compare, put)
+        return self._with_lease(
+            ephemeral,
+            lambda lease: self._txn(compare, rpc_pb2.PutRequest(key=k, value=value, lease=lease)),
+        )
 
     def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
         k = key.encode()
@@ -325,10 +353,8 @@ class EtcdV3Store(Store):
                         self._authenticate()
                 continue  # unreachable for now: try again next tick, the TTL has slack
             if reply is not None and reply.TTL <= 0 and not self._stop.is_set():
-                logger.warning("the rendezvous lease expired; this node will rejoin")
                 with contextlib.suppress(StoreError, Cancelled):
-                    self._grant()
-                self._on_lost()
+                    self._replace_lease(request.ID)
 
     # ---- watch ---------------------------------------------------------------------------
 

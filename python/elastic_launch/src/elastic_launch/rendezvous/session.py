@@ -23,6 +23,7 @@ class Session:
         self._lock = threading.Lock()
         self._open = False
         self._lost = False
+        self._losses = 0
         self._inboxes: set[Inbox] = set()
         self._cancel: CancelToken = NEVER
         self._unregister: Callable[[], None] = _nothing
@@ -54,6 +55,7 @@ class Session:
     def _lease_lost(self) -> None:
         with self._lock:
             self._lost = True
+            self._losses += 1
         self._wake_all()
 
     def _wake_all(self) -> None:
@@ -70,9 +72,10 @@ class Session:
             return lost
 
     @property
-    def lost(self) -> bool:
+    def losses(self) -> int:
+        """How many times the lease was lost so far: a loss since a moment is a change of it."""
         with self._lock:
-            return self._lost
+            return self._losses
 
     @contextmanager
     def watching(self, prefixes: list[str], after_revision: int) -> Iterator[Inbox]:
@@ -91,10 +94,11 @@ class Session:
 
     def wait(self, inbox: Inbox, deadline: Deadline, cap: float | None = None) -> list[Change]:
         """The next changes, or [] when woken or when the deadline (or `cap` seconds) passed;
-        raises Cancelled when the session's token is."""
+        raises Cancelled when the session's token is. A lost lease wakes each wait under way
+        once; a caller that must act on it looks at `take_lost()` before it waits (a wait that
+        returned at once for as long as the loss was untaken would spin in every caller
+        that has nothing to do about it)."""
         self._cancel.check()
-        if self.lost:
-            return []
         batch = inbox.next(deadline.left(cap))
         self._cancel.check()
         return batch or []
