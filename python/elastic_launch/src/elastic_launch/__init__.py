@@ -30,6 +30,14 @@ if TYPE_CHECKING:
         WorkerState,
     )
     from elastic_launch.errors import record
+    from elastic_launch.train_loop import (
+        Coordinator,
+        NonRetryableException,
+        State,
+        StopException,
+        WorkerStats,
+        train,
+    )
 
 # Names are imported on first use: workers import this package (through worker_main) before
 # their script, and every import here would be paid at each worker start.
@@ -47,6 +55,13 @@ _LAZY = {
     "WorkerFailure": "api",
     "WorkerState": "api",
     "record": "errors",
+    # The classic torchelastic train loop.
+    "Coordinator": "train_loop",
+    "NonRetryableException": "train_loop",
+    "State": "train_loop",
+    "StopException": "train_loop",
+    "WorkerStats": "train_loop",
+    "train": "train_loop",
 }
 
 
@@ -72,17 +87,23 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AgentState",
     "ConfigError",
+    "Coordinator",
     "FailureKind",
     "LaunchConfig",
     "LaunchError",
     "LauncherStopped",
+    "NonRetryableException",
     "RunResult",
     "RunState",
+    "State",
     "Std",
+    "StopException",
     "WorkerFailedError",
     "WorkerFailure",
     "WorkerState",
+    "WorkerStats",
     "__version__",
     "launch",
     "record",
+    "train",
 ]

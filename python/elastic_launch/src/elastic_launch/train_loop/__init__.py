@@ -1,0 +1,43 @@
+"""The classic torchelastic train loop (``State``, ``train_step``, ``train``), on elasticrun.
+
+A script written for torchelastic 0.1 runs after changing its imports::
+
+    from elastic_launch.train_loop import State, train
+
+    class MyState(State):
+        def sync(self, world_size, rank): ...          # broadcast from the most tenured
+        def capture_snapshot(self): ...                # taken after every step
+        def apply_snapshot(self, snapshot): ...        # a failed step is rolled back to it
+
+    def train_step(state):
+        ...                                            # one step; StopIteration at the end
+        return state
+
+    final = train(coordinator, train_step, MyState(...))
+"""
+
+from __future__ import annotations
+
+from elastic_launch.train_loop.api import (
+    Coordinator,
+    NonRetryableException,
+    SimpleWorkerStats,
+    State,
+    StopException,
+    UserMethodError,
+    WorkerStats,
+)
+from elastic_launch.train_loop.loop import MAX_FAILURES, is_group_failure, train
+
+__all__ = [
+    "MAX_FAILURES",
+    "Coordinator",
+    "NonRetryableException",
+    "SimpleWorkerStats",
+    "State",
+    "StopException",
+    "UserMethodError",
+    "WorkerStats",
+    "is_group_failure",
+    "train",
+]

@@ -1,0 +1,166 @@
+"""The elastic train loop: run train_step until the data ends, rolling a failed step back to
+its snapshot and re-forming the group, as the classic torchelastic loop did."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from elastic_launch.train_loop.api import (
+    Coordinator,
+    NonRetryableException,
+    State,
+    StopException,
+    UserMethodError,
+    WorkerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Failed steps (rolled back and retried) before the loop gives up, as in the classic loop.
+MAX_FAILURES = 100
+
+# What a collective raises when a peer died or the group was torn down under it: a failure of
+# the group, not of the user's method (gloo raises RuntimeError with its transport's message).
+_GROUP_FAILURE = re.compile(
+    r"gloo|nccl|connection (reset|closed|refused)|broken pipe|timed out|timeout|socket|"
+    r"process group|ProcessGroup|peer",
+    re.IGNORECASE,
+)
+
+
+def is_group_failure(e: BaseException) -> bool:
+    """Whether `e` comes from the process group (a peer gone, a torn-down group), so that
+    rolling back and re-forming can cure it."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(e, dist.DistError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return isinstance(e, (RuntimeError, ConnectionError, TimeoutError)) and bool(
+        _GROUP_FAILURE.search(str(e))
+    )
+
+
+def _user(method: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call the user's `method`; an exception that is not the group's fails the job at once
+    (retrying a bug would only repeat it), naming the method."""
+    try:
+        return fn(*args)
+    except (StopIteration, StopException, NonRetryableException):
+        raise
+    except Exception as e:
+        if is_group_failure(e):
+            raise
+        raise UserMethodError(f"{method} raised {type(e).__name__}: {e}") from e
+
+
+def _unpack(result: Any, state: State) -> tuple[State, WorkerStats | None]:
+    """train_step returns the state, or (state, worker_stats) as in the classic loop."""
+    if isinstance(result, State):
+        return result, None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State):
+        return result[0], result[1]
+    if result is None:
+        return state, None
+    raise UserMethodError(
+        f"train_step returned {result!r} ({type(result).__name__}); it must return the state, "
+        "or (state, worker_stats), or None"
+    )
+
+
+def train(
+    elastic_coordinator: Coordinator,
+    train_step: Callable[[State], Any],
+    state: State,
+    *,
+    max_failures: int = MAX_FAILURES,
+) -> State:
+    """Run `train_step(state)` until it raises StopIteration or the coordinator says stop.
+
+    As the classic torchelastic loop: a snapshot is taken before each step; a step that
+    raises RuntimeError (what a collective raises when a peer died) is rolled back to it with
+    ``apply_snapshot``, and the group re-forms through the coordinator, where ``state.sync``
+    brings every worker to one view; after `max_failures` such failures the loop gives up.
+    Any other exception (:class:`NonRetryableException`, :class:`StopException` from a step,
+    a bug) is reported to ``on_error`` and raised; a State method that fails, or a step that
+    returns what the loop cannot use, fails at once with :class:`UserMethodError`. Returns
+    the final state.
+    """
+    if not isinstance(state, State):
+        raise TypeError(
+            f"train() needs an elastic_launch.train_loop.State, got {type(state).__name__}: "
+            "subclass State (sync, capture_snapshot, apply_snapshot)"
+        )
+    failures = 0
+    coordinator = elastic_coordinator
+    while not coordinator.should_stop_training():
+        if failures >= max_failures:
+            e = RuntimeError(f"exceeded the maximum of {max_failures} recoverable failures")
+            coordinator.on_error(e)
+            raise e
+        snapshot = _user("capture_snapshot", state.capture_snapshot)
+        try:
+            _, rank, world_size = coordinator.rendezvous_barrier()
+            coordinator.init_process_group()
+            _user("sync", state.sync, world_size, rank)
+            coordinator.barrier()
+        except StopException:
+            break  # the job was closed: training is over
+        except RuntimeError as e:
+            if isinstance(e, NonRetryableException):
+                coordinator.on_error(e)
+                raise
+            failures += 1
+            _recover(coordinator, state, snapshot, e, failures, max_failures)
+            continue
+        except Exception as e:
+            coordinator.on_error(e)
+            raise
+        while not coordinator.should_stop_training():
+            snapshot = _user("capture_snapshot", state.capture_snapshot)
+            try:
+                state, stats = _unpack(train_step(state), state)
+                coordinator.monitor_progress(state, stats)
+                if coordinator.should_rendezvous(state):
+                    break
+                coordinator.report_progress(state)
+            except StopIteration:
+                coordinator.signal_training_done()
+                break
+            except RuntimeError as e:
+                if isinstance(e, NonRetryableException):
+                    coordinator.on_error(e)
+                    raise
+                failures += 1
+                _recover(coordinator, state, snapshot, e, failures, max_failures)
+                break
+            except Exception as e:
+                coordinator.on_error(e)
+                raise
+    return state
+
+
+def _recover(
+    coordinator: Coordinator,
+    state: State,
+    snapshot: Any,
+    e: BaseException,
+    failures: int,
+    max_failures: int,
+) -> None:
+    """A retryable failure: report it, roll the state back; the caller re-forms the group."""
+    coordinator.on_error(e)
+    logger.warning(
+        "step failed (%s: %s); rolled back to its snapshot, re-forming the group (failure %d "
+        "of at most %d)",
+        type(e).__name__,
+        e,
+        failures,
+        max_failures,
+    )
+    _user("apply_snapshot", state.apply_snapshot, snapshot)

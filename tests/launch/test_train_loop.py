@@ -1,0 +1,258 @@
+"""The classic train loop against a fake coordinator: rollback, re-forming, stopping, budgets
+and the user's methods that fail (no processes, no store)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from elastic_launch.train_loop import (
+    Coordinator,
+    NonRetryableException,
+    SimpleWorkerStats,
+    State,
+    StopException,
+    UserMethodError,
+    WorkerStats,
+    train,
+)
+
+
+class FakeCoordinator(Coordinator):
+    """Records what the loop asked; `reform_after` steps (in this group) ask for a re-form."""
+
+    def __init__(self, reform_after: int | None = None, world_size: int = 2) -> None:
+        self.calls: list[str] = []
+        self.rounds = 0
+        self.reform_after = reform_after
+        self.steps_in_group = 0
+        self.world_size = world_size
+        self.done = False
+        self.errors: list[BaseException] = []
+        self.stats: list[WorkerStats | None] = []
+
+    def rendezvous_barrier(self):
+        self.rounds += 1
+        self.steps_in_group = 0
+        self.calls.append("rendezvous")
+        return None, 0, self.world_size
+
+    def barrier(self) -> None:
+        self.calls.append("barrier")
+
+    def should_rendezvous(self, state: State) -> bool:
+        return self.reform_after is not None and self.steps_in_group >= self.reform_after
+
+    def should_stop_training(self) -> bool:
+        return self.done
+
+    def signal_training_done(self) -> None:
+        self.calls.append("done")
+        self.done = True
+
+    def monitor_progress(self, state: State, worker_stats: WorkerStats | None) -> None:
+        self.steps_in_group += 1
+        self.stats.append(worker_stats)
+
+    def on_error(self, e: BaseException) -> None:
+        self.errors.append(e)
+
+
+class Counter(State):
+    """A step counter with a history: snapshots copy both."""
+
+    def __init__(self, steps: int = 6) -> None:
+        self.step = 0
+        self.seen: list[int] = []
+        self.steps = steps
+        self.synced: list[tuple[int, int]] = []
+        self.applied: list[object] = []
+
+    def sync(self, world_size: int, rank: int) -> None:
+        self.synced.append((world_size, rank))
+
+    def capture_snapshot(self):
+        return {"step": self.step, "seen": list(self.seen)}
+
+    def apply_snapshot(self, capture_snapshot) -> None:
+        self.applied.append(capture_snapshot)
+        self.step = capture_snapshot["step"]
+        self.seen = list(capture_snapshot["seen"])
+
+
+def stepper(fail_at: dict[int, BaseException] | None = None, returns=None):
+    """A train_step that advances the counter, raising fail_at[step] once at that step (after
+    changing the state, as a step that dies half-way does)."""
+    pending = dict(fail_at or {})
+
+    def train_step(state: Counter):
+        if state.step >= state.steps:
+            raise StopIteration
+        state.seen.append(state.step)
+        state.step += 1
+        error = pending.pop(state.step, None)
+        if error is not None:
+            raise error
+        return returns(state) if returns is not None else state
+
+    return train_step
+
+
+def test_a_run_without_faults_steps_to_the_end_and_signals_done():
+    c, s = FakeCoordinator(), Counter()
+    assert train(c, stepper(), s) is s
+    assert s.seen == [0, 1, 2, 3, 4, 5]
+    assert c.calls == ["rendezvous", "barrier", "done"] and s.synced == [(2, 0)]
+
+
+def test_a_failed_step_is_rolled_back_to_exactly_its_snapshot_and_the_group_reformed():
+    c, s = FakeCoordinator(), Counter()
+    error = RuntimeError("[gloo/transport/tcp/pair.cc] Connection reset by peer")
+    train(c, stepper({3: error}), s)
+    assert s.applied == [{"step": 2, "seen": [0, 1]}], "the state before the failed step"
+    assert s.seen == [0, 1, 2, 3, 4, 5], "the failed step ran again, once"
+    assert (
+        c.calls == ["rendezvous", "barrier", "rendezvous", "barrier", "done"] and len(s.synced) == 2
+    )
+    assert c.errors == [error]
+
+
+def test_a_step_that_raises_other_than_runtime_error_fails_as_the_classic_loop_did():
+    c, s = FakeCoordinator(), Counter()
+    error = ValueError("a bad batch")
+    with pytest.raises(ValueError, match="a bad batch") as info:
+        train(c, stepper({2: error}), s)
+    assert info.value is error and c.errors == [error] and c.rounds == 1 and s.applied == []
+
+
+def test_a_reform_asked_for_by_the_coordinator_syncs_without_rolling_back():
+    c, s = FakeCoordinator(reform_after=2), Counter()
+    train(c, stepper(), s)
+    assert s.applied == [] and s.seen == [0, 1, 2, 3, 4, 5]
+    assert c.rounds == 4 and len(s.synced) == 4  # every 2 steps, and once more to find the end
+
+
+def test_stop_iteration_ends_training_cleanly():
+    c, s = FakeCoordinator(), Counter(steps=2)
+    assert train(c, stepper(), s) is s and c.calls == ["rendezvous", "barrier", "done"]
+
+
+def test_a_stop_from_the_rendezvous_returns_the_state_and_from_a_step_is_raised():
+    class Closed(FakeCoordinator):
+        def rendezvous_barrier(self):
+            self.done = True
+            raise StopException("the job was closed")
+
+    c, s = Closed(), Counter()
+    assert train(c, stepper(), s) is s and s.seen == [] and c.errors == []
+
+    error = StopException("stop here")
+
+    def stop(state):
+        raise error
+
+    c, s = FakeCoordinator(), Counter()
+    with pytest.raises(StopException):
+        train(c, stop, s)
+    assert c.errors == [error]
+
+
+def test_the_default_apply_snapshot_refuses_a_snapshot_it_cannot_apply():
+    class HalfDone(Counter):
+        apply_snapshot = State.apply_snapshot
+
+    c, s = FakeCoordinator(), HalfDone()
+    with pytest.raises(UserMethodError, match="apply_snapshot raised NotImplementedError"):
+        train(c, stepper({2: RuntimeError("Connection reset by peer")}), s)
+
+
+def test_a_non_retryable_failure_ends_the_loop_at_once():
+    c, s = FakeCoordinator(), Counter()
+    error = NonRetryableException("out of disk")
+    with pytest.raises(NonRetryableException) as info:
+        train(c, stepper({2: error}), s)
+    assert info.value is error and c.errors == [error] and c.rounds == 1 and s.applied == []
+
+
+def test_the_failure_budget_is_enforced():
+    c, s = FakeCoordinator(), Counter()
+
+    def always(state):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="maximum of 3 recoverable failures"):
+        train(c, always, s, max_failures=3)
+    assert c.rounds == 3 and len(s.applied) == 3
+
+
+@pytest.mark.parametrize("method", ["sync", "apply_snapshot", "capture_snapshot"])
+def test_a_state_method_that_raises_fails_at_once_naming_it(method):
+    class Broken(Counter):
+        pass
+
+    def boom(*args):
+        raise KeyError("model.weight")
+
+    setattr(Broken, method, boom)
+    c, s = FakeCoordinator(), Broken()
+    with pytest.raises(UserMethodError) as info:
+        train(c, stepper({2: RuntimeError("Connection reset by peer")}), s)
+    assert f"{method} raised KeyError: 'model.weight'" in str(info.value)
+    assert c.rounds <= 2, "no retry loop"
+
+
+def test_sync_failing_because_a_peer_died_is_retried():
+    failures = [RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")]
+
+    class PeerDiesInSync(Counter):
+        def sync(self, world_size, rank):
+            super().sync(world_size, rank)
+            if failures:
+                raise failures.pop()
+
+    c, s = FakeCoordinator(), PeerDiesInSync()
+    train(c, stepper(), s)
+    assert c.rounds == 2 and s.seen == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("bad", [42, "state", (1, 2), [None]])
+def test_a_train_step_returning_what_the_loop_cannot_use_fails_naming_the_value(bad):
+    c, s = FakeCoordinator(), Counter()
+    with pytest.raises(UserMethodError, match="train_step returned") as info:
+        train(c, stepper(returns=lambda state: bad), s)
+    assert repr(bad) in str(info.value) and c.rounds == 1
+
+
+def test_train_step_may_return_the_state_with_worker_stats_or_nothing():
+    stats = SimpleWorkerStats(12.5)
+    c, s = FakeCoordinator(), Counter(steps=2)
+    train(c, stepper(returns=lambda state: (state, stats)), s)
+    assert c.stats == [stats, stats] and stats.get_progress_rate() == 12.5
+    c, s = FakeCoordinator(), Counter(steps=2)
+    train(c, stepper(returns=lambda state: None), s)
+    assert s.seen == [0, 1]
+
+
+def test_train_needs_a_state():
+    with pytest.raises(TypeError, match=r"needs an elastic_launch\.train_loop\.State, got dict"):
+        train(FakeCoordinator(), stepper(), {})  # type: ignore[arg-type]
+
+
+def test_the_default_save_and_load_go_through_the_snapshot():
+    s = Counter()
+    s.step, s.seen = 3, [0, 1, 2]
+    buffer = io.BytesIO()
+    s.save(buffer)
+    buffer.seek(0)
+    t = Counter()
+    t.load(buffer)
+    assert (t.step, t.seen) == (3, [0, 1, 2])
+    assert State().capture_snapshot() is None and State().should_save_checkpoint(0) is False
+    State().apply_snapshot(None)  # no rollback: nothing to do
+
+
+def test_the_classic_names_are_exported_from_elastic_launch():
+    import elastic_launch
+
+    for name in ("State", "train", "Coordinator", "StopException", "NonRetryableException"):
+        assert getattr(elastic_launch, name) is not None
