@@ -166,14 +166,9 @@ def test_a_worker_stopped_mid_run_is_found_hung_and_replaced(tmp_path, reference
     job.assert_recovered(reference, victims)
 
 
-@pytest.mark.timeout(240)
-def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, reference):
-    # Two "nodes" (agents) of one worker each; the embedded rendezvous is hosted by the
-    # first. The second node's agent is SIGKILLed (its worker dies with it); as a cluster
-    # would, a new agent is started in its place, and the job goes on from the checkpoint.
-    job = Job(tmp_path, "agent")
-    endpoint = f"127.0.0.1:{free_port()}"
-    node = [
+def _two_node_args(job: Job, endpoint: str, run_id: str, *extra: str) -> list[str]:
+    """One node of a two-node job of one worker per node on the embedded rendezvous."""
+    return [
         "--nnodes",
         "2",
         "--nproc-per-node",
@@ -183,12 +178,23 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
         "--rdzv-endpoint",
         endpoint,
         "--rdzv-id",
-        f"faults-{os.getpid()}",
+        run_id,
         "--max-restarts",
         "3",
+        *extra,
         *FAST,
         *job.args(),
     ]
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, reference):
+    # Two "nodes" (agents) of one worker each; the embedded rendezvous is hosted by the
+    # first. The second node's agent is SIGKILLed (its worker dies with it); as a cluster
+    # would, a new agent is started in its place, and the job goes on from the checkpoint.
+    job = Job(tmp_path, "agent")
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = _two_node_args(job, endpoint, f"faults-{os.getpid()}")
     # One worker per node: elasticrun (as torchrun) leaves OMP_NUM_THREADS alone, and torch's
     # kernels would sum in another order than the reference's (2 workers: 1 thread each).
     one_thread = {"OMP_NUM_THREADS": "1"}
@@ -328,28 +334,17 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
     procs = []
 
     def node(host: int) -> subprocess.Popen[str]:
-        args = [
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
+        args = _two_node_args(
+            job,
             endpoint,
-            "--rdzv-id",
             f"partition-{os.getpid()}",
             "--rdzv-conf",
             f"is_host={'true' if host == 0 else 'false'}",
             "--local-addr",
             two_hosts.addrs[host],
-            "--max-restarts",
-            "3",
             "--shutdown-timeout",
             "3",
-            *FAST,
-            *job.args(),
-        ]
+        )
         # gloo binds the interface named here (the hostname resolves to 127.0.0.1 on both);
         # one thread per worker, as in the agent scenario above.
         env = {"GLOO_SOCKET_IFNAME": two_hosts.links[host], "OMP_NUM_THREADS": "1"}

@@ -104,44 +104,39 @@ def train(
             coordinator.on_error(e)
             raise e
         snapshot = _user("capture_snapshot", state.capture_snapshot)
+        forming = True  # the classic loop ends on a StopException only while forming
         try:
             _, rank, world_size = coordinator.rendezvous_barrier()
             coordinator.init_process_group()
             _user("sync", state.sync, world_size, rank)
             coordinator.barrier()
-        except StopException:
-            break  # the job was closed: training is over
+            forming = False
+            while not coordinator.should_stop_training():
+                snapshot = _user("capture_snapshot", state.capture_snapshot)
+                state, stats = _unpack(train_step(state), state)
+                coordinator.monitor_progress(state, stats)
+                if coordinator.should_rendezvous(state):
+                    break
+                coordinator.report_progress(state)
+        except StopException as e:
+            if forming:
+                break  # the job was closed: training is over
+            coordinator.on_error(e)
+            raise
+        except StopIteration as e:
+            if forming:
+                coordinator.on_error(e)
+                raise
+            coordinator.signal_training_done()
         except RuntimeError as e:
             if isinstance(e, NonRetryableException):
                 coordinator.on_error(e)
                 raise
             failures += 1
             _recover(coordinator, state, snapshot, e, failures, max_failures)
-            continue
         except Exception as e:
             coordinator.on_error(e)
             raise
-        while not coordinator.should_stop_training():
-            snapshot = _user("capture_snapshot", state.capture_snapshot)
-            try:
-                state, stats = _unpack(train_step(state), state)
-                coordinator.monitor_progress(state, stats)
-                if coordinator.should_rendezvous(state):
-                    break
-                coordinator.report_progress(state)
-            except StopIteration:
-                coordinator.signal_training_done()
-                break
-            except RuntimeError as e:
-                if isinstance(e, NonRetryableException):
-                    coordinator.on_error(e)
-                    raise
-                failures += 1
-                _recover(coordinator, state, snapshot, e, failures, max_failures)
-                break
-            except Exception as e:
-                coordinator.on_error(e)
-                raise
     return state
 
 
