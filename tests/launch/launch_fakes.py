@@ -38,6 +38,7 @@ class FakeProcess(Process):
         self.status: tuple[int | None, int | None] | None = None
         self.exits_on: set[int] = {15, 9, 2, 1}  # signals it dies of (SIGTERM, SIGKILL...)
         self.is_watched = False
+        self.stack: str | None = None  # what it dumps when asked for its stacks
 
     def reap(self, timeout: float) -> tuple[int | None, int | None]:
         return self.status if self.status is not None else (None, None)
@@ -46,7 +47,12 @@ class FakeProcess(Process):
         self.is_watched = True
 
     def signal(self, sig: int) -> None:
+        from elastic_launch import worker_main
+
         self.signals.append(sig)
+        if sig == worker_main.STACK_SIGNAL and self.stack is not None:
+            with open(self.request.env[worker_main.STACK_FILE_ENV], "a") as f:
+                f.write(self.stack)
 
     def signal_group(self, sig: int) -> None:
         self.group_signals.append(sig)

@@ -317,3 +317,116 @@ def test_health_names_the_state_and_the_workers(node):
     n.cancel.cancel(signal.SIGTERM)
     n.finish()
     assert n.agent.health()["state"] == "stopped" and not n.agent.health()["healthy"]
+
+
+# ---- workers that run the train loop: one dies, one is replaced ----------------------------
+
+
+def _in_loop(p, what: str = "running") -> None:
+    """What the worker's coordinator writes when it runs the train loop (team.LOOP_FILE_ENV)."""
+    with open(p.request.env["ELASTICRUN_LOOP_FILE"], "w") as f:
+        f.write(what)
+
+
+def test_a_dead_train_loop_worker_is_replaced_alone(node):
+    n = node(max_restarts=2).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    replacement = n.spawner.spawned[2]
+    assert replacement.request.local_rank == 1
+    assert replacement.request.env["ELASTICRUN_REPLACEMENT"] == "1"
+    assert first[0].group_signals == [] and first[0].signals == [], "the survivor is untouched"
+    assert n.rdzv.calls == [(RestartReason.START, "")], "no new round of the nodes"
+    replaced = [e for e in n.recorder.events if e.name == "worker_replaced"]
+    assert replaced and replaced[0].data["local_rank"] == 1 and replaced[0].data["restarts"] == 1
+    for p in (first[0], replacement):
+        n.watchdog.exit_process(p, code=0)
+    result = n.finish()
+    assert result.state == AgentState.SUCCEEDED and result.restarts == 1 and result.attempts == 1
+    assert [f.kind for f in result.failures] == [FailureKind.SIGNAL]
+
+
+def test_a_hung_train_loop_worker_is_killed_and_replaced_alone(node):
+    n = node(max_restarts=1).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    n.watchdog.hang(first[0])
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    assert first[0].group_signals, "the hung worker is stopped"
+    assert not first[1].group_signals, "its peer is not"
+    for p in (first[1], n.spawner.spawned[2]):
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_replacements_spend_the_restart_budget_then_the_job_fails(node):
+    n = node(max_restarts=1).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    n.watchdog.exit_process(first[0], code=1)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    _in_loop(n.spawner.spawned[2])
+    n.watchdog.exit_process(n.spawner.spawned[2], code=1)
+    result = n.finish()
+    assert result.state == AgentState.FAILED
+    assert "restarts exhausted (1)" in result.message
+    assert n.rdzv.closed().reason == CloseReason.FAILED
+    assert first[1].group_signals[0] == signal.SIGTERM, "the rest is stopped at the end"
+
+
+def test_a_train_loop_worker_that_failed_for_good_fails_the_job_at_once(node):
+    n = node(max_restarts=5).play()
+    first = n.running()
+    _in_loop(first[0])
+    _in_loop(first[1], "fatal")  # a NonRetryableException
+    n.watchdog.exit_process(first[1], code=1)
+    result = n.finish()
+    assert result.state == AgentState.FAILED and result.restarts == 0
+    assert len(n.spawner.spawned) == 2, "nothing was replaced or restarted"
+    assert "rank 1 exit code 1" in result.message
+
+
+def test_a_membership_change_keeps_train_loop_workers_running(node):
+    n = node(max_restarts=0).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    n.rdzv.changed = True
+    n.wait_for(lambda: len(n.rdzv.calls) == 2 and n.agent.state == AgentState.RUNNING)
+    assert n.rdzv.calls[1] == (RestartReason.MEMBERSHIP, "")
+    assert len(n.spawner.spawned) == 2 and not first[0].group_signals, "nobody restarted"
+    assert n.agent.attempt == 0
+    for p in first:
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_a_hung_train_loop_worker_waiting_in_a_collective_is_judged_after_its_peer(node):
+    """Both look hung; the one inside torch.distributed waits for the other, which is replaced
+    first. The waiting one gets one more hang period, and is replaced if still stuck."""
+    n = node(max_restarts=2, hang_timeout=0.5, stack_dump_timeout=0.3).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    first[0].stack = (
+        'Thread 0x1 (most recent call first):\n  File "/x/torch/distributed/'
+        'distributed_c10d.py", line 3252 in all_reduce\n  File "train.py", line 9 in step\n'
+    )
+    n.watchdog.hang(first[0])  # the victim is found first
+    n.wait_for(lambda: bool(n.agent._spared))
+    n.watchdog.hang(first[1])  # the culprit: no stack (it is stopped)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    assert n.spawner.spawned[2].request.local_rank == 1, "the culprit is replaced first"
+    assert first[0].group_signals == [], "the victim is spared for now"
+    n.wait_for(lambda: len(n.spawner.spawned) == 4, timeout=10)
+    assert n.spawner.spawned[3].request.local_rank == 0, "still stuck a period later: replaced"
+    for p in n.spawner.spawned[2:]:
+        n.watchdog.exit_process(p, code=0)
+    result = n.finish()
+    assert result.state == AgentState.SUCCEEDED and result.restarts == 2
+    assert [f.local_rank for f in result.failures] == [1, 0]

@@ -50,6 +50,8 @@ def _no_pet(monkeypatch):
         (["--nnodes", "2000000"], "--nnodes '2000000'"),
         (["--standalone", "--nnodes", "2"], "--standalone runs one node, but --nnodes '2'"),
         (["--standalone", "--nnodes", "1:2"], "asks for up to 2"),
+        (["--min-workers", "0"], "--min-workers '0' is not valid"),
+        (["--min-workers", "two"], "--min-workers 'two' is not valid"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_quoting_it(flags, message):
@@ -133,6 +135,14 @@ def test_a_launch_config_out_of_range_names_the_field(field, value, message):
     with pytest.raises(ConfigError) as e:
         check_config(dataclasses.replace(LaunchConfig(), **{field: value}))
     assert message in str(e.value)
+
+
+def test_min_workers_beyond_the_jobs_workers_names_both():
+    config = config_of("--nnodes", "1:2", "--nproc-per-node", "2", "--min-workers", "5")
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert "--min-workers 5: the job has at most 4 workers" in str(e.value)
+    check_config(dataclasses.replace(config, min_workers=4))
 
 
 def test_a_default_launch_config_is_valid():

@@ -256,3 +256,102 @@ def test_the_classic_names_are_exported_from_elastic_launch():
 
     for name in ("State", "train", "Coordinator", "StopException", "NonRetryableException"):
         assert getattr(elastic_launch, name) is not None
+
+
+# ---- checkpoints and metrics ----------------------------------------------------------------
+
+
+class Saved(Counter):
+    """Checkpoints every `every` steps; `save` may be made to fail."""
+
+    def __init__(self, steps: int = 6, every: int = 2) -> None:
+        super().__init__(steps)
+        self.every = every
+        self.save_fails = False
+
+    def should_save_checkpoint(self, rank: int) -> bool:
+        return self.step % self.every == 0
+
+    def save(self, stream) -> None:
+        if self.save_fails:
+            raise OSError("disk full")
+        super().save(stream)
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    from elastic_launch.train_loop import FileSystemCheckpointManager, set_checkpoint_manager
+
+    manager = FileSystemCheckpointManager(tmp_path / "ck")
+    set_checkpoint_manager(manager)
+    yield manager
+    set_checkpoint_manager(None)
+
+
+def test_rank_zero_saves_when_the_state_asks_and_a_new_run_resumes_from_it(checkpoints):
+    c, s = FakeCoordinator(), Saved(steps=5)
+    train(c, stepper(), s)
+    assert checkpoints.steps() == [0, 1], "after steps 2 and 4"
+    assert c.calls.count("barrier") == 1 + 2, "the first sync, then one per checkpoint"
+    resumed = Saved(steps=7)
+    train(FakeCoordinator(), stepper(), resumed)
+    assert resumed.seen == [0, 1, 2, 3, 4, 5, 6], "it went on from the checkpoint of step 4"
+    assert resumed.applied[0] == {"step": 4, "seen": [0, 1, 2, 3]}
+
+
+def test_only_rank_zero_writes_and_every_rank_meets_at_the_barrier(checkpoints):
+    class Rank1(FakeCoordinator):
+        def rendezvous_barrier(self):
+            super().rendezvous_barrier()
+            return None, 1, 2
+
+    c = Rank1()
+    train(c, stepper(), Saved(steps=4))
+    assert checkpoints.steps() == [] and c.calls.count("barrier") == 1 + 2
+
+
+def test_a_save_that_fails_fails_at_once_and_keeps_the_last_checkpoint(checkpoints):
+    c, s = FakeCoordinator(), Saved(steps=6)
+
+    def step(state):
+        state.save_fails = state.step >= 3
+        return stepper()(state)
+
+    with pytest.raises(UserMethodError, match=r"state\.save raised OSError: disk full"):
+        train(c, step, s)
+    assert checkpoints.steps() == [0]
+    found = checkpoints.load_latest()
+    assert found is not None and found[1] == 0
+
+
+def test_the_loop_publishes_its_metrics_with_the_classic_names():
+    from elastic_launch.train_loop import metrics
+
+    kept = metrics.ListMetricHandler()
+    metrics.configure(kept)
+    try:
+        c, s = FakeCoordinator(), Counter(steps=3)
+        train(c, stepper({2: RuntimeError("Connection reset by peer")}), s)
+    finally:
+        metrics.configure(metrics.NullMetricHandler())
+    names = [m.name for m in kept.values]
+    assert {m.group_name for m in kept.values} == {"torchelastic"}
+    assert names.count("train_step.duration.ms") == 3
+    assert names.count("rollbacks") == 1 and "rollback.duration.ms" in names
+    assert names.count("rendezvous.duration.ms") == 2 and names.count("state_sync.duration.ms") == 2
+    assert "inner_train_loop.duration.ms" in names and "outer_train_loop.duration.ms" in names
+
+
+def test_the_loop_adds_its_rounds_and_rollbacks_to_the_events_file(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv("ELASTICRUN_EVENTS_FILE", str(path))
+    train(FakeCoordinator(), stepper({2: RuntimeError("Connection reset by peer")}), Counter(3))
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == [
+        "train_loop_round",
+        "train_loop_rollback",
+        "train_loop_round",
+    ]
+    assert events[0]["world_size"] == 2 and events[1]["failures"] == 1

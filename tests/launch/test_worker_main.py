@@ -102,7 +102,9 @@ def test_the_optimizer_step_hook_is_installed_when_torch_optim_is_imported(tmp_p
 def test_a_stack_dump_on_the_stack_signal(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(
-        "import time\ndef waiting_here():\n    time.sleep(60)\nprint('up', flush=True)\n"
+        # "up" from inside the function: a signal after it finds the function's frame (said
+        # before the call, the dump could show the module's frame only)
+        "import time\ndef waiting_here():\n    print('up', flush=True)\n    time.sleep(60)\n"
         "waiting_here()\n"
     )
     stack = tmp_path / "stack.txt"

@@ -478,3 +478,59 @@ def test_an_unreachable_store_says_so_while_it_retries(caplog, monkeypatch):
     (first, *_) = [r.getMessage() for r in caplog.records if "to answer" in r.getMessage()]
     assert "waiting for etcd at 127.0.0.1 to answer (UNAVAILABLE" in first
     assert "retrying until" in first and "--rdzv-endpoint" in first
+
+
+def test_survivors_skip_the_last_call_when_the_rest_is_provably_gone(endpoint, request):
+    """After a failure, a member that died (its presence port refuses, its lease still runs)
+    is not waited for: the survivors' round freezes at once instead of after the last call."""
+    run_id = f"gone-{request.node.callspec.id}-{time.monotonic_ns()}"
+    conf = replace(CONF, last_call_timeout=20.0)
+    members = handlers(endpoint, 3, run_id, min_nodes=2, conf=conf, max_restarts=5)
+    try:
+        form_round(members)
+        dead = members[2]
+        dead._presence.close()  # SIGKILLed: its port refuses at once
+        dead._stop_follower()
+        t0 = time.monotonic()
+        pool = ThreadPoolExecutor(2)
+        futures = [pool.submit(h.next_rendezvous, RestartReason.FAILURE) for h in members[:2]]
+        infos = [f.result(timeout=15) for f in futures]
+        pool.shutdown(wait=False)
+        assert [i.group_world_size for i in infos] == [2, 2]
+        assert time.monotonic() - t0 < conf.last_call_timeout, "it waited out the last call"
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+def test_a_member_that_is_alive_is_waited_for_until_the_last_call(endpoint, request):
+    run_id = f"alive-{request.node.callspec.id}-{time.monotonic_ns()}"
+    conf = replace(CONF, last_call_timeout=1.0)
+    members = handlers(endpoint, 3, run_id, min_nodes=2, conf=conf, max_restarts=5)
+    try:
+        form_round(members)
+        members[2]._stop_follower()  # alive (its port answers) but slow to come back
+        t0 = time.monotonic()
+        pool = ThreadPoolExecutor(2)
+        futures = [pool.submit(h.next_rendezvous, RestartReason.FAILURE) for h in members[:2]]
+        infos = [f.result(timeout=15) for f in futures]
+        pool.shutdown(wait=False)
+        assert [i.group_world_size for i in infos] == [2, 2]
+        assert time.monotonic() - t0 >= conf.last_call_timeout
+    finally:
+        for h in members:
+            h.shutdown()
+
+
+def test_a_note_of_the_round_reaches_every_member_through_its_watch(endpoint, request):
+    members = handlers(endpoint, 3, f"note-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        form_round(members)
+        assert [h.note("reform_at") for h in members] == [None, None, None]
+        members[1].post_note("reform_at", "12")
+        for h in members:
+            wait_for(lambda h=h: h.note("reform_at") == "12", "a member never saw the note")
+        assert not any(h.membership_changed() for h in members), "a note is not a change"
+    finally:
+        for h in members:
+            h.shutdown()

@@ -45,6 +45,7 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
 )
 from elastic_launch.summary import describe
+from elastic_launch.team import FATAL, RUNNING, TeamService
 from elastic_launch.workers import Finding, SpawnError, Worker, WorkerEvent, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Outcome(enum.Enum):
     MEMBERSHIP = "membership"  # nodes came or went
     CANCELLED = "cancelled"  # a signal to the launcher
     UNUSABLE = "unusable"  # a GPU needs a reset: this node cannot go on
+    FATAL = "fatal"  # a train-loop worker failed for good, or its replacements ran out
 
 
 class ElasticAgent:
@@ -77,6 +79,7 @@ class ElasticAgent:
         log_dir: str | None = None,
         host: str | None = None,
         hangs: HangMonitor | None = None,
+        team: TeamService | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -88,6 +91,7 @@ class ElasticAgent:
         self.gpu = gpu
         self.log_dir = log_dir
         self.host = host or socket.gethostname()
+        self.team = team  # the train loop's rendezvous (started when a worker needs it)
         self._state = AgentState.INIT
         self.attempt = -1
         self.restarts = 0
@@ -97,6 +101,12 @@ class ElasticAgent:
         )
         self._detected_ns: int | None = None  # when the last attempt's end was seen
         self._restart_reason = RestartReason.START
+        self._kept = False  # train-loop workers kept running across a new round of the nodes
+        self._fatal = ""  # why the job ends at once (Outcome.FATAL)
+        # Train-loop workers found hung while waiting in a collective: local rank -> (pid, its
+        # last beat then, when it is judged after all).
+        self._spared: dict[int, tuple[int, int, int]] = {}
+        self._spare_ns = 0  # how long they are spared
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -168,7 +178,7 @@ class ElasticAgent:
             info = self._rendezvous(reason, failure)
             if isinstance(info, RunResult):
                 return info
-            outcome = self._attempt(info)
+            outcome = self._resume(info) if self._kept else self._attempt(info)
             step = self._finish(outcome)
             if isinstance(step, RunResult):
                 return step
@@ -201,6 +211,8 @@ class ElasticAgent:
             formed_at=time.time(),
             store_requests=counters.store_requests,
         )
+        if self._kept:
+            return info  # the same workers go on: neither an attempt nor a restart
         self.attempt += 1
         self.restarts = info.restart_count
         if reason == RestartReason.FAILURE:
@@ -261,6 +273,112 @@ class ElasticAgent:
         self._transition(AgentState.RUNNING)
         return self._monitor()
 
+    def _resume(self, info: RendezvousInfo) -> Outcome:
+        """A new round of the nodes while this node's train-loop workers keep running: they
+        re-form their own group (:mod:`elastic_launch.team`); replacements join this round."""
+        self._kept = False
+        self.group.follow(info)
+        self._transition(AgentState.RUNNING, round=info.round, kept=len(self.group.alive()))
+        return self._monitor()
+
+    def _in_train_loop(self) -> bool:
+        """Whether this node's workers run the train loop (one said so: the script is the
+        same for all), so that a dead one is replaced alone."""
+        return any(w.train_loop() == RUNNING for w in self.group.workers)
+
+    def _replace(self, w: Worker, failure: WorkerFailure) -> Outcome | None:
+        """A train-loop worker died: start one in its place and leave the others running
+        (they roll back and re-form without it, or with its replacement)."""
+        if w.train_loop() == FATAL:
+            self._fatal = f"rank {w.rank} {describe(failure)}"
+            return Outcome.FATAL
+        if self.restarts >= self.config.max_restarts:
+            self._fatal = (
+                f"restarts exhausted ({self.config.max_restarts}); rank {w.rank} "
+                f"{describe(failure)}"
+            )
+            return Outcome.FATAL
+        self.restarts += 1
+        logger.warning(
+            "replacing rank %d alone (restart %d of %d) after: rank %d %s; the other workers "
+            "keep running the train loop",
+            w.rank,
+            self.restarts,
+            self.config.max_restarts,
+            w.rank,
+            describe(failure),
+        )
+        t0 = elastic_core.now_ns()
+        try:
+            new = self.group.replace(w.local_rank)
+        except SpawnError as e:
+            assert self.group._info is not None
+            self._spawn_failed(e, self.group._info)
+            self._fatal = f"a replacement for rank {w.rank} could not start: {e}"
+            return Outcome.FATAL
+        # Those spared while waiting for a peer get a full period from now, when that peer
+        # (if it was this one) is gone and their collective fails.
+        for local_rank, (pid, last, _) in list(self._spared.items()):
+            self._spared[local_rank] = (pid, last, elastic_core.now_ns() + self._spare_ns)
+        self.events.emit(
+            "worker_replaced",
+            self.attempt,
+            rank=new.rank,
+            local_rank=new.local_rank,
+            pid=new.pid,
+            generation=new.generation,
+            restarts=self.restarts,
+            spawn_seconds=(elastic_core.now_ns() - t0) / 1e9,
+            recovery_seconds=(elastic_core.now_ns() - failure.time_ns) / 1e9,
+        )
+        return None
+
+    def _spare(self, w: Worker, stack: str) -> bool:
+        """A train-loop worker found hung inside a collective waits for a peer: the peer is
+        judged first (here or on its node), and its death ends the wait. This one gets one more
+        hang period; still stuck after it (:meth:`_check_spared`), it is replaced too."""
+        if not _waits_on_peers(stack):
+            return False
+        beat = self.group.beats().get(w.local_rank)
+        limit = self.hangs.limit()
+        if beat is not None and beat.timeout_ms:
+            limit = beat.timeout_ms / 1000
+        if limit == float("inf"):
+            return False
+        last = beat.last_beat_ns if beat is not None else 0
+        self._spare_ns = int(limit * 1e9)
+        self._spared[w.local_rank] = (w.pid, last, elastic_core.now_ns() + self._spare_ns)
+        logger.warning(
+            "rank %d is stuck in a collective: it waits for a peer, which is judged first; it "
+            "is replaced only if it is still stuck in %.0f s",
+            w.rank,
+            limit,
+        )
+        return True
+
+    def _check_spared(self) -> Outcome | None:
+        """Spared workers that beat again are well; those still stuck are replaced."""
+        if not self._spared:
+            return None
+        beats = self.group.beats()
+        now = elastic_core.now_ns()
+        for local_rank, (pid, last, deadline) in list(self._spared.items()):
+            w = self.group.get(local_rank)
+            beat = beats.get(local_rank)
+            if w is None or w.pid != pid or w.exited or (beat and beat.last_beat_ns != last):
+                del self._spared[local_rank]
+                continue
+            if now < deadline:
+                continue
+            del self._spared[local_rank]
+            self.group.mark_failed(w)
+            detail = "still stuck in a collective one hang period after its first finding"
+            failure = self._record_failure(
+                w, FailureKind.HUNG, WorkerEvent(Finding.HUNG, w, now, detail)
+            )
+            return self._replace(w, failure)
+        return None
+
     def _monitor(self) -> Outcome:
         ready = False
         while True:
@@ -278,9 +396,11 @@ class ElasticAgent:
                 outcome = self._on_event(event)
                 if outcome is not None:
                     return outcome
-            outcome = self._check_hangs()
+            outcome = self._check_hangs() or self._check_spared()
             if outcome is not None:
                 return outcome
+            if self.team is not None and self.team.pending and self._in_train_loop():
+                self.team.ensure()  # a worker runs the loop: it waits for its rendezvous
             if not ready and self.group.all_beating():
                 ready = True
                 first = min(w.started_ns for w in self.group.workers)
@@ -293,15 +413,26 @@ class ElasticAgent:
         if event.finding == Finding.EXITED:
             if w.exit_code == 0:
                 return Outcome.SUCCEEDED if self.group.succeeded else None
-            self._record_failure(w, _exit_kind(w), event)
-            return Outcome.FAILED
-        self.group.mark_failed(w)
+            failure = self._record_failure(w, _exit_kind(w), event)
+            return self._replace(w, failure) if self._in_train_loop() else Outcome.FAILED
         if event.finding == Finding.HUNG:
+            if w.local_rank in self._spared:
+                return None  # spared already: _check_spared judges it
+            in_loop = self._in_train_loop()
+            # In the loop only this worker is judged: only its stack is asked for.
+            only = {w.local_rank} if in_loop else None
+            stacks = self.group.dump_stacks(self.config.stack_dump_timeout, only)
+            stack = stacks.get(w.local_rank, "(no Python stack: the worker did not answer)")
+            if in_loop and self._spare(w, stack):
+                return None
+            self.group.mark_failed(w)
             failure = self._record_failure(w, FailureKind.HUNG, event)
-            stacks = self.group.dump_stacks(self.config.stack_dump_timeout)
-            failure.stack = stacks.get(w.local_rank, "(no Python stack: the worker did not answer)")
-        else:
-            self._record_failure(w, FailureKind.GPU, event)
+            failure.stack = stack
+            if in_loop:
+                return self._replace(w, failure)
+            return Outcome.FAILED
+        self.group.mark_failed(w)  # its GPU: the node's round is redone (a reset may be due)
+        self._record_failure(w, FailureKind.GPU, event)
         return Outcome.FAILED
 
     def _finish(self, outcome: Outcome) -> RunResult | tuple[RestartReason, str]:
@@ -314,6 +445,19 @@ class ElasticAgent:
             return self._result(AgentState.SUCCEEDED, values)
         if outcome == Outcome.CANCELLED:
             return self._stopped()
+        if outcome == Outcome.FATAL:
+            self.rdzv.set_closed(CloseReason.FAILED, self._fatal)
+            self._stop_workers(signal.SIGTERM)
+            return self._failed(f"the job failed: {self._fatal}")
+        if outcome == Outcome.MEMBERSHIP and self._in_train_loop():
+            # Nodes came or went: the nodes' round is redone, the train loop's workers keep
+            # running and re-form their group by themselves.
+            self._kept = True
+            self.events.emit(
+                "membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting()
+            )
+            self._restart_reason = RestartReason.MEMBERSHIP
+            return RestartReason.MEMBERSHIP, ""
         if outcome == Outcome.UNUSABLE:
             detail = f"an unusable GPU on {self.host}: {self._root_line()}"
             self.rdzv.set_closed(CloseReason.FAILED, detail)
@@ -539,6 +683,12 @@ class ElasticAgent:
                 detail = f"{hung.detail}; {self.hangs.advice(0)}"
                 return self._on_event(WorkerEvent(Finding.HUNG, w, now, detail))
         return None
+
+
+def _waits_on_peers(stack: str) -> bool:
+    """Whether a worker's Python stack is inside a torch.distributed call (a collective or a
+    store wait): blocked by a peer rather than stuck on its own."""
+    return "torch/distributed/" in stack
 
 
 def _finite(x: float) -> float | None:

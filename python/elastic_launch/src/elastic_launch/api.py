@@ -69,6 +69,7 @@ class LaunchConfig:
     health_port: str | None = None  # "PORT" or "HOST:PORT"
     stack_dump_timeout: float = 2.0  # how long to wait for hung workers' stacks
     gpu_check_interval: float = 5.0  # seconds between NVML checks; 0: none
+    min_workers: int | None = None  # the train loop goes on with this many (None: all)
 
 
 class FailureKind(str, enum.Enum):

@@ -266,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="modules (comma-separated, repeatable) a zygote imports once; workers are forked "
         "from it, so a restart skips the interpreter and import cost (e.g. torch)",
     )
+    _add(
+        e,
+        "min-workers",
+        default=None,
+        help="the classic train loop (elastic_launch.train_loop): when a worker dies, the "
+        "others go on while at least this many remain, and its replacement joins later "
+        "(default: --nnodes MIN x --nproc-per-node: they wait for the replacement)",
+    )
     _add(e, "events-file", default=None, help="append agent events as JSON lines to this file")
     _add(e, "metrics-port", default=None, help="serve Prometheus metrics on [HOST:]PORT")
     _add(e, "health-port", default=None, help="serve /healthz on [HOST:]PORT")
@@ -363,6 +371,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         metrics_port=args.metrics_port,
         health_port=args.health_port,
         gpu_check_interval=num("gpu_check_interval"),
+        min_workers=None if args.min_workers is None else int(num("min_workers")),
     )
     if compat.set_omp_default(nproc):
         logger.warning(compat.OMP_WARNING)

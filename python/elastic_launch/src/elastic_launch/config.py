@@ -326,6 +326,7 @@ RANGES: dict[str, tuple[bool, float, float, bool, str]] = {
     "hang_timeout_factor": (False, 0, 1_000_000, True, "times the step interval"),
     "stack_dump_timeout": (False, 0, 3600, False, "seconds"),
     "gpu_check_interval": (False, 0, 86_400, False, "seconds"),
+    "min_workers": (True, 1, 1 << 31, False, "a number of workers"),
 }
 
 
@@ -403,6 +404,13 @@ def check_config(config: LaunchConfig) -> None:
         value = getattr(config, name)
         if value is not None:
             check_range(name, value)
+    most = config.max_nodes * config.nproc_per_node
+    if config.min_workers is not None and config.min_workers > most:
+        raise ConfigError(
+            f"--min-workers {config.min_workers}: the job has at most {most} workers (--nnodes "
+            f"{config.min_nodes}:{config.max_nodes} x --nproc-per-node {config.nproc_per_node});"
+            f" give 1 to {most}"
+        )
     if config.hang_timeout is not None and config.hang_timeout != math.inf:
         parse_hang_timeout(repr(config.hang_timeout), "hang_timeout")
     if config.start_method not in ("spawn", "fork", "forkserver"):

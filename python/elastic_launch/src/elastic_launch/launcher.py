@@ -37,6 +37,7 @@ from elastic_launch.logs import LogLayout
 from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
 from elastic_launch.spawn import FreshInterpreter, FunctionFork, Spawner, ZygoteFork
 from elastic_launch.summary import format_summary
+from elastic_launch.team import EVENTS_FILE_ENV, TEAM_ENV, serve_team
 from elastic_launch.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,14 @@ def run(
         spawner = make_spawner(config, entrypoint, cancel, guardian)
         stack.callback(spawner.close)
         extra_env = stack.enter_context(_file_timer(layout.run_dir, run_id))
+        team = stack.enter_context(
+            serve_team(
+                config, run_id, layout.run_dir, can_serve=not isinstance(spawner, FunctionFork)
+            )
+        )
+        extra_env = {**extra_env, TEAM_ENV: team.team.to_env()}
+        if config.events_file:  # the train loop adds its rounds and rollbacks
+            extra_env[EVENTS_FILE_ENV] = os.path.abspath(config.events_file)
         rdzv: RendezvousHandler = create_handler(rendezvous_parameters(config, run_id))
         stack.callback(rdzv.shutdown, cancel)
         group = stack.enter_context(
@@ -189,6 +198,7 @@ def run(
             cancel=cancel,
             gpu=gpu,
             log_dir=layout.run_dir if layout.kept and layout.keep_logs else None,
+            team=team,
         )
         if config.health_port:
             from elastic_launch.health import HealthServer

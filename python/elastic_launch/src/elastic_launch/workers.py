@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import elastic_core
 
-from elastic_launch import compat, devices, worker_main
+from elastic_launch import compat, devices, team, worker_main
 from elastic_launch.api import LaunchConfig, Std, WorkerState
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.config import std_for
@@ -77,6 +77,7 @@ class Worker:
     stdout_log: str | None
     stderr_log: str | None
     result_file: str | None = None
+    loop_file: str = ""  # where it says it runs the train loop (team.LOOP_FILE_ENV)
     generation: int = 0  # 0, then 1, 2... for replacements within the attempt
     state: WorkerState = WorkerState.RUNNING
     exited: bool = False  # the process is gone (and reaped)
@@ -88,6 +89,15 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def train_loop(self) -> str | None:
+        """What the worker said of the train loop: None (it does not run it), team.RUNNING,
+        or team.FATAL (it failed for good)."""
+        try:
+            with open(self.loop_file) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
 
 class Finding(str, enum.Enum):
@@ -206,6 +216,13 @@ class WorkerGroup:
         for local_rank in range(self.config.nproc_per_node):
             self._start(local_rank, generation=0)
 
+    def follow(self, info: RendezvousInfo) -> None:
+        """A new round of the nodes while the workers keep running (the train loop forms
+        its own groups): replacements start in it, and the workers' ranks are its own."""
+        self._info = info
+        for w in self._workers.values():
+            w.rank = info.rank_offset + w.local_rank
+
     def replace(self, local_rank: int, grace: float | None = None) -> Worker:
         """Stop worker `local_rank` if it still runs (its signal, the grace period, SIGKILL)
         and start a new one in its place, with the same rank, environment and round; the
@@ -272,6 +289,7 @@ class WorkerGroup:
             started_ns=0,
             rank_dir=rank_dir,
             error_file=os.path.join(rank_dir, "error.json"),
+            loop_file=os.path.join(rank_dir, "train_loop"),
             stack_file=os.path.join(rank_dir, "stack.txt"),
             stdout_log=logs[0],
             stderr_log=logs[1],
@@ -313,6 +331,7 @@ class WorkerGroup:
                 "ELASTICRUN_ATTEMPT": str(self._attempt),
                 "ELASTICRUN_ROUND": str(info.round),
                 "ELASTICRUN_REPLACEMENT": str(w.generation),
+                team.LOOP_FILE_ENV: w.loop_file,
                 # SIGTERM -> SIGKILL: what a worker has to finish (elastic_sampler's saves).
                 "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
             }
@@ -441,6 +460,8 @@ class WorkerGroup:
         pending = {w.local_rank: w for w in targets if not w.exited}
         for w in pending.values():
             w.process.signal_group(sig)
+            if sig != signal.SIGKILL:
+                w.process.signal_group(signal.SIGCONT)  # a stopped worker acts on it too
         deadline = Deadline(grace)
         notice = Notice(
             lambda: (
@@ -519,13 +540,16 @@ class WorkerGroup:
                 values[w.rank] = None
         return values
 
-    def dump_stacks(self, timeout: float) -> dict[int, str]:
-        """Ask every live Python worker for its threads' stacks (faulthandler); by local rank.
-        Each stack is also appended to the worker's stderr log (or the console)."""
+    def dump_stacks(self, timeout: float, only: set[int] | None = None) -> dict[int, str]:
+        """Ask every live Python worker (or those of local ranks `only`) for its threads'
+        stacks (faulthandler); by local rank. Each stack is also appended to the worker's
+        stderr log (or the console)."""
         if not self.entrypoint.is_python:
             return {}
         sizes: dict[int, int] = {}
         for w in self.alive():
+            if only is not None and w.local_rank not in only:
+                continue
             sizes[w.local_rank] = _size(w.stack_file)
             w.process.signal(worker_main.STACK_SIGNAL)
         previous = dict(sizes)

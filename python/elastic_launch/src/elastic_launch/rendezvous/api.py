@@ -162,6 +162,14 @@ class RendezvousHandler(abc.ABC):
         """Nodes waiting to be admitted (they are, at the next round)."""
         return 0
 
+    def post_note(self, name: str, value: str) -> None:  # noqa: B027 - one member: nobody to tell
+        """Tell the other members of the running round `name` = `value`."""
+
+    def note(self, name: str) -> str | None:
+        """A note of the running round (:meth:`post_note`) as this member knows it, without a
+        request: backends with a store bring notes with their watch."""
+        return None
+
     def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
         """After a local worker failure: the other members of the round that are gone (their
         agent died), so that the failure counts as a membership change. Looks for a short

@@ -264,6 +264,10 @@ class ElasticRendezvous(RendezvousHandler):
         leading = leader == self.node
         watched = [self.prefix + "/"] if leading else [self._state_key, join_prefix + leader]
         last_call: Deadline | None = None
+        spares = f"{self._m}/waiting/"
+        waiting = {kv.key[len(spares) :] for kv in kvs if kv.key.startswith(spares)}
+        looked: set[str] = set()
+        rest_gone = False
         p = self.params
 
         def waiting_for() -> str:
@@ -293,8 +297,13 @@ class ElasticRendezvous(RendezvousHandler):
                 if leading and len(joined) >= self.params.min_nodes:
                     if last_call is None:
                         last_call = Deadline(self.conf.last_call_timeout)
+                    if set(joined) != looked:  # who is back: look again at who is not
+                        looked, rest_gone = set(joined), self._rest_gone(state, joined, waiting)
                     ready = rnd.ready_to_freeze(
-                        len(joined), self.params.min_nodes, self.params.max_nodes, last_call.passed
+                        len(joined),
+                        self.params.min_nodes,
+                        self.params.max_nodes,
+                        last_call.passed or rest_gone,
                     )
                     if ready:
                         frozen = rnd.freeze(
@@ -315,6 +324,13 @@ class ElasticRendezvous(RendezvousHandler):
                         if change.value is None:
                             return None
                         state, sversion = RoundState.from_json(change.value), change.revision
+                    elif change.key.startswith(f"{self._m}/waiting/"):
+                        spare = change.key.rsplit("/", 1)[1]
+                        if change.value is None:
+                            waiting.discard(spare)
+                        else:
+                            waiting.add(spare)
+                            looked = set()  # a spare is coming: wait for the last call
                     elif change.key.startswith(join_prefix):
                         node = change.key[len(join_prefix) :]
                         if change.value is not None:
@@ -325,6 +341,27 @@ class ElasticRendezvous(RendezvousHandler):
                         else:
                             joined.pop(node, None)
                             infos.pop(node, None)
+
+    def _rest_gone(self, state: RoundState, joined: dict[str, int], waiting: set[str]) -> bool:
+        """Whether the last call can be skipped: this round follows another, no spare waits,
+        and every member of the previous round is back or provably gone (its join key expired,
+        or its presence port refuses: a process that died on a host that is up). Survivors of
+        a failure go on at once instead of waiting for the dead."""
+        if not state.prev_ranks or state.version <= 1 or waiting - set(joined):
+            return False
+        missing = set(state.prev_ranks) - set(joined)
+        prev = f"{self._m}/v{state.version - 1}/join/"
+        targets: dict[str, tuple[str, int]] = {}
+        for node in missing:
+            kv = self.store.get(prev + node)
+            if kv is None:
+                continue  # its lease expired: gone
+            member = Member.from_json(kv.value)
+            if not member.presence:
+                return False
+            targets[node] = (member.addr, member.presence)
+        answers = probe(targets, min(PROBE_TIMEOUT, 0.25)) if targets else {}
+        return all(a == REFUSED for a in answers.values())
 
     def _rejoin(self, me: str, joined: dict[str, int]) -> None:
         """Our lease expired while we waited: our join key again (a new lease is in place)."""
@@ -494,6 +531,18 @@ class ElasticRendezvous(RendezvousHandler):
     def membership_changed(self) -> bool:
         return self._follower is not None and self._follower.changed.is_set()
 
+    def post_note(self, name: str, value: str) -> None:
+        """Tell every member of the running round `name` = `value` (they read it with
+        :meth:`note`, from their watch: no request per read). The note goes with the round."""
+        if self._round is None:
+            raise RuntimeError("post_note() needs a running round")
+        self.store.put(f"{self._m}/v{self._round.version}/note/{name}", value.encode())
+
+    def note(self, name: str) -> str | None:
+        """A note of the running round, as far as this member's watch has seen."""
+        f = self._follower
+        return f.notes.get(name) if f is not None else None
+
     def num_nodes_waiting(self) -> int:
         f = self._follower
         if f is None or self._round is None:
@@ -642,6 +691,7 @@ class _Follower:
         self.changed = threading.Event()
         self.waiting: set[str] = set()
         self.done: set[str] = set()
+        self.notes: dict[str, str] = {}
         self._stop = threading.Event()
         self._inbox: Inbox | None = None
         self._lock = threading.Lock()
@@ -676,6 +726,8 @@ class _Follower:
             kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/waiting/")
         }
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+        for kv in kvs:
+            self._apply_note(kv.key, kv.value)
         # The watch sees changes after `revision`; whatever happened between the round going
         # final and that range (a member gone, the round reopened) shows in the range itself.
         state, _ = r._state_in(kvs)
@@ -724,5 +776,13 @@ class _Follower:
             if node == r.node:
                 self.changed.set()  # our own lease expired
             elif node in self.round.nodes and node not in self.done:
-                logger.warning("node %s left the job", node)
+                if r._closed is None:  # a closed job's keys all go: nobody left it
+                    logger.warning("node %s left the job", node)
                 self.changed.set()
+        else:
+            self._apply_note(c.key, c.value)
+
+    def _apply_note(self, key: str, value: bytes | None) -> None:
+        prefix = f"{self.rdzv._m}/v{self.round.version}/note/"
+        if key.startswith(prefix) and value is not None:
+            self.notes[key[len(prefix) :]] = value.decode()

@@ -18,6 +18,7 @@ A script written for torchelastic 0.1 runs after changing its imports::
 
 from __future__ import annotations
 
+from elastic_launch.train_loop import metrics
 from elastic_launch.train_loop.api import (
     Coordinator,
     NonRetryableException,
@@ -27,17 +28,36 @@ from elastic_launch.train_loop.api import (
     UserMethodError,
     WorkerStats,
 )
+from elastic_launch.train_loop.checkpoint import (
+    FileSystemCheckpointManager,
+    get_checkpoint_manager,
+    set_checkpoint_manager,
+)
+from elastic_launch.train_loop.coordinator import (
+    CoordinatorP2P,
+    ElasticCoordinator,
+    from_environment,
+    parse_init_method,
+)
 from elastic_launch.train_loop.loop import MAX_FAILURES, is_group_failure, train
 
 __all__ = [
     "MAX_FAILURES",
     "Coordinator",
+    "CoordinatorP2P",
+    "ElasticCoordinator",
+    "FileSystemCheckpointManager",
     "NonRetryableException",
     "SimpleWorkerStats",
     "State",
     "StopException",
     "UserMethodError",
     "WorkerStats",
+    "from_environment",
+    "get_checkpoint_manager",
     "is_group_failure",
+    "metrics",
+    "parse_init_method",
+    "set_checkpoint_manager",
     "train",
 ]

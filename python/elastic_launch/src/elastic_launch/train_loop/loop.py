@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
+import elastic_core
+
+from elastic_launch.train_loop import metrics
 from elastic_launch.train_loop.api import (
     Coordinator,
     NonRetryableException,
@@ -16,6 +20,8 @@ from elastic_launch.train_loop.api import (
     UserMethodError,
     WorkerStats,
 )
+from elastic_launch.train_loop.checkpoint import CheckpointUtil
+from elastic_launch.train_loop.metrics import GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,11 @@ _GROUP_FAILURE = re.compile(
     r"process group|ProcessGroup|peer",
     re.IGNORECASE,
 )
+
+
+class TooManyFailures(NonRetryableException, RuntimeError):  # noqa: N818 - as the rest
+    """The loop's failure budget is spent (a RuntimeError, as the classic loop raised; not
+    retryable: the job fails)."""
 
 
 def is_group_failure(e: BaseException) -> bool:
@@ -88,7 +99,9 @@ def train(
     brings every worker to one view; after `max_failures` such failures the loop gives up.
     Any other exception (:class:`NonRetryableException`, :class:`StopException` from a step,
     a bug) is reported to ``on_error`` and raised; a State method that fails, or a step that
-    returns what the loop cannot use, fails at once with :class:`UserMethodError`. Returns
+    returns what the loop cannot use, fails at once with :class:`UserMethodError`. With a
+    checkpoint manager set (:mod:`.checkpoint`), rank 0 loads the newest checkpoint before
+    the first sync and saves one whenever ``state.should_save_checkpoint`` says so. Returns
     the final state.
     """
     if not isinstance(state, State):
@@ -98,26 +111,59 @@ def train(
         )
     failures = 0
     coordinator = elastic_coordinator
+    checkpoints = CheckpointUtil(coordinator.barrier)
+    rank = -1
     while not coordinator.should_stop_training():
         if failures >= max_failures:
-            e = RuntimeError(f"exceeded the maximum of {max_failures} recoverable failures")
+            e = TooManyFailures(f"exceeded the maximum of {max_failures} recoverable failures")
             coordinator.on_error(e)
             raise e
+        outer = time.time()
         snapshot = _user("capture_snapshot", state.capture_snapshot)
         forming = True  # the classic loop ends on a StopException only while forming
         try:
-            _, rank, world_size = coordinator.rendezvous_barrier()
-            coordinator.init_process_group()
-            _user("sync", state.sync, world_size, rank)
-            coordinator.barrier()
+            t0 = time.time()
+            # Waiting for peers here is not a hang: the rendezvous and the group's timeout
+            # bound it, not the launcher's hang detection.
+            with elastic_core.quiet():
+                _, rank, world_size = coordinator.rendezvous_barrier()
+                coordinator.init_process_group()
+                formed = time.time()
+                checkpoints.load_checkpoint(state, rank)
+                _user("sync", state.sync, world_size, rank)
+                checkpoints.set_checkpoint_loaded()
+                coordinator.barrier()
+            synced = time.time()
+            metrics.publish_metric(GROUP, "rendezvous.duration.ms", (formed - t0) * 1000)
+            metrics.publish_metric(GROUP, "state_sync.duration.ms", (synced - formed) * 1000)
+            metrics.event(
+                "train_loop_round",
+                rank=rank,
+                world_size=world_size,
+                rendezvous_seconds=formed - t0,
+                sync_seconds=synced - formed,
+                failures=failures,
+            )
             forming = False
-            while not coordinator.should_stop_training():
-                snapshot = _user("capture_snapshot", state.capture_snapshot)
-                state, stats = _unpack(train_step(state), state)
-                coordinator.monitor_progress(state, stats)
-                if coordinator.should_rendezvous(state):
-                    break
-                coordinator.report_progress(state)
+            inner = time.time()
+            try:
+                while not coordinator.should_stop_training():
+                    snapshot = _user("capture_snapshot", state.capture_snapshot)
+                    began, beats = time.time(), elastic_core.current_step()
+                    state, stats = _unpack(train_step(state), state)
+                    metrics.publish_metric(
+                        GROUP, "train_step.duration.ms", (time.time() - began) * 1000
+                    )
+                    if elastic_core.current_step() == beats:  # no optimizer step beat for it
+                        elastic_core.beat()
+                    coordinator.monitor_progress(state, stats)
+                    checkpoints.save_checkpoint(state, rank)
+                    if coordinator.should_rendezvous(state):
+                        break
+                    coordinator.report_progress(state)
+            finally:
+                ms = (time.time() - inner) * 1000
+                metrics.publish_metric(GROUP, "inner_train_loop.duration.ms", ms)
         except StopException as e:
             if forming:
                 break  # the job was closed: training is over
@@ -133,10 +179,13 @@ def train(
                 coordinator.on_error(e)
                 raise
             failures += 1
-            _recover(coordinator, state, snapshot, e, failures, max_failures)
+            _recover(coordinator, state, snapshot, e, failures, max_failures, rank)
         except Exception as e:
             coordinator.on_error(e)
             raise
+        finally:
+            ms = (time.time() - outer) * 1000
+            metrics.publish_metric(GROUP, "outer_train_loop.duration.ms", ms)
     return state
 
 
@@ -147,8 +196,10 @@ def _recover(
     e: BaseException,
     failures: int,
     max_failures: int,
+    rank: int,
 ) -> None:
     """A retryable failure: report it, roll the state back; the caller re-forms the group."""
+    began = time.time()
     coordinator.on_error(e)
     logger.warning(
         "step failed (%s: %s); rolled back to its snapshot, re-forming the group (failure %d "
@@ -159,3 +210,6 @@ def _recover(
         max_failures,
     )
     _user("apply_snapshot", state.apply_snapshot, snapshot)
+    metrics.publish_metric(GROUP, "rollbacks", 1)
+    metrics.publish_metric(GROUP, "rollback.duration.ms", (time.time() - began) * 1000)
+    metrics.event("train_loop_rollback", rank=rank, failures=failures, error=f"{e}"[:300])

@@ -1,0 +1,468 @@
+"""The coordinators of the train loop: every worker is a member of a rendezvous of its own.
+
+:class:`ElasticCoordinator` forms the process group of each round of a workers' rendezvous
+(:mod:`elastic_launch.rendezvous`, one member per worker): rank 0 serves the round's TCPStore
+on the port it published when it joined, and the group is torn down (aborted on NCCL, where a
+communicator may be stuck) before the next round. :func:`from_environment` builds one from what
+``elasticrun`` sets; :class:`CoordinatorP2P` is the classic torchelastic constructor, which
+joins the rendezvous its ``init_method`` URL names when run by plain ``python`` and follows the
+launcher's environment under ``elasticrun``.
+
+Growing at a step boundary costs no collective per step: rank 0 learns from its rendezvous'
+watch that a worker waits, and posts "re-form after round step S" (a few steps ahead) as a
+note of the round, which every rank's rendezvous watch brings (no request per step), so the
+ranks leave together at S. A rank that learns late is in step S+1's collective when the others
+leave: it fails, is rolled back to the state after S, and joins the same next round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import traceback
+import urllib.parse
+from typing import Any
+
+from elastic_launch.api import ConfigError
+from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
+from elastic_launch.rendezvous.api import (
+    CloseReason,
+    RendezvousClosedError,
+    RendezvousError,
+    RestartReason,
+    RunIdInUseError,
+)
+from elastic_launch.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
+from elastic_launch.train_loop.api import (
+    Coordinator,
+    NonRetryableException,
+    State,
+    StopException,
+    WorkerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How many round steps ahead rank 0 sets a re-formation (the ranks are at most one step
+#: apart: every step has a collective).
+REFORM_MARGIN = 2
+#: The round's note that carries that decision.
+REFORM_NOTE = "reform_at"
+#: The workers' rendezvous never closes the job for its failures: the loop's failure budget
+#: and the agent's restart budget decide.
+_NO_BUDGET = 1 << 30
+
+
+class ElasticCoordinator(Coordinator):
+    """The coordinator over a workers' rendezvous `rendezvous` (one member per worker).
+
+    `backend` is the process group's (gloo, nccl); `timeout` bounds its collectives (a peer
+    that vanished without closing its connections is noticed after it); with a backend other
+    than gloo, the loop's own barriers run on a gloo group bounded by `coordinator_timeout`;
+    `max_num_trainers` caps the world (beyond the rendezvous' own maximum, as the classic
+    coordinator did).
+    """
+
+    MONITOR_PROGRESS_FREQ = 1000
+
+    def __init__(
+        self,
+        rendezvous: RendezvousHandler,
+        *,
+        backend: str = "gloo",
+        timeout: datetime.timedelta = datetime.timedelta(seconds=600),
+        max_num_trainers: int | None = None,
+        loop_file: str | None = None,
+        coordinator_timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self.rendezvous = rendezvous
+        self.c10d_backend = backend
+        self.timeout = timeout
+        self.coordinator_timeout = coordinator_timeout or timeout
+        self.max_num_trainers = max_num_trainers
+        self.rank = -1
+        self.world_size = 0
+        self.round = 0
+        self.stop_training = False
+        self.is_worker_straggler = False
+        self.store: Any = None
+        self.coordinator_process_group: Any = None
+        self._reason = RestartReason.START
+        self._failure = ""
+        self._step = 0  # steps of this round
+        self._reform_at: int | None = None
+        self._monitor_step = 0
+        self._loop_file = loop_file
+        self._announce(RUNNING)
+
+    # ---- the loop's hooks -----------------------------------------------------------------
+
+    def rendezvous_barrier(self) -> tuple[Any, int, int]:
+        self._destroy_process_group()
+        reason, self._reason = self._reason, RestartReason.MEMBERSHIP
+        failure, self._failure = self._failure, ""
+        try:
+            info = self.rendezvous.next_rendezvous(reason, failure=failure)
+        except RunIdInUseError as e:
+            closed = self.rendezvous.closed()
+            if self._loop_file is None or closed is None or closed.reason != CloseReason.SUCCEEDED:
+                self._announce(FATAL)
+                raise NonRetryableException(str(e)) from None
+            # Under elasticrun: a replacement that came after the others finished.
+            self.stop_training = True
+            raise StopException("the job finished before this worker could join") from None
+        except RendezvousClosedError as e:
+            self.stop_training = True
+            if e.closed.reason == CloseReason.SUCCEEDED:
+                raise StopException(str(e)) from None
+            self._announce(FATAL)
+            raise NonRetryableException(f"rank {self.rank}: {e}") from None
+        except RendezvousError as e:
+            self._announce(FATAL)
+            raise NonRetryableException(
+                f"rank {self.rank} cannot rejoin the workers' rendezvous: {e}"
+            ) from e
+        self.rank, self.world_size, self.round = info.group_rank, info.group_world_size, info.round
+        self._step, self._reform_at, self.is_worker_straggler = 0, None, False
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        self.store = TCPStore(
+            info.master_addr,
+            info.master_port,
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=self.timeout,
+            wait_for_workers=False,
+        )
+        logger.info(
+            "round %d: rank %d of %d (the group's store at %s:%d)",
+            self.round,
+            self.rank,
+            self.world_size,
+            info.master_addr,
+            info.master_port,
+        )
+        return self.store, self.rank, self.world_size
+
+    def init_process_group(self) -> None:
+        import torch.distributed as dist
+
+        self._monitor_step = 0
+        dist.init_process_group(
+            self.c10d_backend,
+            store=self.store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+        )
+        if self.c10d_backend == "gloo":
+            self.coordinator_process_group = dist.group.WORLD
+        else:
+            self.coordinator_process_group = dist.new_group(
+                backend="gloo", timeout=self.coordinator_timeout
+            )
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.coordinator_process_group)
+
+    def should_rendezvous(self, state: State) -> bool:
+        """Whether the group re-forms now: at the round step rank 0 chose when it saw a
+        worker waiting (a note every rank's rendezvous watch brings; no request per step)."""
+        self._step += 1
+        if self._reform_at is None:
+            if self.rank == 0 and self._room():
+                waiting = self.rendezvous.num_nodes_waiting()
+                if waiting:
+                    self._reform_at = self._step + REFORM_MARGIN
+                    self.rendezvous.post_note(REFORM_NOTE, str(self._reform_at))
+                    logger.warning(
+                        "%d worker(s) wait to join: the group re-forms after round step %d",
+                        waiting,
+                        self._reform_at,
+                    )
+            else:
+                at = self.rendezvous.note(REFORM_NOTE)
+                self._reform_at = int(at) if at is not None else None
+        return self._reform_at is not None and self._step >= self._reform_at
+
+    def should_stop_training(self) -> bool:
+        return self.stop_training
+
+    def signal_training_done(self) -> None:
+        """The data ended: close the workers' job, so that the others end too (at their own
+        end of data, or at their next rendezvous)."""
+        self.rendezvous.set_closed(CloseReason.SUCCEEDED)
+        self._destroy_process_group()
+        self.stop_training = True
+
+    def monitor_progress(self, state: State, worker_stats: WorkerStats | None) -> None:
+        """Every MONITOR_PROGRESS_FREQ steps, compare the ranks' progress rates (one
+        all_gather) and warn about a straggler, as the classic coordinator did."""
+        self._monitor_step += 1
+        if self._monitor_step % self.MONITOR_PROGRESS_FREQ:
+            return
+        import torch
+        import torch.distributed as dist
+
+        rate = worker_stats.get_progress_rate() if worker_stats is not None else None
+        mine = torch.tensor([rate or 0.0, 1.0 if rate is not None else 0.0])
+        rates = [torch.zeros(2) for _ in range(self.world_size)]
+        dist.all_gather(rates, mine, group=self.coordinator_process_group)
+        known = [float(r[0]) for r in rates if r[1] > 0]
+        if rate is None or not known or max(known) <= 0:
+            return
+        relative = rate / max(known)
+        self.is_worker_straggler = relative < 0.8
+        if self.is_worker_straggler:
+            logger.warning(
+                "straggler: rank %d progresses at %.0f%% of the fastest rank",
+                self.rank,
+                100 * relative,
+            )
+
+    def on_error(self, e: BaseException) -> None:
+        logger.error(
+            "rank %d: %s: %s\n%s", self.rank, type(e).__name__, e, traceback.format_exc().rstrip()
+        )
+        if isinstance(e, NonRetryableException) or not isinstance(e, RuntimeError):
+            self._announce(FATAL)
+            return
+        self._reason = RestartReason.FAILURE
+        self._failure = f"rank {self.rank}: {type(e).__name__}: {e}"[:500]
+
+    # ---- the group ------------------------------------------------------------------------
+
+    def _room(self) -> bool:
+        return self.max_num_trainers is None or self.world_size < self.max_num_trainers
+
+    def _destroy_process_group(self) -> None:
+        """Tear the group down before the next round. A NCCL communicator may be stuck in a
+        collective with a dead peer (destroying it would wait for that collective): it is
+        aborted; gloo's is destroyed."""
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if dist.is_available() and dist.is_initialized():
+            try:
+                if self.c10d_backend == "nccl":
+                    from torch.distributed.distributed_c10d import _abort_process_group
+
+                    _abort_process_group()
+                else:
+                    dist.destroy_process_group()
+            except Exception as e:  # a broken group is still to be replaced
+                logger.warning("tearing down the process group: %s", e)
+        self.coordinator_process_group = None
+        self.store = None
+
+    def _announce(self, what: str) -> None:
+        announce(self._loop_file, what)
+
+    def close(self) -> None:
+        """Leave: the process group and the rendezvous session."""
+        self._destroy_process_group()
+        self.rendezvous.shutdown()
+
+
+# ---- building one ---------------------------------------------------------------------------
+
+
+def announce(path: str | None, what: str) -> None:
+    """Tell the agent (through this worker's loop file) that it runs the loop, or that it
+    failed for good: the agent replaces a dead loop worker alone, and never a fatal one."""
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(what)
+    except OSError as e:
+        logger.warning("cannot write %s=%s: %s", LOOP_FILE_ENV, path, e)
+
+
+_URL_KEYS = {
+    "min_workers": "at least this many workers (required)",
+    "max_workers": "at most (default: min_workers)",
+    "timeout": "seconds to gather min_workers (600)",
+    "last_call_timeout": "after min_workers, seconds to wait for more (30)",
+    "etcd_prefix": "accepted for compatibility; keys live under /elasticrun/<run id>",
+    "protocol": "http or https",
+    "cacert": "CA certificate file",
+    "cert": "client certificate file",
+    "key": "client key file",
+}
+_SCHEMES = {"etcd": "etcd", "etcd-v2": "etcd-v2", "etcd2": "etcd-v2", "embedded": "embedded"}
+
+
+def parse_init_method(init_method: str) -> RendezvousParameters:
+    """The classic rendezvous URL, ``etcd://HOST:PORT/RUN_ID?min_workers=N&max_workers=M``
+    (also ``etcd-v2://`` and ``embedded://``), as the workers' rendezvous parameters."""
+    url = urllib.parse.urlsplit(init_method)
+    scheme = url.scheme.lower()
+    where = f"init_method '{init_method}'"
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"{where}: the scheme must be one of {', '.join(s + '://' for s in _SCHEMES)} "
+            "(etcd:// uses etcd's v3 API; etcd-v2:// the v2 API of the classic package)"
+        )
+    run_id = url.path.strip("/")
+    if not url.netloc or not run_id:
+        raise ConfigError(f"{where}: give HOST:PORT and a run id, as in etcd://etcd0:2379/myjob")
+    query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(_URL_KEYS))
+    if unknown:
+        known = "; ".join(f"{k}: {v}" for k, v in _URL_KEYS.items())
+        raise ConfigError(f"{where}: unknown parameter(s) {', '.join(unknown)} (it takes {known})")
+    raw = {k: v[-1] for k, v in query.items()}
+    if "min_workers" not in raw:
+        raise ConfigError(f"{where}: min_workers=N is required, as in ?min_workers=2")
+    lo = _count(raw["min_workers"], "min_workers", where)
+    hi = _count(raw.get("max_workers", str(lo)), "max_workers", where)
+    if hi < lo:
+        raise ConfigError(f"{where}: max_workers={hi} is less than min_workers={lo}")
+    conf = {"last_call_timeout": raw.get("last_call_timeout", "30")}
+    if "timeout" in raw:
+        conf["join_timeout"] = raw["timeout"]
+    for k in ("protocol", "cacert", "cert", "key"):
+        if k in raw:
+            conf[k] = raw[k]
+    backend = _SCHEMES[scheme]
+    if backend == "embedded":
+        conf = {k: v for k, v in conf.items() if k not in ("protocol", "cacert", "cert", "key")}
+    return RendezvousParameters(
+        backend=backend,
+        endpoint=url.netloc,
+        run_id=run_id,
+        min_nodes=lo,
+        max_nodes=hi,
+        max_restarts=_NO_BUDGET,
+        local_world_size=1,
+        config=conf,
+    )
+
+
+def _count(text: str, name: str, where: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{where}: {name}={text!r} must be a whole number, 1 or more")
+    return value
+
+
+def team_parameters(
+    team: Team, min_workers: int | None = None, max_workers: int | None = None
+) -> RendezvousParameters:
+    """The workers' rendezvous of an elasticrun job (`team`, from its environment); a script
+    may narrow the range of workers it trains with. A service the agent starts on demand is
+    waited for (this worker has announced the loop already)."""
+    team = resolve(team)
+    if team.unavailable:
+        raise ConfigError(f"the train loop cannot run in this job: {team.unavailable}")
+    lo = team.min_workers if min_workers is None else min_workers
+    hi = team.max_workers if max_workers is None else max_workers
+    if not 1 <= lo <= hi <= team.max_workers:
+        raise ConfigError(
+            f"min_workers={lo}, max_workers={hi}: the job runs between {team.min_workers} and "
+            f"{team.max_workers} workers (--nnodes x --nproc-per-node); choose 1 <= min <= max "
+            f"<= {team.max_workers}"
+        )
+    return RendezvousParameters(
+        backend=team.backend,
+        endpoint=team.endpoint,
+        run_id=team.run_id,
+        min_nodes=lo,
+        max_nodes=hi,
+        max_restarts=_NO_BUDGET,
+        local_world_size=1,
+        config=dict(team.config),
+    )
+
+
+def under_elasticrun() -> Team | None:
+    """The team of the elasticrun job this process is a worker of, or None."""
+    text = os.environ.get(TEAM_ENV)
+    if not text:
+        return None
+    try:
+        return Team.from_env(text)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"${TEAM_ENV}={text!r} is not what elasticrun sets ({e})") from None
+
+
+def from_environment(
+    backend: str | None = None,
+    *,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=600),
+    min_workers: int | None = None,
+    max_workers: int | None = None,
+) -> ElasticCoordinator:
+    """The coordinator of an elasticrun worker: the workers' rendezvous the launcher set up.
+    `backend` defaults to nccl when CUDA is available, else gloo."""
+    team = under_elasticrun()
+    if team is None:
+        raise ConfigError(
+            f"${TEAM_ENV} is not set: from_environment() is for scripts run by elasticrun; "
+            "run the script with elasticrun, or build CoordinatorP2P(init_method=...)"
+        )
+    loop_file = os.environ.get(LOOP_FILE_ENV)
+    announce(loop_file, RUNNING)  # first: a service started on demand waits for it
+    params = team_parameters(team, min_workers, max_workers)
+    return ElasticCoordinator(
+        create_handler(params),
+        backend=backend or _default_backend(),
+        timeout=timeout,
+        loop_file=loop_file,
+    )
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class CoordinatorP2P(ElasticCoordinator):
+    """The classic torchelastic coordinator's constructor: `c10d_backend`, the rendezvous URL
+    `init_method` (``etcd://HOST:PORT/RUN_ID?min_workers=N&max_workers=M``), the most
+    trainers, and the process group's timeout in milliseconds. Under elasticrun the launcher's
+    environment says where the workers meet, and the URL is not used."""
+
+    def __init__(
+        self,
+        c10d_backend: str,
+        init_method: str,
+        max_num_trainers: int,
+        process_group_timeout: int = 10000,
+        coordinator_pg_timeout: int = 600000,
+    ) -> None:
+        if process_group_timeout <= 0 or coordinator_pg_timeout <= 0:
+            raise ConfigError(
+                f"process_group_timeout={process_group_timeout} and coordinator_pg_timeout="
+                f"{coordinator_pg_timeout} are milliseconds: give more than 0"
+            )
+        team = under_elasticrun()
+        loop_file = os.environ.get(LOOP_FILE_ENV) if team is not None else None
+        if team is not None:
+            announce(loop_file, RUNNING)  # first: a service started on demand waits for it
+            params = team_parameters(team)
+            logger.info(
+                "under elasticrun: the workers meet at %s (run %s), not at %s",
+                params.endpoint,
+                params.run_id,
+                init_method,
+            )
+        else:
+            params = parse_init_method(init_method)
+        super().__init__(
+            create_handler(params),
+            backend=c10d_backend,
+            timeout=datetime.timedelta(milliseconds=process_group_timeout),
+            coordinator_timeout=datetime.timedelta(milliseconds=coordinator_pg_timeout),
+            max_num_trainers=max_num_trainers,
+            loop_file=loop_file,
+        )

@@ -1,0 +1,348 @@
+"""The classic train loop for real: examples/classic_train_loop.py under elasticrun (gloo on
+CPU), with a step that fails, a worker SIGKILLed with a fixed and with an elastic world, a
+worker that fails for good, the failure budgets, a node that joins and a node that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from launcher_util import HERE, finish, free_port, kill_all, start, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EXAMPLE = HERE.parents[1] / "examples" / "classic_train_loop.py"
+STEP = re.compile(r"^step (\d+) rank (\d+) world (\d+) pid (\d+)$", re.MULTILINE)
+SAMPLES, EPOCHS = 96, 2
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def steps(self) -> list[tuple[int, int, int, int]]:
+        """(step, rank, world, pid) of every step taken, in the order printed."""
+        return [tuple(map(int, m.groups())) for m in STEP.finditer(self.stdout)]  # type: ignore[misc]
+
+    def pids(self) -> set[int]:
+        return {pid for *_, pid in self.steps()}
+
+    def worlds(self) -> list[int]:
+        """The world size of each step, in step order (runs of one size collapsed)."""
+        by_step = sorted({(s, w) for s, _, w, _ in self.steps()})
+        sizes: list[int] = []
+        for _, w in by_step:
+            if not sizes or sizes[-1] != w:
+                sizes.append(w)
+        return sizes
+
+    def result(self) -> dict:
+        return json.loads((self.out / "final.json").read_text())
+
+    def assert_every_sample_once_per_epoch(self) -> None:
+        history = self.result()["history"]
+        for epoch in range(EPOCHS):
+            spans = sorted((first, n) for e, first, n in history if e == epoch)
+            at = 0
+            for first, n in spans:
+                assert first == at, f"epoch {epoch}: samples {at}..{first} skipped or repeated"
+                at += n
+            assert at == SAMPLES, f"epoch {epoch} ended at sample {at}"
+
+
+def launch(tmp_path: Path, name: str, *flags: str, script: tuple[str, ...] = ()) -> Job:
+    out = tmp_path / name
+    out.mkdir()
+    args = [*flags, str(EXAMPLE), "--out", str(out / "final.json"), *script]
+    code, stdout, stderr = finish(start(args, cwd=str(out)), timeout=240)
+    return Job(code, stdout, stderr, out)
+
+
+def standalone(tmp_path: Path, name: str, *flags: str, script: tuple[str, ...] = ()) -> Job:
+    return launch(tmp_path, name, "--standalone", *flags, script=script)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """Three workers, nothing injected: the weights every recovery must reproduce."""
+    job = standalone(tmp_path_factory.mktemp("reference"), "ref", "--nproc-per-node", "3")
+    assert job.returncode == 0, job.stderr[-3000:]
+    return job
+
+
+def test_the_loop_runs_to_the_end_of_the_data_on_every_rank(reference):
+    """StopIteration from train_step ends training on every rank, cleanly."""
+    assert reference.stdout.count("done: 32 steps, 2 epochs") == 3
+    assert len(reference.pids()) == 3 and reference.worlds() == [3]
+    reference.assert_every_sample_once_per_epoch()
+
+
+def test_a_failed_step_is_rolled_back_to_exactly_its_snapshot(tmp_path, reference):
+    """Rank 1's step 5 changes the weights and the data position, then raises RuntimeError:
+    every rank rolls back, the group re-forms, and the result is the uninterrupted one."""
+    job = standalone(tmp_path, "raise", "--nproc-per-node", "3", script=("--raise-at-step", "5"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "injected failure in train_step" in job.stderr
+    assert "rolled back to its snapshot, re-forming the group" in job.stderr
+    assert job.pids() == reference.pids() or len(job.pids()) == 3, "nobody was restarted"
+    assert job.result()["weights"] == reference.result()["weights"]
+    job.assert_every_sample_once_per_epoch()
+
+
+def test_a_sigkilled_worker_is_replaced_alone_and_the_result_is_exact(tmp_path, reference):
+    job = standalone(
+        tmp_path,
+        "kill",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        script=("--kill-at-step", "10", "--step-seconds", "0.02"),
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "replacing rank 1 alone (restart 1 of 1) after: rank 1 killed by SIGKILL" in job.stderr
+    before = {pid for step, _, _, pid in job.steps() if step <= 10}
+    after = {pid for step, _, _, pid in job.steps() if step > 10}
+    assert len(before) == 3 and len(after) == 3
+    assert len(before & after) == 2, "the two survivors keep their processes"
+    assert job.worlds() == [3], "a fixed world waits for the replacement"
+    assert job.result()["weights"] == reference.result()["weights"], "bitwise"
+    job.assert_every_sample_once_per_epoch()
+
+
+def test_a_hung_worker_is_killed_and_replaced_alone(tmp_path, reference):
+    """Rank 1 stops (SIGSTOP) at step 10; the others wait for it inside all_reduce and look
+    hung too. The stopped one is judged first and replaced; the waiting ones are spared, their
+    collective fails when it dies, and they roll back and go on."""
+    job = standalone(
+        tmp_path,
+        "hang",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        "--hang-timeout",
+        "2",
+        "--shutdown-timeout",
+        "2",
+        script=("--stop-at-step", "10", "--step-seconds", "0.02"),
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "replacing rank 1 alone (restart 1 of 1) after: rank 1 hung" in job.stderr
+    assert "is stuck in a collective: it waits for a peer, which is judged first" in job.stderr
+    before = {pid for step, _, _, pid in job.steps() if step <= 10}
+    after = {pid for step, _, _, pid in job.steps() if step > 10}
+    assert len(before & after) == 2, "the two that waited keep their processes"
+    assert job.result()["weights"] == reference.result()["weights"]
+
+
+def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
+    job = standalone(
+        tmp_path,
+        "elastic",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        "--min-workers",
+        "2",
+        script=("--kill-at-step", "10", "--step-seconds", "0.1"),
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.worlds() == [3, 2, 3], "shrink at once, grow back at a step boundary"
+    assert "1 worker(s) wait to join: the group re-forms after round step" in job.stderr
+    survivors = {pid for step, _, _, pid in job.steps() if step <= 10} & {
+        pid for step, _, w, pid in job.steps() if w == 2
+    }
+    assert len(survivors) == 2
+    assert {pid for *_, w, pid in job.steps() if w == 3} >= survivors, "they stayed"
+    job.assert_every_sample_once_per_epoch()
+
+
+def test_a_worker_that_fails_for_good_fails_the_job_at_once(tmp_path):
+    job = standalone(
+        tmp_path,
+        "fatal",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        script=("--fatal-at-step", "4"),
+    )
+    assert job.returncode == 1
+    assert "NonRetryableException" in job.stderr and "injected fatal error at step 4" in job.stderr
+    assert "replacing" not in job.stderr and len(job.pids()) == 2, "nothing was retried"
+    assert "0 restart(s)" in job.stderr
+
+
+def test_the_restart_budget_bounds_the_replacements(tmp_path):
+    job = standalone(
+        tmp_path,
+        "budget",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        script=("--kill-at-step", "3", "--fault-rank", "0"),
+    )
+    assert job.returncode == 1
+    assert "restarts exhausted (0); rank 0 killed by SIGKILL" in job.stderr
+
+
+def test_the_loops_failure_budget_bounds_the_rollbacks(tmp_path):
+    job = standalone(
+        tmp_path,
+        "failures",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        script=("--raise-every", "--max-failures", "3"),
+    )
+    assert job.returncode == 1
+    assert "exceeded the maximum of 3 recoverable failures" in job.stderr
+    assert "replacing" not in job.stderr, "a spent budget is final, not a crash to replace"
+
+
+# ---- two nodes ------------------------------------------------------------------------------
+
+
+def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str):
+    """A node of a 1-2 node job; the first ("a") hosts the embedded rendezvous."""
+    out = tmp_path / name
+    out.mkdir()
+    args = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "embedded",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"last_call_timeout=1,heartbeat_timeout=2,is_host={str(name == 'a').lower()}",
+        "--max-restarts",
+        "2",
+        "--min-workers",
+        "2",
+        str(EXAMPLE),
+        "--out",
+        str(out / "final.json"),
+        "--step-seconds",
+        "0.1",
+        "--epochs",
+        "3",
+        *script,
+    ]
+    return start(args, cwd=str(out)), out
+
+
+def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"join-{os.urandom(3).hex()}"
+    first, out_a = node(tmp_path, "a", endpoint, run_id)
+    second = None
+    try:
+        seen: list[str] = []
+
+        def stepping() -> bool:
+            line = first.stdout.readline() if first.stdout else ""
+            seen.append(line)
+            return bool(re.match(r"step 1[0-9] ", line))
+
+        assert wait_for(stepping, 120), "".join(seen)[-2000:]
+        second, out_b = node(tmp_path, "b", endpoint, run_id)
+        code_b, stdout_b, stderr_b = finish(second, 240)
+        code_a, rest_a, stderr_a = finish(first, 240)
+    finally:
+        kill_all([p.pid for p in (first, second) if p is not None and p.poll() is None])
+    assert (code_a, code_b) == (0, 0), stderr_a[-2000:] + stderr_b[-2000:]
+    job_a = Job(code_a, "".join(seen) + rest_a, stderr_a, out_a)
+    job_b = Job(code_b, stdout_b, stderr_b, out_b)
+    first_b = min(step for step, *_ in job_b.steps())
+    assert first_b > 10, "the new workers started from the state they were sent, not step 0"
+    assert job_b.worlds()[-1] == 4 and set(job_b.worlds()) <= {3, 4}
+    assert len({pid for *_, pid in job_a.steps()}) == 2, "the first node's workers stayed"
+    final = job_a if (out_a / "final.json").exists() else job_b
+    assert final.result()["weights"]
+    final_history = final.result()["history"]
+    for epoch in range(3):
+        spans = sorted((s, n) for e, s, n in final_history if e == epoch)
+        assert sum(n for _, n in spans) == SAMPLES and spans[0][0] == 0
+
+
+def test_a_dead_node_costs_the_other_node_nothing(tmp_path):
+    """The second node (agent and workers) is SIGKILLed: the first node's workers keep their
+    processes, go on at their own size, and finish."""
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"die-{os.urandom(3).hex()}"
+    first, out_a = node(tmp_path, "a", endpoint, run_id)
+    second, _ = node(tmp_path, "b", endpoint, run_id)
+    try:
+        lines: list[str] = []
+
+        def four_wide() -> bool:
+            line = second.stdout.readline() if second.stdout else ""
+            lines.append(line)
+            m = STEP.match(line.strip())
+            return bool(m and int(m.group(3)) == 4 and int(m.group(1)) >= 8)
+
+        assert wait_for(four_wide, 120), "".join(lines)[-2000:]
+        victims = {int(m.group(4)) for m in STEP.finditer("".join(lines))}
+        kill_all([second.pid, *victims])
+        os.killpg(second.pid, signal.SIGKILL)
+        code_a, stdout_a, stderr_a = finish(first, 240)
+        finish(second, 30)
+    finally:
+        kill_all([p.pid for p in (first, second) if p.poll() is None])
+    assert code_a == 0, stderr_a[-3000:]
+    job = Job(code_a, stdout_a, stderr_a, out_a)
+    pids = {pid for *_, pid in job.steps()}
+    assert len(pids) == 2, "nobody on the first node restarted"
+    assert job.worlds()[-1] == 2 and 4 in job.worlds()
+    assert "replacing" not in stderr_a
+
+
+# ---- without a launcher: the classic URL ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("scheme", "store"), [("etcd", "etcd"), ("etcd-v2", "etcd_v2")])
+def test_plain_python_on_each_node_joins_through_the_classic_url(
+    tmp_path, request, reference, scheme, store
+):
+    """Three `python classic_train_loop.py --init-method etcd://...` processes, as the classic
+    package ran, reach the same weights as the same job under elasticrun."""
+    server = request.getfixturevalue(store)
+    url = f"{scheme}://{server.endpoint}/plain-{os.urandom(3).hex()}?min_workers=3&max_workers=3"
+    outs = [tmp_path / f"w{i}" for i in range(3)]
+    procs = []
+    try:
+        for out in outs:
+            out.mkdir()
+            procs.append(
+                start(
+                    [str(EXAMPLE), "--init-method", url, "--out", str(out / "final.json")],
+                    launcher=[os.environ.get("PYTHON", sys.executable)],
+                    env={"OMP_NUM_THREADS": "1"},
+                    cwd=str(out),
+                )
+            )
+        results = [finish(p, 180) for p in procs]
+    finally:
+        kill_all([p.pid for p in procs if p.poll() is None])
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    written = [out / "final.json" for out in outs if (out / "final.json").exists()]
+    assert len(written) == 1, "rank 0 writes the result"
+    assert json.loads(written[0].read_text())["weights"] == reference.result()["weights"]
+    assert all(out.count("done: 32 steps") == 1 for _, out, _ in results)
