@@ -20,6 +20,7 @@ import bench_launch
 import bench_rendezvous
 import bench_replace
 import bench_sampler
+import bench_train_loop
 
 import bench_core
 from common import REPO, format_table, save
@@ -31,6 +32,7 @@ SECTIONS = {
     "replace": bench_replace.run,
     "rendezvous": bench_rendezvous.run,
     "sampler": bench_sampler.run,
+    "train_loop": bench_train_loop.run,
 }
 
 

@@ -111,6 +111,10 @@ def train_step(state: LinearState) -> tuple[LinearState, torchelastic.SimpleWork
         raise StopIteration
     started = time.monotonic()
     args = ARGS
+    if state.steps == 0 and state.world_size < args.hold_until_world:
+        dist.barrier()  # a step with a collective, as every step: the ranks stay in step
+        time.sleep(0.05)
+        return state, torchelastic.SimpleWorkerStats(None)
     fault(args, state)
     count = min(state.world_size * state.batch, state.samples - state.position)
     mine = range(state.position, state.position + count)[state.rank :: state.world_size]
@@ -184,6 +188,13 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--raise-at-step", type=int, default=-1)
     parser.add_argument("--stop-at-step", type=int, default=-1)
+    parser.add_argument(
+        "--hold-until-world",
+        type=int,
+        default=0,
+        help="start training only once this many workers form a group (a job that needs its "
+        "whole cluster first)",
+    )
     parser.add_argument("--fatal-at-step", type=int, default=-1)
     parser.add_argument("--raise-every", action="store_true", help="every step fails")
     parser.add_argument("--max-failures", type=int, default=torchelastic.MAX_FAILURES)

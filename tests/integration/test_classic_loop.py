@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLE = HERE.parents[1] / "examples" / "classic_train_loop.py"
 STEP = re.compile(r"^step (\d+) rank (\d+) world (\d+) pid (\d+)$", re.MULTILINE)
 SAMPLES, EPOCHS = 96, 2
+EPOCHS_JOIN = 8  # the first node alone trains long enough for the second to come, even when busy
 
 
 @dataclass
@@ -93,7 +94,7 @@ def test_a_failed_step_is_rolled_back_to_exactly_its_snapshot(tmp_path, referenc
     assert job.returncode == 0, job.stderr[-3000:]
     assert "injected failure in train_step" in job.stderr
     assert "rolled back to its snapshot, re-forming the group" in job.stderr
-    assert job.pids() == reference.pids() or len(job.pids()) == 3, "nobody was restarted"
+    assert len(job.pids()) == 3 and "replacing" not in job.stderr, "nobody was restarted"
     assert job.result()["weights"] == reference.result()["weights"]
     job.assert_every_sample_once_per_epoch()
 
@@ -155,6 +156,8 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
         "1",
         "--min-workers",
         "2",
+        "--preload",
+        "torch",  # the replacement is forked from a zygote: it comes long before the end
         script=("--kill-at-step", "10", "--step-seconds", "0.1"),
     )
     assert job.returncode == 0, job.stderr[-3000:]
@@ -216,7 +219,7 @@ def test_the_loops_failure_budget_bounds_the_rollbacks(tmp_path):
 # ---- two nodes ------------------------------------------------------------------------------
 
 
-def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str):
+def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str, epochs: int = 4):
     """A node of a 1-2 node job; the first ("a") hosts the embedded rendezvous."""
     out = tmp_path / name
     out.mkdir()
@@ -237,13 +240,15 @@ def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str):
         "2",
         "--min-workers",
         "2",
+        "--preload",
+        "torch",  # new workers are forked from a zygote: no interpreter start on the path
         str(EXAMPLE),
         "--out",
         str(out / "final.json"),
         "--step-seconds",
         "0.1",
         "--epochs",
-        "3",
+        str(epochs),
         *script,
     ]
     return start(args, cwd=str(out)), out
@@ -251,7 +256,7 @@ def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str):
 
 def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"join-{os.urandom(3).hex()}"
-    first, out_a = node(tmp_path, "a", endpoint, run_id)
+    first, out_a = node(tmp_path, "a", endpoint, run_id, epochs=EPOCHS_JOIN)
     second = None
     try:
         seen: list[str] = []
@@ -262,7 +267,7 @@ def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
             return bool(re.match(r"step 1[0-9] ", line))
 
         assert wait_for(stepping, 120), "".join(seen)[-2000:]
-        second, out_b = node(tmp_path, "b", endpoint, run_id)
+        second, out_b = node(tmp_path, "b", endpoint, run_id, epochs=EPOCHS_JOIN)
         code_b, stdout_b, stderr_b = finish(second, 240)
         code_a, rest_a, stderr_a = finish(first, 240)
     finally:
@@ -277,17 +282,19 @@ def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
     final = job_a if (out_a / "final.json").exists() else job_b
     assert final.result()["weights"]
     final_history = final.result()["history"]
-    for epoch in range(3):
+    for epoch in range(EPOCHS_JOIN):
         spans = sorted((s, n) for e, s, n in final_history if e == epoch)
         assert sum(n for _, n in spans) == SAMPLES and spans[0][0] == 0
 
 
 def test_a_dead_node_costs_the_other_node_nothing(tmp_path):
     """The second node (agent and workers) is SIGKILLed: the first node's workers keep their
-    processes, go on at their own size, and finish."""
+    processes, go on at their own size, and finish. (Training starts once all four workers
+    are there, however long the second node takes to start on a busy machine.)"""
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"die-{os.urandom(3).hex()}"
-    first, out_a = node(tmp_path, "a", endpoint, run_id)
-    second, _ = node(tmp_path, "b", endpoint, run_id)
+    hold = ("--hold-until-world", "4")
+    first, out_a = node(tmp_path, "a", endpoint, run_id, *hold)
+    second, _ = node(tmp_path, "b", endpoint, run_id, *hold)
     try:
         lines: list[str] = []
 

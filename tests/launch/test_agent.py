@@ -430,3 +430,15 @@ def test_a_hung_train_loop_worker_waiting_in_a_collective_is_judged_after_its_pe
     result = n.finish()
     assert result.state == AgentState.SUCCEEDED and result.restarts == 2
     assert [f.local_rank for f in result.failures] == [1, 0]
+
+
+def test_workers_that_all_failed_for_good_end_the_job_even_alone(node):
+    """Every rank hit the same bug: no worker says "running", and none is restarted."""
+    n = node(max_restarts=5).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p, "fatal")
+    n.watchdog.exit_process(first[0], code=1)
+    result = n.finish()
+    assert result.state == AgentState.FAILED and result.restarts == 0
+    assert len(n.spawner.spawned) == 2 and n.rdzv.calls == [(RestartReason.START, "")]

@@ -253,9 +253,20 @@ def test_the_default_save_and_load_go_through_the_snapshot():
 
 def test_the_classic_names_are_exported_from_elastic_launch():
     import elastic_launch
+    from elastic_launch import train_loop
 
-    for name in ("State", "train", "Coordinator", "StopException", "NonRetryableException"):
-        assert getattr(elastic_launch, name) is not None
+    for name in (
+        "State",
+        "train",
+        "Coordinator",
+        "CoordinatorP2P",
+        "SimpleWorkerStats",
+        "StopException",
+        "NonRetryableException",
+        "UserMethodError",
+    ):
+        assert getattr(elastic_launch, name) is getattr(train_loop, name)
+        assert name in elastic_launch.__all__
 
 
 # ---- checkpoints and metrics ----------------------------------------------------------------

@@ -179,8 +179,11 @@ class FakeTeam(RendezvousHandler):
 
 
 def coordinator(rank: int, world: int, team: FakeTeam, **kw) -> ElasticCoordinator:
+    """A coordinator in a formed round, whose steps take one second each."""
     c = ElasticCoordinator(team, **kw)
     c.rank, c.world_size = rank, world
+    ticks = iter(range(1_000_000))
+    c._clock = lambda: float(next(ticks))
     return c
 
 
@@ -297,3 +300,58 @@ def test_several_nodes_share_the_jobs_own_service_and_static_has_none():
     with serve_team(LaunchConfig(), "j", can_serve=False) as service:
         assert "start_method='fork'" in service.team.unavailable
     assert json.loads(service.team.to_env())["unavailable"] == service.team.unavailable
+
+
+def test_a_rank_that_learned_of_the_re_formation_late_is_not_counted_as_a_failure():
+    team = FakeTeam()
+    late = coordinator(1, 2, team)
+    for _ in range(3):
+        late.should_rendezvous(None)
+    team.notes[REFORM_NOTE] = "3"  # rank 0 left after step 3; this rank is in step 4
+    error = RuntimeError("Connection closed by peer")
+    assert late.expected_failure(error)
+    late.on_error(error)
+    team.raise_next = RendezvousClosedError("done", JobClosed(CloseReason.SUCCEEDED))
+    with pytest.raises(StopException):
+        late.rendezvous_barrier()
+    assert team.calls[-1] == (RestartReason.MEMBERSHIP, ""), "a re-formation, not a failure"
+    early = coordinator(1, 2, FakeTeam())
+    assert not early.expected_failure(error), "no plan: a failure"
+
+
+def test_fast_steps_set_the_re_formation_far_enough_ahead_for_the_note():
+    team = FakeTeam()
+    lead = coordinator(0, 2, team)
+    ticks = iter(range(1_000_000))
+    lead._clock = lambda: next(ticks) / 1000  # 1 ms steps: the note needs 0.1 s of them
+    lead.should_rendezvous(None)
+    lead.should_rendezvous(None)
+    team.waiting = 1
+    lead.should_rendezvous(None)
+    assert team.posted == [(REFORM_NOTE, str(3 + 100))]
+
+
+def test_a_note_that_cannot_be_posted_is_tried_again_at_the_next_step():
+    team = FakeTeam()
+    failures = iter([True, False])
+
+    def post(name: str, value: str) -> None:
+        if next(failures):
+            raise ConnectionError("the store is away")
+        team.posted.append((name, value))
+
+    team.post_note = post  # type: ignore[method-assign]
+    team.waiting = 1
+    lead = coordinator(0, 2, team)
+    assert lead.should_rendezvous(None) is False and lead._reform_at is None
+    lead.should_rendezvous(None)
+    assert team.posted == [(REFORM_NOTE, str(2 + REFORM_MARGIN))]
+
+
+def test_a_worker_that_cannot_take_part_tells_the_agent_it_failed_for_good(monkeypatch, tmp_path):
+    unavailable = Team("", "", "j.workers", 0, 0, unavailable="no service the workers share")
+    monkeypatch.setenv(TEAM_ENV, unavailable.to_env())
+    monkeypatch.setenv(LOOP_FILE_ENV, str(tmp_path / "loop"))
+    with pytest.raises(ConfigError, match="no service the workers share"):
+        CoordinatorP2P("gloo", "etcd://h:1/r?min_workers=1", 4)
+    assert (tmp_path / "loop").read_text() == FATAL, "not replaced again and again"

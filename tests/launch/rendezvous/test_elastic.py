@@ -534,3 +534,22 @@ def test_a_note_of_the_round_reaches_every_member_through_its_watch(endpoint, re
     finally:
         for h in members:
             h.shutdown()
+
+
+def test_a_waiting_node_changes_the_membership_but_does_not_break_the_round(endpoint, request):
+    """The train loop's NCCL abort acts on a broken round only, never on a node that waits."""
+    run_id = f"broken-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 3, run_id, min_nodes=2, conf=replace(CONF, last_call_timeout=0.3))
+    try:
+        form_round(members[:2])
+        spare = ThreadPoolExecutor(1).submit(members[2].next_rendezvous)
+        wait_for(members[0].membership_changed, "the spare was never seen")
+        assert not members[0].round_broken()
+        members[1]._presence.close()
+        members[1].shutdown()  # leaves: its keys go
+        wait_for(members[0].round_broken, "the member's leaving never broke the round")
+        members[0]._stop_follower()
+        spare.cancel()
+    finally:
+        for h in members:
+            h.shutdown()

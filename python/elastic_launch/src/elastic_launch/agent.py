@@ -94,7 +94,8 @@ class ElasticAgent:
         self.team = team  # the train loop's rendezvous (started when a worker needs it)
         self._state = AgentState.INIT
         self.attempt = -1
-        self.restarts = 0
+        self.restarts = 0  # the job's restarts (its rendezvous counts them) + replacements
+        self.replacements = 0  # train-loop workers replaced alone on this node
         self.failures: list[WorkerFailure] = []
         self.hangs = hangs or HangMonitor(
             config.hang_timeout, config.hang_timeout_floor, config.hang_timeout_factor
@@ -214,7 +215,7 @@ class ElasticAgent:
         if self._kept:
             return info  # the same workers go on: neither an attempt nor a restart
         self.attempt += 1
-        self.restarts = info.restart_count
+        self.restarts = info.restart_count + self.replacements
         if reason == RestartReason.FAILURE:
             logger.warning(
                 "restarting the workers (restart %d of %d) after: %s",
@@ -284,7 +285,7 @@ class ElasticAgent:
     def _in_train_loop(self) -> bool:
         """Whether this node's workers run the train loop (one said so: the script is the
         same for all), so that a dead one is replaced alone."""
-        return any(w.train_loop() == RUNNING for w in self.group.workers)
+        return any(w.train_loop() in (RUNNING, FATAL) for w in self.group.workers)
 
     def _replace(self, w: Worker, failure: WorkerFailure) -> Outcome | None:
         """A train-loop worker died: start one in its place and leave the others running
@@ -299,6 +300,7 @@ class ElasticAgent:
             )
             return Outcome.FATAL
         self.restarts += 1
+        self.replacements += 1
         logger.warning(
             "replacing rank %d alone (restart %d of %d) after: rank %d %s; the other workers "
             "keep running the train loop",
@@ -414,7 +416,9 @@ class ElasticAgent:
             if w.exit_code == 0:
                 return Outcome.SUCCEEDED if self.group.succeeded else None
             failure = self._record_failure(w, _exit_kind(w), event)
-            return self._replace(w, failure) if self._in_train_loop() else Outcome.FAILED
+            if w.train_loop() == FATAL or self._in_train_loop():
+                return self._replace(w, failure)  # or, for a fatal one, the job's end
+            return Outcome.FAILED
         if event.finding == Finding.HUNG:
             if w.local_rank in self._spared:
                 return None  # spared already: _check_spared judges it
@@ -496,7 +500,10 @@ class ElasticAgent:
         return self._result(AgentState.STOPPED, signal=sig)
 
     def _closed(self, closed: JobClosed) -> RunResult:
-        """The job was closed (by another node, or by the budget): end as it says."""
+        """The job was closed (by another node, or by the budget): end as it says. Train-loop
+        workers kept across the nodes' round are stopped with the grace period first."""
+        if self.group.alive():
+            self._stop_workers(signal.SIGTERM)
         if closed.reason == CloseReason.SUCCEEDED:
             self._transition(AgentState.SUCCEEDED, reason=str(closed))
             return self._result(AgentState.SUCCEEDED)
@@ -679,7 +686,7 @@ class ElasticAgent:
         live = [(w.local_rank, w.pid) for w in self.group.alive()]
         for hung in self.hangs.check(live, beats, now):
             w = self.group.get(hung.local_rank)
-            if w is not None:
+            if w is not None and hung.local_rank not in self._spared:
                 detail = f"{hung.detail}; {self.hangs.advice(0)}"
                 return self._on_event(WorkerEvent(Finding.HUNG, w, now, detail))
         return None

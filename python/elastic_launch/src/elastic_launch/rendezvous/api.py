@@ -162,6 +162,11 @@ class RendezvousHandler(abc.ABC):
         """Nodes waiting to be admitted (they are, at the next round)."""
         return 0
 
+    def round_broken(self) -> bool:
+        """True once the current round cannot go on as it is: a member left, the round was
+        reopened or closed, or this node's lease expired (not: a node waits to join)."""
+        return False
+
     def post_note(self, name: str, value: str) -> None:  # noqa: B027 - one member: nobody to tell
         """Tell the other members of the running round `name` = `value`."""
 

@@ -531,6 +531,9 @@ class ElasticRendezvous(RendezvousHandler):
     def membership_changed(self) -> bool:
         return self._follower is not None and self._follower.changed.is_set()
 
+    def round_broken(self) -> bool:
+        return self._follower is not None and self._follower.broken.is_set()
+
     def post_note(self, name: str, value: str) -> None:
         """Tell every member of the running round `name` = `value` (they read it with
         :meth:`note`, from their watch: no request per read). The note goes with the round."""
@@ -689,6 +692,7 @@ class _Follower:
         # (or are missing, which the first look below sees).
         self._losses = rdzv.session.losses
         self.changed = threading.Event()
+        self.broken = threading.Event()  # changed, and not merely by a node waiting
         self.waiting: set[str] = set()
         self.done: set[str] = set()
         self.notes: dict[str, str] = {}
@@ -712,7 +716,7 @@ class _Follower:
             if not self._stop.is_set():
                 if not isinstance(e, Cancelled):
                     logger.warning("rendezvous watch: %s", e)
-                self.changed.set()
+                self._break()
 
     def _follow(self) -> None:
         r = self.rdzv
@@ -737,7 +741,7 @@ class _Follower:
             and not set(self.round.nodes) - self.done <= present
         ):
             logger.warning("a node left the job as its round began")
-            self.changed.set()
+            self._break()
         if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
             self.changed.set()
         with r.session.watching([r.prefix + "/"], revision) as inbox:
@@ -747,7 +751,7 @@ class _Follower:
                 return
             while not self._stop.is_set():
                 if r.session.losses != self._losses:
-                    self.changed.set()  # our lease expired: the others think we are gone
+                    self._break()  # our lease expired: the others think we are gone
                 batch = inbox.next(float("inf"))
                 for change in batch or []:
                     self._apply(change, join_prefix)
@@ -756,7 +760,11 @@ class _Follower:
         if state is not None and state.status == Status.CLOSED:
             self.rdzv._closed = state.closed
         if not rnd.still_runs(state, self.round.version):
-            self.changed.set()
+            self._break()
+
+    def _break(self) -> None:
+        self.broken.set()
+        self.changed.set()
 
     def _apply(self, c: Change, join_prefix: str) -> None:
         r = self.rdzv
@@ -774,11 +782,11 @@ class _Follower:
             self.done.add(node)
         elif c.key.startswith(join_prefix) and c.value is None:
             if node == r.node:
-                self.changed.set()  # our own lease expired
+                self._break()  # our own lease expired
             elif node in self.round.nodes and node not in self.done:
                 if r._closed is None:  # a closed job's keys all go: nobody left it
                     logger.warning("node %s left the job", node)
-                self.changed.set()
+                self._break()
         else:
             self._apply_note(c.key, c.value)
 

@@ -132,3 +132,9 @@ class Coordinator(abc.ABC):
 
     def on_error(self, e: BaseException) -> None:  # noqa: B027
         """Called with the exception of a failed step, before the loop rolls back."""
+
+    def expected_failure(self, e: BaseException) -> bool:
+        """Whether a failed step is the group re-forming as planned (this rank learned of the
+        planned step late, and its collective failed when the others left): it is rolled back
+        but not counted against the loop's failure budget."""
+        return False

@@ -61,15 +61,22 @@ def FileSystemCheckpointManager(  # noqa: N802 - the classic package's class nam
 class CheckpointUtil:
     """The loop's side: load once (rank 0), save when the state asks, barrier."""
 
-    def __init__(self, barrier: Any) -> None:
+    def __init__(self, coordinator: Any) -> None:
         self.manager = _manager
-        self.barrier = barrier
+        self.coordinator = coordinator
         self.loaded = False
+
+    def barrier(self) -> None:
+        self.coordinator.barrier()
 
     def load_checkpoint(self, state: State, rank: int) -> None:
         """Before the first sync: rank 0 restores the newest checkpoint (the others get it
-        from sync). Once per process."""
-        if self.manager is None or self.loaded or rank != 0:
+        from sync), unless some worker of the group has trained already: a replacement that
+        became rank 0 must not take the survivors back to the last checkpoint. (Every rank
+        calls this: the question is one small collective per round, on the loop's group.)"""
+        if self.manager is None:
+            return
+        if self._anyone_loaded() or rank != 0:
             return
         found = self.manager.load_latest()
         if found is None:
@@ -83,6 +90,19 @@ class CheckpointUtil:
                 f"state.load raised {type(e).__name__}: {e} (checkpoint {step})"
             ) from e
         logger.warning("rank 0 loaded checkpoint %d", step)
+
+    def _anyone_loaded(self) -> bool:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            return self.loaded
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.loaded
+        flag = torch.tensor([1 if self.loaded else 0])
+        group = getattr(self.coordinator, "coordinator_process_group", None)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
     def set_checkpoint_loaded(self) -> None:
         self.loaded = True

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
+import threading
+import time
 import traceback
 import urllib.parse
 from typing import Any
@@ -44,11 +47,16 @@ from elastic_launch.train_loop.api import (
 
 logger = logging.getLogger(__name__)
 
-#: How many round steps ahead rank 0 sets a re-formation (the ranks are at most one step
-#: apart: every step has a collective).
+#: How many round steps ahead rank 0 sets a re-formation, at least (the ranks are at most one
+#: step apart: every step has a collective) ...
 REFORM_MARGIN = 2
+#: ... and at least this long ahead, so that the note reaches every rank first even when steps
+#: take milliseconds (a watch brings it within a few ms on the embedded service and etcd).
+NOTE_LATENCY = 0.1
 #: The round's note that carries that decision.
 REFORM_NOTE = "reform_at"
+#: How often the NCCL abort thread looks at the rendezvous' watch (seconds).
+ABORT_POLL = 0.05
 #: The workers' rendezvous never closes the job for its failures: the loop's failure budget
 #: and the agent's restart budget decide.
 _NO_BUDGET = 1 << 30
@@ -94,6 +102,10 @@ class ElasticCoordinator(Coordinator):
         self._reform_at: int | None = None
         self._monitor_step = 0
         self._loop_file = loop_file
+        self._step_started: float | None = None
+        self._step_seconds: float | None = None  # rank 0's recent step time
+        self._clock = time.monotonic
+        self._aborter: threading.Event | None = None
         self._announce(RUNNING)
 
     # ---- the loop's hooks -----------------------------------------------------------------
@@ -114,6 +126,7 @@ class ElasticCoordinator(Coordinator):
             raise StopException("the job finished before this worker could join") from None
         except RendezvousClosedError as e:
             self.stop_training = True
+            self.close()
             if e.closed.reason == CloseReason.SUCCEEDED:
                 raise StopException(str(e)) from None
             self._announce(FATAL)
@@ -125,6 +138,7 @@ class ElasticCoordinator(Coordinator):
             ) from e
         self.rank, self.world_size, self.round = info.group_rank, info.group_world_size, info.round
         self._step, self._reform_at, self.is_worker_straggler = 0, None, False
+        self._step_started = None
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         self.store = TCPStore(
@@ -162,6 +176,28 @@ class ElasticCoordinator(Coordinator):
             self.coordinator_process_group = dist.new_group(
                 backend="gloo", timeout=self.coordinator_timeout
             )
+            self._watch_for_abort()
+
+    def _watch_for_abort(self) -> None:
+        """NCCL: a collective whose peer died may block this rank's main thread for good (NCCL
+        does not see a closed connection as gloo does). A thread aborts the communicators as
+        soon as the rendezvous' watch says the round is broken (a member gone, the round
+        reopened): the stuck collective then raises, and the loop rolls back and re-forms."""
+        stop = self._aborter = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(ABORT_POLL):
+                if self.rendezvous.round_broken():
+                    logger.warning("the round is broken: aborting the NCCL communicators")
+                    try:
+                        from torch.distributed.distributed_c10d import _abort_process_group
+
+                        _abort_process_group()
+                    except Exception as e:  # already torn down
+                        logger.debug("abort: %s", e)
+                    return
+
+        threading.Thread(target=watch, name="elasticrun-nccl-abort", daemon=True).start()
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -172,21 +208,45 @@ class ElasticCoordinator(Coordinator):
         """Whether the group re-forms now: at the round step rank 0 chose when it saw a
         worker waiting (a note every rank's rendezvous watch brings; no request per step)."""
         self._step += 1
+        now = self._clock()
+        if self._step_started is not None:
+            took = now - self._step_started
+            self._step_seconds = (
+                took if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * took
+            )
+        self._step_started = now
         if self._reform_at is None:
             if self.rank == 0 and self._room():
                 waiting = self.rendezvous.num_nodes_waiting()
                 if waiting:
-                    self._reform_at = self._step + REFORM_MARGIN
-                    self.rendezvous.post_note(REFORM_NOTE, str(self._reform_at))
-                    logger.warning(
-                        "%d worker(s) wait to join: the group re-forms after round step %d",
-                        waiting,
-                        self._reform_at,
-                    )
+                    self._plan_reform(waiting)
             else:
                 at = self.rendezvous.note(REFORM_NOTE)
                 self._reform_at = int(at) if at is not None else None
         return self._reform_at is not None and self._step >= self._reform_at
+
+    def _plan_reform(self, waiting: int) -> None:
+        step = self._step_seconds or 0.0
+        ahead = max(REFORM_MARGIN, math.ceil(NOTE_LATENCY / step) if step > 0 else 0)
+        at = self._step + min(ahead, 100_000)
+        try:
+            self.rendezvous.post_note(REFORM_NOTE, str(at))
+        except Exception as e:  # the store is away: try again after the next step
+            logger.warning("cannot tell the others to re-form (%s): trying again", e)
+            return
+        self._reform_at = at
+        logger.warning(
+            "%d worker(s) wait to join: the group re-forms after round step %d", waiting, at
+        )
+
+    def expected_failure(self, e: BaseException) -> bool:
+        """A collective that failed because the others left at the planned step while this
+        rank, learning of it late, went on: the planned re-formation, not a failure."""
+        at = self._reform_at
+        if at is None:
+            note = self.rendezvous.note(REFORM_NOTE)
+            at = int(note) if note is not None else None
+        return at is not None and self._step >= at
 
     def should_stop_training(self) -> bool:
         return self.stop_training
@@ -195,8 +255,8 @@ class ElasticCoordinator(Coordinator):
         """The data ended: close the workers' job, so that the others end too (at their own
         end of data, or at their next rendezvous)."""
         self.rendezvous.set_closed(CloseReason.SUCCEEDED)
-        self._destroy_process_group()
         self.stop_training = True
+        self.close()
 
     def monitor_progress(self, state: State, worker_stats: WorkerStats | None) -> None:
         """Every MONITOR_PROGRESS_FREQ steps, compare the ranks' progress rates (one
@@ -230,6 +290,9 @@ class ElasticCoordinator(Coordinator):
         if isinstance(e, NonRetryableException) or not isinstance(e, RuntimeError):
             self._announce(FATAL)
             return
+        if self.expected_failure(e):
+            self._reason = RestartReason.MEMBERSHIP  # the planned re-formation
+            return
         self._reason = RestartReason.FAILURE
         self._failure = f"rank {self.rank}: {type(e).__name__}: {e}"[:500]
 
@@ -242,6 +305,9 @@ class ElasticCoordinator(Coordinator):
         """Tear the group down before the next round. A NCCL communicator may be stuck in a
         collective with a dead peer (destroying it would wait for that collective): it is
         aborted; gloo's is destroyed."""
+        if self._aborter is not None:
+            self._aborter.set()
+            self._aborter = None
         try:
             import torch.distributed as dist
         except ImportError:
@@ -383,6 +449,18 @@ def team_parameters(
     )
 
 
+def _team_or_fatal(
+    loop_file: str | None, team: Team, lo: int | None = None, hi: int | None = None
+) -> RendezvousParameters:
+    """team_parameters(); a worker that cannot take part tells the agent it failed for good
+    (it would fail the same way again)."""
+    try:
+        return team_parameters(team, lo, hi)
+    except ConfigError:
+        announce(loop_file, FATAL)
+        raise
+
+
 def under_elasticrun() -> Team | None:
     """The team of the elasticrun job this process is a worker of, or None."""
     text = os.environ.get(TEAM_ENV)
@@ -411,7 +489,7 @@ def from_environment(
         )
     loop_file = os.environ.get(LOOP_FILE_ENV)
     announce(loop_file, RUNNING)  # first: a service started on demand waits for it
-    params = team_parameters(team, min_workers, max_workers)
+    params = _team_or_fatal(loop_file, team, min_workers, max_workers)
     return ElasticCoordinator(
         create_handler(params),
         backend=backend or _default_backend(),
@@ -449,7 +527,7 @@ class CoordinatorP2P(ElasticCoordinator):
         loop_file = os.environ.get(LOOP_FILE_ENV) if team is not None else None
         if team is not None:
             announce(loop_file, RUNNING)  # first: a service started on demand waits for it
-            params = team_parameters(team)
+            params = _team_or_fatal(loop_file, team)
             logger.info(
                 "under elasticrun: the workers meet at %s (run %s), not at %s",
                 params.endpoint,

@@ -111,7 +111,7 @@ def train(
         )
     failures = 0
     coordinator = elastic_coordinator
-    checkpoints = CheckpointUtil(coordinator.barrier)
+    checkpoints = CheckpointUtil(coordinator)
     rank = -1
     while not coordinator.should_stop_training():
         if failures >= max_failures:
@@ -178,7 +178,8 @@ def train(
             if isinstance(e, NonRetryableException):
                 coordinator.on_error(e)
                 raise
-            failures += 1
+            if not coordinator.expected_failure(e):
+                failures += 1
             _recover(coordinator, state, snapshot, e, failures, max_failures, rank)
         except Exception as e:
             coordinator.on_error(e)

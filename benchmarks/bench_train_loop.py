@@ -1,0 +1,217 @@
+"""The classic train loop (issue 12): a worker SIGKILLed mid-training, three workers, the same
+~10 ms step (benchmarks/_loop_worker.py):
+
+- to (a) the survivors stepping again and (b) the full world stepping again: the loop under
+  elasticrun (a fixed world, and --min-workers 2; each with and without --preload torch,
+  which forks the replacement from a zygote) beside a group restart of the same step by
+  elasticrun and by torchrun (where (a) = (b): every worker is new);
+- the loop's cost per step over a plain ``for`` loop of the same step, beyond the user's own
+  snapshot (none here), in one process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import Row
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_loop_worker.py"
+ELASTICRUN = [sys.executable, "-m", "elastic_launch"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+NPROC = 3
+WARM_STEPS = 30  # steps every rank takes before the kill
+
+
+def _records(out: Path) -> list[tuple[int, int, int, int, int]]:
+    """(t_ns, step, world, rank, pid) of every step completed so far."""
+    rows = []
+    for path in out.glob("*.steps"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5:
+                rows.append(tuple(int(x) for x in parts))
+    return rows  # type: ignore[return-value]
+
+
+def _until(pred, timeout: float):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pred()
+        if found:
+            return found
+        time.sleep(0.002)
+    return None
+
+
+def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | None, float | None]:
+    """SIGKILL the rank-1 worker after WARM_STEPS steps: seconds to (a) a survivor's next step
+    (a new process's for a group restart) and (b) a step of the full world."""
+    out = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    cmd = [
+        *launcher,
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROC),
+        "--max-restarts",
+        "1",
+        *extra,
+        str(WORKER),
+        "--out",
+        str(out),
+        "--mode",
+        mode,
+        "--steps",
+        "100000",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        warm = _until(
+            lambda: (
+                {r[3]: r[4] for r in _records(out) if r[1] >= WARM_STEPS}
+                if len({r[3] for r in _records(out) if r[1] >= WARM_STEPS}) == NPROC
+                else None
+            ),
+            180,
+        )
+        if warm is None:
+            return None, None
+        old = set(warm.values())
+        victim = warm[1]
+        t_kill = time.monotonic_ns()
+        os.kill(victim, signal.SIGKILL)
+        after = t_kill + 2_000_000  # a step in flight at the kill is not a recovered one
+
+        def survivors() -> int | None:
+            got = [r[0] for r in _records(out) if r[0] > after and (r[4] in old or mode == "plain")]
+            return min(got) if got else None
+
+        def full() -> int | None:
+            got = [r[0] for r in _records(out) if r[0] > after and r[2] == NPROC]
+            return min(got) if got else None
+
+        a = _until(survivors, 60)
+        b = _until(full, 60)
+        seconds = [None if t is None else (t - t_kill) / 1e9 for t in (a, b)]
+        return seconds[0], seconds[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _med(values: list[float | None]) -> tuple[float, str]:
+    ok = [v for v in values if v is not None]
+    return (statistics.median(ok) if ok else float("nan")), f"{len(ok)}/{len(values)}"
+
+
+def overhead(steps: int = 600) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    try:
+        subprocess.run(
+            [
+                *ELASTICRUN,
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(WORKER),
+                "--out",
+                str(out),
+                "--mode",
+                "overhead",
+                "--steps",
+                str(steps),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            timeout=300,
+            check=True,
+        )
+        found = [json.loads(p.read_text()) for p in out.glob("overhead-*.json")]
+        return {k: statistics.mean(f[k] for f in found) for k in ("plain_s", "loop_s", "steps")}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run(cpp_build: Path) -> list[Row]:
+    trials = int(os.environ.get("BENCH_LOOP_TRIALS", "3"))
+    torchrun = [kill_one(TORCHRUN, "plain", []) for _ in range(trials)]
+    group = [kill_one(ELASTICRUN, "plain", []) for _ in range(trials)]
+    t_med, t_note = _med([a for a, _ in torchrun])
+    g_med, g_note = _med([a for a, _ in group])
+    rows = [
+        Row(
+            "train loop",
+            "SIGKILL to the group stepping again: elasticrun group restart",
+            g_med,
+            t_med,
+            "torchrun group restart",
+            "s",
+            f"recovered {g_note}, torchrun {t_note}",
+        )
+    ]
+    variants = [
+        ("fixed world", []),
+        ("fixed world, --preload torch", ["--preload", "torch"]),
+        ("--min-workers 2", ["--min-workers", "2"]),
+        ("--min-workers 2, --preload torch", ["--min-workers", "2", "--preload", "torch"]),
+    ]
+    for label, extra in variants:
+        results = [kill_one(ELASTICRUN, "loop", extra) for _ in range(trials)]
+        a, a_note = _med([a for a, _ in results])
+        b, b_note = _med([b for _, b in results])
+        rows.append(
+            Row(
+                "train loop",
+                f"SIGKILL to the survivors stepping again: loop, {label}",
+                a,
+                t_med,
+                "torchrun group restart",
+                "s",
+                f"{a_note} trials",
+            )
+        )
+        rows.append(
+            Row(
+                "train loop",
+                f"SIGKILL to the full world stepping again: loop, {label}",
+                b,
+                t_med,
+                "torchrun group restart",
+                "s",
+                f"{b_note} trials",
+            )
+        )
+    cost = overhead()
+    per_step_us = (cost["loop_s"] - cost["plain_s"]) / cost["steps"] * 1e6
+    plain_ms = cost["plain_s"] / cost["steps"] * 1e3
+    rows.append(
+        Row(
+            "train loop",
+            f"the loop's cost per step over a plain for loop ({plain_ms:.1f} ms steps)",
+            per_step_us,
+            None,
+            "",
+            "us",
+            f"{cost['steps']} steps each, 2 workers, no snapshot",
+        )
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps([r.__dict__ for r in run(Path("build/cpp"))], indent=1))
