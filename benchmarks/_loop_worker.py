@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
+import elastic_core
 import torch
 import torch.distributed as dist
 
-STEP_SLEEP = 0.008  # with the model and the all_reduce: about 10 ms a step on this machine
+STEP_SLEEP = 0.008  # with the model and the all_reduce: about 10-14 ms a step on this machine
+BLOCK = 50  # steps in a row of one kind, in the overhead mode
 
 
 class Model:
@@ -84,36 +87,50 @@ def loop(args: argparse.Namespace) -> None:
 
 
 def overhead(args: argparse.Namespace) -> None:
-    """The first train_step runs the plain loop (timed) in the group the loop formed; the
-    next `steps` go through train(), timed from the first one's start to the last one's end."""
+    """Blocks of BLOCK steps in a plain ``for`` loop (inside one train_step call, in the group
+    the loop formed) alternate with BLOCK steps through train(): each step's interval is
+    recorded, and the medians compared (alternating keeps the machine's drift out). With
+    `--empty` the steps do nothing: what is left is the loop's own cost."""
     from elastic_launch import train_loop
 
     model = Model()
-    times: dict[str, float] = {}
+    work = model.step if not args.empty else (lambda: None)
+    block = BLOCK if not args.empty else 1000
+    plain_s: list[float] = []
+    loop_s: list[float] = []
+    previous: list[float | None] = [None]  # the entry time of the last single loop step
 
     class Bare(train_loop.State):
-        done = -1
+        done = 0
 
     def train_step(state: Bare) -> Bare:
-        if state.done < 0:  # the plain loop, once, in the group formed
-            for _ in range(20):
-                model.step()  # warm up
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                model.step()
-            times["plain_s"] = time.perf_counter() - t0
-        elif state.done == 0:
-            times["first"] = time.perf_counter()
-        elif state.done == args.steps:
-            times["loop_s"] = time.perf_counter() - times["first"]
+        now = time.perf_counter()
+        if state.done >= 2 * args.steps:
             raise StopIteration
-        if state.done >= 0:
-            model.step()
+        if previous[0] is not None:
+            loop_s.append(now - previous[0])
+        if state.done % (2 * block) == 0:  # a plain block
+            t = time.perf_counter()
+            for _ in range(block):
+                work()
+                elastic_core.beat()  # as a torch.optim step's hook does under elasticrun
+                t2 = time.perf_counter()
+                plain_s.append(t2 - t)
+                t = t2
+            state.done += block
+            previous[0] = None  # the next interval starts after the block: not a loop step's
+            return state
+        work()
         state.done += 1
+        previous[0] = now
         return state
 
     train_loop.train(train_loop.from_environment("gloo"), train_step, Bare())
-    result = {"plain_s": times["plain_s"], "loop_s": times["loop_s"], "steps": args.steps}
+    result = {
+        "plain_ms": statistics.median(plain_s) * 1e3,
+        "loop_ms": statistics.median(loop_s) * 1e3,
+        "steps": len(loop_s),
+    }
     (args.out / f"overhead-{os.getpid()}.json").write_text(json.dumps(result))
 
 
@@ -122,6 +139,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=("loop", "plain", "overhead"), required=True)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--empty", action="store_true", help="overhead: steps that do nothing")
     args = parser.parse_args()
     {"loop": loop, "plain": plain, "overhead": overhead}[args.mode](args)
 
