@@ -49,3 +49,19 @@ def test_a_failing_handler_never_stops_the_others(tmp_path):
     with Events("r", [Broken(), JsonLinesHandler(str(path))]) as events:
         events.emit("job_started", -1)
     assert json.loads(path.read_text())["event"] == "job_started"
+
+
+def test_prometheus_counts_replaced_workers_and_their_recovery():
+    import urllib.request
+
+    events = Events.open("r", "null", None, ("127.0.0.1", 0))
+    try:
+        events.emit("worker_replaced", 0, rank=1, pid=7, recovery_seconds=0.02)
+        (handler,) = [h for h in events.handlers if hasattr(h, "port")]
+        url = f"http://127.0.0.1:{handler.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        events.close()
+    assert "elasticrun_workers_replaced_total 1.0" in text
+    assert "elasticrun_recovery_seconds_count 1.0" in text

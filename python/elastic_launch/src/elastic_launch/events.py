@@ -99,6 +99,11 @@ class PrometheusHandler:
         self.registry = CollectorRegistry()
         r = self.registry
         self.restarts = Counter("elasticrun_restarts", "Worker group restarts", registry=r)
+        self.replaced = Counter(
+            "elasticrun_workers_replaced",
+            "Train-loop workers replaced alone (the others kept running)",
+            registry=r,
+        )
         self.failures = Counter(
             "elasticrun_worker_failures", "Worker failures by kind", ["kind"], registry=r
         )
@@ -111,7 +116,8 @@ class PrometheusHandler:
         )
         self.recovery = Histogram(
             "elasticrun_recovery_seconds",
-            "From a failure's detection to the restarted group's workers running",
+            "From a failure's detection to the restarted group's (or the replacement's) "
+            "workers running",
             buckets=buckets,
             registry=r,
         )
@@ -138,6 +144,9 @@ class PrometheusHandler:
                 self.detection.observe(d["detection_seconds"])
         elif event.name == "group_restarted":
             self.restarts.inc()
+            self.recovery.observe(d["recovery_seconds"])
+        elif event.name == "worker_replaced":
+            self.replaced.inc()
             self.recovery.observe(d["recovery_seconds"])
         elif event.name == "group_started":
             self.workers.set(d.get("workers", 0))
