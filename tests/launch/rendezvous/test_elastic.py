@@ -80,10 +80,12 @@ def handlers(
     ]
 
 
-def form_round(members: list[ElasticRendezvous]) -> list[RendezvousInfo]:
+def form_round(
+    members: list[ElasticRendezvous], reason: RestartReason = RestartReason.START
+) -> list[RendezvousInfo]:
     pool = ThreadPoolExecutor(len(members))
     try:
-        return list(pool.map(lambda h: h.next_rendezvous(), members, timeout=60))
+        return list(pool.map(lambda h: h.next_rendezvous(reason), members, timeout=60))
     finally:
         pool.shutdown(wait=False)  # a thread still waiting ends when the test shuts it down
 
@@ -492,10 +494,7 @@ def test_survivors_skip_the_last_call_when_the_rest_is_provably_gone(endpoint, r
         dead._presence.close()  # SIGKILLed: its port refuses at once
         dead._stop_follower()
         t0 = time.monotonic()
-        pool = ThreadPoolExecutor(2)
-        futures = [pool.submit(h.next_rendezvous, RestartReason.FAILURE) for h in members[:2]]
-        infos = [f.result(timeout=15) for f in futures]
-        pool.shutdown(wait=False)
+        infos = form_round(members[:2], RestartReason.FAILURE)
         assert [i.group_world_size for i in infos] == [2, 2]
         assert time.monotonic() - t0 < conf.last_call_timeout, "it waited out the last call"
     finally:
@@ -511,10 +510,7 @@ def test_a_member_that_is_alive_is_waited_for_until_the_last_call(endpoint, requ
         form_round(members)
         members[2]._stop_follower()  # alive (its port answers) but slow to come back
         t0 = time.monotonic()
-        pool = ThreadPoolExecutor(2)
-        futures = [pool.submit(h.next_rendezvous, RestartReason.FAILURE) for h in members[:2]]
-        infos = [f.result(timeout=15) for f in futures]
-        pool.shutdown(wait=False)
+        infos = form_round(members[:2], RestartReason.FAILURE)
         assert [i.group_world_size for i in infos] == [2, 2]
         assert time.monotonic() - t0 >= conf.last_call_timeout
     finally:

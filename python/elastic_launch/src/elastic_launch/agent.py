@@ -248,7 +248,7 @@ class ElasticAgent:
         except SpawnError as e:
             if self.cancel.cancelled:
                 return Outcome.CANCELLED
-            self._spawn_failed(e, info)
+            self._spawn_failed(e, info.rank_offset + e.local_rank)
             return Outcome.FAILED
         started = elastic_core.now_ns()
         self.events.emit(
@@ -314,8 +314,7 @@ class ElasticAgent:
         try:
             new = self.group.replace(w.local_rank)
         except SpawnError as e:
-            assert self.group._info is not None
-            self._spawn_failed(e, self.group._info)
+            self._spawn_failed(e, w.rank)
             self._fatal = f"a replacement for rank {w.rank} could not start: {e}"
             return Outcome.FATAL
         # Those spared while waiting for a peer get a full period from now, when that peer
@@ -416,8 +415,8 @@ class ElasticAgent:
             if w.exit_code == 0:
                 return Outcome.SUCCEEDED if self.group.succeeded else None
             failure = self._record_failure(w, _exit_kind(w), event)
-            if w.train_loop() == FATAL or self._in_train_loop():
-                return self._replace(w, failure)  # or, for a fatal one, the job's end
+            if self._in_train_loop():  # w among them: a fatal one ends the job
+                return self._replace(w, failure)
             return Outcome.FAILED
         if event.finding == Finding.HUNG:
             if w.local_rank in self._spared:
@@ -630,11 +629,11 @@ class ElasticAgent:
         )
         return failure
 
-    def _spawn_failed(self, error: SpawnError, info: RendezvousInfo) -> None:
+    def _spawn_failed(self, error: SpawnError, rank: int) -> None:
         self.failures.append(
             self._failure(
                 FailureKind.SPAWN,
-                info.rank_offset + error.local_rank,
+                rank,
                 error.local_rank,
                 detail=str(error),
             )

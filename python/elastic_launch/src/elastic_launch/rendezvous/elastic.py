@@ -324,8 +324,8 @@ class ElasticRendezvous(RendezvousHandler):
                         if change.value is None:
                             return None
                         state, sversion = RoundState.from_json(change.value), change.revision
-                    elif change.key.startswith(f"{self._m}/waiting/"):
-                        spare = change.key.rsplit("/", 1)[1]
+                    elif change.key.startswith(spares):
+                        spare = change.key[len(spares) :]
                         if change.value is None:
                             waiting.discard(spare)
                         else:
@@ -350,12 +350,15 @@ class ElasticRendezvous(RendezvousHandler):
         if not state.prev_ranks or state.version <= 1 or waiting - set(joined):
             return False
         missing = set(state.prev_ranks) - set(joined)
+        if not missing:
+            return True
         prev = f"{self._m}/v{state.version - 1}/join/"
+        kvs, _ = self.store.range(prev)  # one request for all: those absent have expired
         targets: dict[str, tuple[str, int]] = {}
-        for node in missing:
-            kv = self.store.get(prev + node)
-            if kv is None:
-                continue  # its lease expired: gone
+        for kv in kvs:
+            node = kv.key[len(prev) :]
+            if node not in missing:
+                continue
             member = Member.from_json(kv.value)
             if not member.presence:
                 return False

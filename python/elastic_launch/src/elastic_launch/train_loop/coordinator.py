@@ -36,6 +36,7 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
     RunIdInUseError,
 )
+from elastic_launch.rendezvous.conf import positive_int
 from elastic_launch.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
 from elastic_launch.train_loop.api import (
     Coordinator,
@@ -389,18 +390,22 @@ def parse_init_method(init_method: str) -> RendezvousParameters:
     hi = _count(raw.get("max_workers", str(lo)), "max_workers", where)
     if hi < lo:
         raise ConfigError(f"{where}: max_workers={hi} is less than min_workers={lo}")
+    backend = _SCHEMES[scheme]
     conf = {"last_call_timeout": raw.get("last_call_timeout", "30")}
     if "timeout" in raw:
         conf["join_timeout"] = raw["timeout"]
-    for k in ("protocol", "cacert", "cert", "key"):
-        if k in raw:
-            conf[k] = raw[k]
-    backend = _SCHEMES[scheme]
-    if backend == "embedded":
-        conf = {k: v for k, v in conf.items() if k not in ("protocol", "cacert", "cert", "key")}
+    if backend != "embedded":  # TLS is etcd's
+        conf.update({k: raw[k] for k in ("protocol", "cacert", "cert", "key") if k in raw})
+    return _workers(backend, url.netloc, run_id, lo, hi, conf)
+
+
+def _workers(
+    backend: str, endpoint: str, run_id: str, lo: int, hi: int, conf: dict[str, str]
+) -> RendezvousParameters:
+    """A workers' rendezvous: one member per worker; its failures spend no budget of its own."""
     return RendezvousParameters(
         backend=backend,
-        endpoint=url.netloc,
+        endpoint=endpoint,
         run_id=run_id,
         min_nodes=lo,
         max_nodes=hi,
@@ -412,12 +417,9 @@ def parse_init_method(init_method: str) -> RendezvousParameters:
 
 def _count(text: str, name: str, where: str) -> int:
     try:
-        value = int(text)
+        return positive_int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(f"{where}: {name}={text!r} must be a whole number, 1 or more")
-    return value
+        raise ConfigError(f"{where}: {name}={text!r} must be a whole number, 1 or more") from None
 
 
 def team_parameters(
@@ -437,16 +439,7 @@ def team_parameters(
             f"{team.max_workers} workers (--nnodes x --nproc-per-node); choose 1 <= min <= max "
             f"<= {team.max_workers}"
         )
-    return RendezvousParameters(
-        backend=team.backend,
-        endpoint=team.endpoint,
-        run_id=team.run_id,
-        min_nodes=lo,
-        max_nodes=hi,
-        max_restarts=_NO_BUDGET,
-        local_world_size=1,
-        config=dict(team.config),
-    )
+    return _workers(team.backend, team.endpoint, team.run_id, lo, hi, dict(team.config))
 
 
 def _team_or_fatal(
