@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import Row, free_port
+from common import Row, end_job, free_port, start_job
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_launch_worker.py"
@@ -47,21 +45,6 @@ def _wait_files(paths: list[Path], timeout: float) -> list[int] | None:
     return None
 
 
-def _launch(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    full = dict(os.environ)
-    full.update(env or {})
-    return subprocess.Popen(
-        cmd, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-
-
-def _end(proc: subprocess.Popen[bytes], out: Path) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    subprocess.run(["pkill", "-9", "-f", str(out)], check=False)  # workers, by their --out arg
-
-
 def launch_time(launcher: list[str] | None, trials: int = 3, start_only: bool = False) -> float:
     """Seconds from starting the launcher (or the workers, by hand) to the first collective,
     or (`start_only`) to every worker running its first line."""
@@ -73,7 +56,7 @@ def launch_time(launcher: list[str] | None, trials: int = 3, start_only: bool = 
         if launcher is None:
             port = free_port()
             procs = [
-                _launch(
+                start_job(
                     [sys.executable, "-u", *args],
                     {
                         "RANK": str(r),
@@ -87,12 +70,12 @@ def launch_time(launcher: list[str] | None, trials: int = 3, start_only: bool = 
                 for r in range(NPROC)
             ]
         else:
-            procs = [_launch([*launcher, "--standalone", "--nproc-per-node", str(NPROC), *args])]
+            procs = [start_job([*launcher, "--standalone", "--nproc-per-node", str(NPROC), *args])]
         marks = [out / (f"{r}.start" if start_only else f"0-{r}.first") for r in range(NPROC)]
         firsts = _wait_files(marks, 120)
         for p in procs:
             p.wait(timeout=60)
-            _end(p, out)
+            end_job(p, out)
         shutil.rmtree(out, ignore_errors=True)
         if firsts is None:
             raise RuntimeError("no first collective within 120 s")
@@ -112,7 +95,7 @@ def recovery(
     out = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-"))
     if events is not None:
         cmd = [*cmd, "--events-file", str(events)]
-    proc = _launch([*cmd, str(WORKER), "--out", str(out), "--mode", mode, *(extra or [])], env)
+    proc = start_job([*cmd, str(WORKER), "--out", str(out), "--mode", mode, *(extra or [])], env)
     try:
         marks = _wait_files([out / f"{mode}.t"], 120)
         if marks is None:
@@ -120,7 +103,7 @@ def recovery(
         firsts = _wait_files([out / f"1-{r}.first" for r in range(NPROC)], timeout)
         return None if firsts is None else (max(firsts) - marks[0]) / 1e9
     finally:
-        _end(proc, out)
+        end_job(proc, out)
         shutil.rmtree(out, ignore_errors=True)
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Row, python_json
+from common import Row, end_job, python_json, start_job
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_replace_worker.py"
@@ -47,10 +47,7 @@ def group_restart(launcher: list[str], trials: int, extra: list[str] | None = No
         *(extra or []),
         str(WORKER),
     ]
-    env = {**os.environ, "BENCH_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = start_job(cmd, {"BENCH_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     seconds = []
     t_kill = 0
     try:
@@ -65,10 +62,7 @@ def group_restart(launcher: list[str], trials: int, extra: list[str] | None = No
             t_kill = time.monotonic_ns()
             os.kill(stamps[1][1], signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        subprocess.run(["pkill", "-9", "-f", str(WORKER)], check=False)
+        end_job(proc, WORKER)
         shutil.rmtree(out, ignore_errors=True)
     return seconds
 

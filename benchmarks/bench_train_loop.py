@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Row
+from common import Row, end_job, start_job
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_loop_worker.py"
@@ -77,10 +77,7 @@ def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | 
         "--steps",
         "100000",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = start_job(cmd, {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
         warm = _until(
             lambda: (
@@ -111,10 +108,7 @@ def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | 
         seconds = [None if t is None else (t - t_kill) / 1e9 for t in (a, b)]
         return seconds[0], seconds[1]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
+        end_job(proc, out)
         shutil.rmtree(out, ignore_errors=True)
 
 

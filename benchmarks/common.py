@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -66,6 +67,24 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None, timeout: float =
 
 def python_json(script: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     return run_json([sys.executable, str(script), *args], env=env)
+
+
+def start_job(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A launcher (or worker) in its own session, output discarded; `env` adds to ours."""
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.Popen(
+        cmd, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
+def end_job(proc: subprocess.Popen[bytes], pattern: str | Path) -> None:
+    """Kill a job started with start_job: its session, then every process whose command line
+    has `pattern` (its workers, by their --out argument or script)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(["pkill", "-9", "-f", str(pattern)], check=False)
 
 
 def format_table(rows: list[Row]) -> str:
