@@ -13,7 +13,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 # The CPU build of torch lies on the local disk; pip finds it here even without PIP_FIND_LINKS.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-DEBIAN_PACKAGES := etcd-server libgtest-dev pkg-config
+DEBIAN_PACKAGES := etcd-server libgtest-dev pkg-config slurm-wlm munge
 
 CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -type f) \
 	cpp/CMakeLists.txt cpp/VERSION python/elastic_core/CMakeLists.txt \
@@ -41,7 +41,7 @@ setup: $(VENV)/.stamp-packages $(VENV)/.stamp-debian
 
 # ---- set-up -----------------------------------------------------------------------------------
 
-$(VENV)/.stamp-debian:
+$(VENV)/.stamp-debian: Makefile
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages: $$missing"; \

@@ -20,6 +20,7 @@ import bench_launch
 import bench_rendezvous
 import bench_replace
 import bench_sampler
+import bench_slurm
 import bench_train_loop
 
 import bench_core
@@ -33,6 +34,7 @@ SECTIONS = {
     "rendezvous": bench_rendezvous.run,
     "sampler": bench_sampler.run,
     "train_loop": bench_train_loop.run,
+    "slurm": bench_slurm.run,
 }
 
 

@@ -1,0 +1,116 @@
+"""deploy/slurm/elasticrun.sbatch on a real two-node Slurm cluster: munged, slurmctld and two
+slurmd (n1, n2) on this host (deploy/slurm/local_cluster.py). The job trains
+examples/train_ddp.py over both nodes and completes. Then it trains again over etcd and one
+node's agent is SIGKILLed mid-training: the other node goes on alone and completes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import local_cluster
+import pytest
+from launcher_util import free_port, wait_for, wait_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SBATCH = ROOT / "deploy" / "slurm" / "elasticrun.sbatch"
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+TRAIN = ["--samples", "256", "--image-size", "16", "--classes", "10", "--batch-size", "16"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        local_cluster.missing() is not None,
+        reason=f"no Slurm cluster here: {local_cluster.missing()} (make test installs it)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_cluster.LocalCluster]:
+    c = local_cluster.LocalCluster(tmp_path_factory.mktemp("slurm"), nodes=2)
+    c.start()
+    daemons = c.pids()
+    yield c
+    c.stop()
+    assert wait_gone(daemons) == [], "a Slurm daemon outlived the tests"
+
+
+def job_env(**settings: str) -> dict[str, str]:
+    """The submitter's environment: elasticrun on PATH (this virtualenv) and the settings."""
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return {"PATH": path, "ELASTICRUN_NPROC": "1", **settings}
+
+
+def submit(cluster: local_cluster.LocalCluster, tmp: Path, env: dict[str, str], *args: str) -> int:
+    return cluster.submit(
+        [
+            *("--nodes", "2", "--chdir", str(tmp), "--output", str(tmp / "job-%j.out")),
+            *(str(SBATCH), str(EXAMPLE), *TRAIN, "--checkpoint-dir", str(tmp / "ckpt"), *args),
+        ],
+        env,
+    )
+
+
+def agents(job_id: int) -> dict[int, int]:
+    """{SLURM_NODEID: pid} of the job's elasticrun agents."""
+    return {
+        node: pid
+        for pid, node, argv in local_cluster.LocalCluster.processes(job_id)
+        if len(argv) > 1 and argv[1].endswith("/elasticrun")
+    }
+
+
+def steps_trained(samples: Path) -> int:
+    newest = 0
+    for f in samples.glob("attempt*-rank*.txt"):
+        for line in f.read_text().splitlines():
+            parts = line.split(" ")
+            if len(parts) == 3:
+                newest = max(newest, int(parts[1]))
+    return newest
+
+
+def test_a_two_node_job_completes(cluster, tmp_path):
+    port = free_port()
+    job_id = submit(cluster, tmp_path, job_env(ELASTICRUN_RDZV_PORT=str(port)), "--epochs", "1")
+    fields = cluster.wait(job_id, timeout=180)
+    out = (tmp_path / f"job-{job_id}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out
+    assert f"rendezvous embedded at {os.uname().nodename}:{port}, nodes 1:2" in out
+    assert "(node 0, n1) exited 0" in out and "(node 1, n2) exited 0" in out, out
+    # Both nodes trained: 256 samples, 16 per step on each of 2 workers.
+    assert "done: 8 steps, 1 epochs" in out, out
+
+
+def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd):
+    samples = tmp_path / "samples"
+    env = job_env(ELASTICRUN_RDZV="etcd", ELASTICRUN_ETCD=etcd.endpoint)
+    job_id = submit(
+        cluster,
+        tmp_path,
+        env,
+        *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
+        *("--record-samples", str(samples)),
+    )
+    assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
+    found = agents(job_id)
+    assert sorted(found) == [0, 1], found
+    os.kill(found[1], signal.SIGKILL)  # node n2's agent; its worker dies with it
+    fields = cluster.wait(job_id, timeout=180)
+    out = (tmp_path / f"job-{job_id}.out").read_text()
+    # n1's agent saw n2 leave (a membership change: no restart spent), re-formed alone,
+    # resumed from the checkpoint and finished training.
+    assert "(node 0, n1) exited 0" in out, out
+    assert "(node 1, n2) exited 137" in out, out
+    assert "0: elasticrun: WARNING: node(s) " in out and "left the job" in out, out
+    assert "the job now has 1 node(s), 1 worker(s)" in out, out
+    assert "resumed from epoch" in out and "2 epochs" in out, out
+    # Slurm reports the killed node's task: the job as a whole ends FAILED.
+    assert fields["JobState"] == "FAILED", fields
+    assert agents(job_id) == {}
