@@ -19,6 +19,20 @@ def test_pet_names_and_booleans(monkeypatch):
     assert compat.pet_flag("module") is None
 
 
+def test_what_kubeflows_training_operator_sets(monkeypatch):
+    # PET_STANDALONE="" turns standalone on (the operator's elasticPolicy.standalone).
+    monkeypatch.setenv("PET_STANDALONE", "")
+    assert compat.pet_flag("standalone") is True
+    # Before 1.7 it wrote nProcPerNode to PET_N_PROC_PER_NODE; the right name wins.
+    monkeypatch.delenv("PET_NPROC_PER_NODE", raising=False)
+    monkeypatch.setenv("PET_N_PROC_PER_NODE", "3")
+    assert compat.pet_value("nproc-per-node") == "3"
+    assert compat.pet_name("nproc-per-node") == "PET_N_PROC_PER_NODE"
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
+    assert compat.pet_value("nproc-per-node") == "2"
+    assert compat.pet_name("nproc-per-node") == "PET_NPROC_PER_NODE"
+
+
 def test_shutdown_timeout_from_torchs_variable(monkeypatch):
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     assert compat.shutdown_timeout() == 30.0

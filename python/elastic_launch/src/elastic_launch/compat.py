@@ -36,9 +36,19 @@ OMP_WARNING = (
 )
 
 
+#: Older names of PET_ variables that operators still set: Kubeflow's training operator before
+#: 1.7 wrote elasticPolicy.nProcPerNode to PET_N_PROC_PER_NODE, which torchrun never read.
+PET_ALIASES = {"PET_NPROC_PER_NODE": "PET_N_PROC_PER_NODE"}
+
+
 def pet_name(dest: str) -> str:
-    """The variable a flag's default comes from: ``nproc-per-node`` -> ``PET_NPROC_PER_NODE``."""
-    return PET_PREFIX + dest.replace("-", "_").upper()
+    """The variable a flag's default comes from: ``nproc-per-node`` -> ``PET_NPROC_PER_NODE``
+    (or the older name it is still set under, see :data:`PET_ALIASES`)."""
+    name = PET_PREFIX + dest.replace("-", "_").upper()
+    alias = PET_ALIASES.get(name)
+    if name not in os.environ and alias is not None and alias in os.environ:
+        return alias
+    return name
 
 
 def pet_value(dest: str) -> str | None:
@@ -46,14 +56,16 @@ def pet_value(dest: str) -> str | None:
 
 
 def pet_flag(dest: str) -> bool | None:
-    """A boolean flag's ``PET_*`` default (1/0/true/false/yes/no), None when unset."""
+    """A boolean flag's ``PET_*`` default (1/0/true/false/yes/no), None when unset. Set but
+    empty is true: Kubeflow's training operator turns ``standalone`` on with
+    ``PET_STANDALONE=""`` (torchrun fails on it)."""
     value = pet_value(dest)
     if value is None:
         return None
     text = value.strip().lower()
-    if text not in ("1", "0", "true", "false", "yes", "no"):
+    if text not in ("", "1", "0", "true", "false", "yes", "no"):
         raise ConfigError(f"{pet_name(dest)}='{value}' is not a boolean: use 1 or 0")
-    return text in ("1", "true", "yes")
+    return text in ("", "1", "true", "yes")
 
 
 def shutdown_timeout() -> float:
