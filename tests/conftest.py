@@ -138,6 +138,10 @@ def nvml_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+class _PortTakenError(AssertionError):
+    """etcd could not bind a port that was free when it was picked."""
+
+
 class EtcdServer:
     """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir."""
 
@@ -148,22 +152,43 @@ class EtcdServer:
         tls: dict[str, Path] | None = None,
         host: str = "127.0.0.1",
     ) -> None:
-        import socket
-
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
         self.tls = tls  # {"cert", "key", "ca"}: serve clients over https
+        self.host = host
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        import socket
+
         ports = []
-        for bind in (host, "127.0.0.1"):  # clients on `host`, peers on 127.0.0.1
+        for bind in (self.host, "127.0.0.1"):  # clients on `host`, peers on 127.0.0.1
             with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
                 s.bind((bind, 0))
                 ports.append(s.getsockname()[1])
         self.port, self.peer_port = ports
+        host = self.host
         self.endpoint = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = data_dir.parent / f"etcd-{self.port}.log"
+        self.log = self.data_dir.parent / f"etcd-{self.port}.log"
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start etcd and wait until it is healthy. A port picked free can be taken before etcd
+        binds it (another test's connection, a Slurm daemon): the first start then tries new
+        ports, up to 3 times; a restart keeps its ports, as the tests' clients know them."""
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self._started = True
+                return
+            except _PortTakenError:
+                if self._started or attempt == 2:
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)  # nothing of the failed start
+                self._pick_ports()
+
+    def _start(self, timeout: float) -> None:
         import ssl
         import time
         import urllib.request
@@ -204,7 +229,11 @@ class EtcdServer:
                         return
             except OSError:
                 pass
-            assert self.proc.poll() is None, f"etcd exited: {self.log.read_text()[-2000:]}"
+            if self.proc.poll() is not None:
+                log = self.log.read_text()[-2000:]
+                if "address already in use" in log:
+                    raise _PortTakenError(f"etcd exited: {log}")
+                raise AssertionError(f"etcd exited: {log}")
             time.sleep(0.05)
         raise AssertionError(f"etcd did not become healthy in {timeout} s")
 
@@ -253,6 +282,12 @@ def embedded() -> Iterator[tuple[str, str]]:
     server = EmbeddedServer("127.0.0.1", port, token="t")
     yield f"127.0.0.1:{port}", "t"
     server.close()
+
+
+@pytest.fixture
+def etcd_class() -> type[EtcdServer]:
+    """The class itself, for a test of how it starts (conftest is not importable by name)."""
+    return EtcdServer
 
 
 @pytest.fixture
