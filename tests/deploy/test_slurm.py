@@ -78,7 +78,8 @@ def steps_trained(samples: Path) -> int:
 
 def test_a_two_node_job_completes(cluster, tmp_path):
     port = free_port()
-    job_id = submit(cluster, tmp_path, job_env(ELASTICRUN_RDZV_PORT=str(port)), "--epochs", "1")
+    env = job_env(ELASTICRUN_RDZV_PORT=str(port), ELASTICRUN_RDZV_CONF="last_call_timeout=2")
+    job_id = submit(cluster, tmp_path, env, "--epochs", "1")
     fields = cluster.wait(job_id, timeout=180)
     out = (tmp_path / f"job-{job_id}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out
