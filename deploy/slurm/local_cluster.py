@@ -14,6 +14,7 @@ Run as root: slurmd starts each job's tasks as the submitting user.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import secrets
@@ -91,15 +92,19 @@ class LocalCluster:
             raise
 
     def stop(self, timeout: float = 20.0) -> None:
-        """Cancel every job, then end the daemons (SIGTERM, then SIGKILL), slurmds first."""
+        """Cancel every job and give Slurm a moment to end it, end the daemons (SIGTERM, then
+        SIGKILL; slurmds first), then SIGKILL whatever still carries this cluster's SLURM_CONF
+        (a job step's slurmstepd or task that outlived its slurmd)."""
         if "slurmctld" in self._procs and self._procs["slurmctld"].poll() is None:
             subprocess.run(
-                ["scancel", "--full", "--signal=KILL", "--user=root"],
+                ["scancel", "--full", "--signal=KILL", f"--user={os.geteuid()}"],
                 env=self.env,
                 capture_output=True,
                 timeout=10,
                 check=False,
             )
+            with contextlib.suppress(ClusterError):
+                self._wait_for(lambda: not self.run(["squeue", "--noheader"]).strip(), 15, "")
         for name in sorted(self._procs, key=lambda n: (not n.startswith("slurmd"), n)):
             proc = self._procs[name]
             if proc.poll() is None:
@@ -110,6 +115,23 @@ class LocalCluster:
                 proc.kill()
                 proc.wait(timeout)
         self._procs.clear()
+        for pid in self._strays():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _strays(self) -> list[int]:
+        """Processes other than this one whose environment names this cluster's SLURM_CONF."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
 
     def pids(self) -> list[int]:
         """The daemons' process ids."""

@@ -115,3 +115,18 @@ def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd)
     # Slurm reports the killed node's task: the job as a whole ends FAILED.
     assert fields["JobState"] == "FAILED", fields
     assert agents(job_id) == {}
+
+
+def test_stopping_the_cluster_ends_its_running_jobs(tmp_path):
+    c = local_cluster.LocalCluster(tmp_path / "cluster", nodes=2)
+    c.start()
+    try:
+        job_id = c.submit(["--nodes", "2", "--chdir", str(tmp_path), "--wrap", "srun sleep 300"])
+        assert wait_for(lambda: c.job(job_id)["JobState"] == "RUNNING", 30)
+        assert wait_for(lambda: len(c.processes(job_id)) >= 2, 30), "no task started"
+        tasks = [pid for pid, _, _ in c.processes(job_id)]
+    finally:
+        daemons = c.pids()
+        c.stop()
+    assert wait_gone(daemons + tasks) == [], "a daemon or a task outlived the cluster"
+    assert c._strays() == []
