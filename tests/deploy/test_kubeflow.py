@@ -53,6 +53,9 @@ def pytorchjob_env(job: dict, host: str) -> dict[str, str]:
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     env = {"PYTHONUNBUFFERED": "0"}
     port = policy.get("rdzvPort")
+    if port is None:  # the Worker's `pytorch` container's port named pytorchjob-port
+        (c,) = [c for c in worker["template"]["spec"]["containers"] if c["name"] == "pytorch"]
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "pytorchjob-port"]
     env["PET_RDZV_ENDPOINT"] = f"{host}:{port}"
     env["PET_RDZV_BACKEND"] = policy.get("rdzvBackend", "c10d")
     if "minReplicas" in policy or "maxReplicas" in policy:
