@@ -100,3 +100,35 @@ def test_a_forked_worker_that_dies_at_once_is_reported(out, tmp_path):
     assert result.returncode == 1
     assert "after 3 attempt(s), 2 restart(s)" in result.stderr
     assert "failure    : exit code 5" in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("module", "text", "why"),
+    [
+        (
+            "starts_a_thread",
+            "import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), name='poller', daemon=True).start()\n",
+            "--preload: the preloaded modules started 1 thread(s) (poller), which forked workers "
+            "would not have",
+        ),
+        (
+            "claims_cuda",  # no GPU here: the module says CUDA is initialised, as torch would
+            "import torch\ntorch.cuda.is_initialized = lambda: True\n",
+            "--preload: the preloaded modules initialised CUDA, which forked workers cannot use",
+        ),
+    ],
+)
+def test_a_zygote_unsafe_to_fork_from_falls_back_saying_why(out, tmp_path, module, text, why):
+    (tmp_path / f"{module}.py").write_text(text)
+    ev = tmp_path / "events.jsonl"
+    result = run(
+        [*BASE, "--preload", module, "--events-file", str(ev), *worker_args(out)],
+        out,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{why}; starting workers as fresh interpreters" in result.stderr
+    started = [e for e in events(ev) if e["event"] == "group_started"]
+    assert [e["forked"] for e in started] == [False]

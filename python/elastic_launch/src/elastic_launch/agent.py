@@ -242,7 +242,6 @@ class ElasticAgent:
         t0 = elastic_core.now_ns()
         if self._gpus_unusable(info):
             return Outcome.UNUSABLE
-        forked = self.group.spawner.forks
         try:
             self.group.start_all(info, self.attempt, self.restarts)
         except SpawnError as e:
@@ -251,6 +250,8 @@ class ElasticAgent:
             self._spawn_failed(e, info.rank_offset + e.local_rank)
             return Outcome.FAILED
         started = elastic_core.now_ns()
+        # Asked after the spawns: a zygote found unready or unsafe by the first one is gone.
+        forked = self.group.spawner.forks
         self.events.emit(
             "group_started",
             self.attempt,

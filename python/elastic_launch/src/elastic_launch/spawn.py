@@ -251,6 +251,9 @@ class ZygoteFork(Spawner):
         for name, error in z.failed.items():
             logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
         z.failed = {}
+        if z.unsafe:
+            self._give_up(f"--preload: {z.unsafe}")
+            return None
         return z
 
     @property

@@ -89,6 +89,24 @@ def _fork_worker(
     run_forked(handover, request["argv"])
 
 
+def fork_hazard() -> str | None:
+    """Why forking workers from this process would give them less than a fresh interpreter,
+    or None. Python threads started at import are not in a forked child (a module that relies
+    on them would be broken there), and CUDA cannot be used in a child forked after it was
+    initialised. (Native thread pools that handle fork themselves, as OpenBLAS's, are fine.)"""
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return (
+            f"the preloaded modules started {len(others)} thread(s) ({', '.join(others[:3])}), "
+            "which forked workers would not have"
+        )
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "the preloaded modules initialised CUDA, which forked workers cannot use"
+    return None
+
+
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
     sock = socket.socket(fileno=fd)
@@ -106,7 +124,8 @@ def serve(fd: int, modules: list[str]) -> None:
             failed[name] = f"{type(e).__name__}: {e}"
     from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
 
-    send(sock, {"op": "ready", "seconds": time.monotonic() - start, "failed": failed})
+    ready = {"op": "ready", "seconds": time.monotonic() - start, "failed": failed}
+    send(sock, ready | {"unsafe": fork_hazard()})
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
     os.set_blocking(wakeup_r, False)
@@ -192,6 +211,7 @@ class Zygote:
         self._next_id = 0
         self.startup_seconds: float | None = None
         self.failed: dict[str, str] = {}
+        self.unsafe: str | None = None  # why forking from it would be wrong (fork_hazard)
         self._reader = threading.Thread(target=self._read, name="elasticrun-zygote", daemon=True)
         self._reader.start()
 
@@ -213,6 +233,7 @@ class Zygote:
                     self._ready = True
                     self.startup_seconds = message["seconds"]
                     self.failed = message["failed"]
+                    self.unsafe = message.get("unsafe")
                 elif op == "spawned":
                     self._spawned[message["id"]] = message["pid"]
                 elif op == "exited":
