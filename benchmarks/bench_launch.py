@@ -1,8 +1,9 @@
 """The launcher's benchmarks (issue 3), elasticrun beside torchrun on the same worker script:
 
 - launch to the first completed collective, and the overhead over spawning the workers by hand;
-- a worker crash to the restarted group's first collective (elasticrun with and without
-  --preload, torchrun --standalone), over several trials, counting the recoveries;
+- a worker crash to the restarted group's first collective (elasticrun by default, forked from
+  the zygote, and with --preload none; torchrun --standalone), over several trials, counting
+  the recoveries;
 - a hang to the restarted group's first collective (elasticrun --hang-timeout, torchrun with its
   file timer and expires(), torchrun without: not detected).
 """
@@ -137,16 +138,27 @@ def run(cpp_build: Path) -> list[Row]:
     rows: list[Row] = []
     by_hand = launch_time(None)
     ours = launch_time(ELASTICRUN)
+    fresh = launch_time([*ELASTICRUN, "--preload", "none"])
     theirs = launch_time(TORCHRUN)
     rows.append(
         Row(
             "launch",
-            "launch to first collective",
+            "launch to first collective (default: --preload auto)",
             ours,
             theirs,
             "torchrun",
             "s",
             f"by hand {by_hand:.2f} s",
+        )
+    )
+    rows.append(
+        Row(
+            "launch",
+            "the same, --preload none (fresh interpreters)",
+            fresh,
+            theirs,
+            "torchrun",
+            "s",
         )
     )
     # The overhead alone: to every worker running its first line (no torch import, whose
@@ -167,13 +179,13 @@ def run(cpp_build: Path) -> list[Row]:
     base = ["--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "1"]
     torch_crash = [recovery([*TORCHRUN, *base], "crash") for _ in range(trials)]
     our_crash = [recovery([*ELASTICRUN, *base], "crash") for _ in range(trials)]
-    pre_crash = [
-        recovery([*ELASTICRUN, *base, "--preload", "torch"], "crash") for _ in range(trials)
+    fresh_crash = [
+        recovery([*ELASTICRUN, *base, "--preload", "none"], "crash") for _ in range(trials)
     ]
     t_med, t_note = _summary(torch_crash)
     for label, values in (
-        ("crash to restarted first collective", our_crash),
-        ("crash to restarted first collective, --preload torch", pre_crash),
+        ("crash to restarted first collective (default: --preload auto)", our_crash),
+        ("the same, --preload none (fresh interpreters)", fresh_crash),
     ):
         med, note = _summary(values)
         rows.append(
@@ -195,7 +207,7 @@ def run(cpp_build: Path) -> list[Row]:
         for _ in range(3)
     ]
     pre_h = [
-        recovery([*ELASTICRUN, *base, "--hang-timeout", str(hang), "--preload", "torch"], "hang")
+        recovery([*ELASTICRUN, *base, "--hang-timeout", str(hang), "--preload", "none"], "hang")
         for _ in range(3)
     ]
     overshoot = _overshoot_ms(events, hang)
@@ -230,7 +242,7 @@ def run(cpp_build: Path) -> list[Row]:
     rows.append(
         Row(
             "hang",
-            "hang to restarted first collective, --preload torch",
+            "the same, --preload none (fresh interpreters)",
             p_med if p_med is not None else nan,
             f_med,
             "torchrun + file timer expires()",

@@ -32,7 +32,7 @@ EXAMPLE = REPO / "examples" / "train_ddp.py"
 TRAIN = ["--samples", "512", "--image-size", "16", "--classes", "10", "--batch-size", "16"]
 TRAIN += ["--epochs", "1", "--step-time", "0.1", "--checkpoint-every", "1000"]
 POLL_S = 0.005
-PRELOAD = "--preload torch"
+FRESH = "--preload none"
 
 
 def _lines(samples: Path) -> list[int]:
@@ -63,7 +63,7 @@ def _parent(pid: int) -> int:
 
 
 def _workers(procs: list[tuple[int, int, list[str]]], agent: int) -> list[int]:
-    """The agent's workers: its children that run the script, or (with --preload) the children
+    """The agent's workers: its children that run the script (--preload none), or the children
     of its zygote, forked with the zygote's command line."""
     zygotes = {p for p, _, argv in procs if _parent(p) == agent and "elastic_launch.zygote" in argv}
     return [
@@ -145,7 +145,7 @@ def run(cpp_build: Path) -> list[Row]:
         try:
             theirs = [lose_a_node(cluster, "torchrun") for _ in range(trials)]
             ours = [lose_a_node(cluster, "elasticrun") for _ in range(trials)]
-            preloaded = [lose_a_node(cluster, "elasticrun", PRELOAD) for _ in range(trials)]
+            fresh = [lose_a_node(cluster, "elasticrun", FRESH) for _ in range(trials)]
         finally:
             cluster.stop()
     note = f"median of {trials}, 2 nodes, 1 worker each"
@@ -161,7 +161,7 @@ def run(cpp_build: Path) -> list[Row]:
         ),
         Row(
             "slurm",
-            "node lost -> the other node training again, alone",
+            "node lost -> the other node training again, alone (default: --preload auto)",
             median([a for _, a in ours]),
             median([a for _, a in theirs]),
             "torchrun",
@@ -170,8 +170,8 @@ def run(cpp_build: Path) -> list[Row]:
         ),
         Row(
             "slurm",
-            f"node lost -> the other node training again, alone: elasticrun {PRELOAD}",
-            median([a for _, a in preloaded]),
+            f"the same, elasticrun {FRESH} (fresh interpreters)",
+            median([a for _, a in fresh]),
             median([a for _, a in theirs]),
             "torchrun",
             "s",

@@ -2,8 +2,9 @@
 ~10 ms step (benchmarks/_loop_worker.py):
 
 - to (a) the survivors stepping again and (b) the full world stepping again: the loop under
-  elasticrun (a fixed world, and --min-workers 2; each without --preload, with --preload torch,
-  which forks the replacement from a zygote, and with the loop's own modules preloaded too)
+  elasticrun (a fixed world, and --min-workers 2; each with --preload none, fresh interpreters,
+  and with the default --preload auto, which forks the replacement from a zygote that has
+  imported torch and the loop's own modules)
   beside a group restart of the same step by
   elasticrun and by torchrun (where (a) = (b): every worker is new);
 - the loop's cost per step over a plain ``for`` loop, beyond the user's own snapshot (none
@@ -31,8 +32,6 @@ WORKER = HERE / "_loop_worker.py"
 ELASTICRUN = [sys.executable, "-m", "elastic_launch"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 NPROC = 3
-#: What a replacement imports besides torch to rejoin (0.3 s here): preloaded, it is forked ready.
-LOOP_MODULES = "elastic_launch.train_loop,elastic_launch.rendezvous.etcd_v3"
 WARM_STEPS = 30  # steps every rank takes before the kill
 
 
@@ -165,17 +164,11 @@ def run(cpp_build: Path) -> list[Row]:
             f"recovered {g_note}, torchrun {t_note}",
         )
     ]
-    loop_modules = f"torch,{LOOP_MODULES}"
     variants = [
-        ("fixed world", []),
-        ("fixed world, --preload torch", ["--preload", "torch"]),
-        ("fixed world, --preload torch + the loop's modules", ["--preload", loop_modules]),
-        ("--min-workers 2", ["--min-workers", "2"]),
-        ("--min-workers 2, --preload torch", ["--min-workers", "2", "--preload", "torch"]),
-        (
-            "--min-workers 2, --preload torch + the loop's modules",
-            ["--min-workers", "2", "--preload", loop_modules],
-        ),
+        ("fixed world, --preload none", ["--preload", "none"]),
+        ("fixed world (default: --preload auto, torch and the loop)", []),
+        ("--min-workers 2, --preload none", ["--min-workers", "2", "--preload", "none"]),
+        ("--min-workers 2 (default: --preload auto)", ["--min-workers", "2"]),
     ]
     for label, extra in variants:
         results = [kill_one(ELASTICRUN, "loop", extra) for _ in range(trials)]

@@ -132,3 +132,19 @@ def test_a_zygote_unsafe_to_fork_from_falls_back_saying_why(out, tmp_path, modul
     assert f"{why}; starting workers as fresh interpreters" in result.stderr
     started = [e for e in events(ev) if e["event"] == "group_started"]
     assert [e["forked"] for e in started] == [False]
+
+
+@pytest.mark.timeout(60)
+def test_a_program_that_is_not_python_starts_fresh_saying_why(out, tmp_path):
+    ev = tmp_path / "events.jsonl"
+    result = run(
+        [*BASE, "--events-file", str(ev), "--no-python", "/bin/echo", "not python"],
+        out,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "--preload auto: '/bin/echo' is not run by Python (a program, or --no-python); its "
+        "workers start as fresh processes"
+    ) in result.stderr
+    assert result.stdout.count("not python") == 2
+    assert [e["forked"] for e in events(ev) if e["event"] == "group_started"] == [False]

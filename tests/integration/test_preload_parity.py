@@ -1,4 +1,4 @@
-"""A worker forked from the zygote (--preload torch) sees what a fresh interpreter would: the
+"""A worker forked from the zygote (--preload auto, the default) sees what a fresh interpreter would: the
 same probe (scripts/parity_probe.py) runs under both, and what it records must match, once
 the values that differ from run to run (ports, run ids, temporary paths) are set aside.
 The differences that remain by design are asserted as such: torch is imported already, and the
@@ -47,19 +47,22 @@ def probe(tmp_path: Path, name: str, *flags: str) -> dict[int, dict]:
     (started,) = [
         e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "group_started"
     ]
-    assert started["forked"] == ("--preload" in flags), "the workers were not started as asked"
+    forked = "none" not in flags  # --preload auto, the default, forks them
+    assert started["forked"] == forked, "the workers were not started as asked"
     return {rank: json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)}
 
 
 @pytest.mark.timeout(300)
 def test_a_forked_worker_sees_what_a_fresh_one_sees(tmp_path):
-    fresh = probe(tmp_path, "fresh")
-    forked = probe(tmp_path, "forked", "--preload", "torch")
+    fresh = probe(tmp_path, "fresh", "--preload", "none")
+    forked = probe(tmp_path, "forked")  # the default: --preload auto (the probe imports torch)
     for rank in (0, 1):
         a, b = fresh[rank], forked[rank]
         # By design: the forked worker's parent is the zygote, which dies with the agent.
         assert a["env"]["ELASTICRUN_PARENT_PID"] != b["env"]["ELASTICRUN_PARENT_PID"]
         for seen in (a, b):
+            # /proc/self/environ shows the environment the process started with, as os.environ
+            assert sorted(f"{k}={v}" for k, v in seen["env"].items()) == seen.pop("proc_environ")
             seen["env"] = {k: v for k, v in seen["env"].items() if k not in PER_RUN}
         env = {k for k in a["env"].keys() | b["env"].keys() if a["env"].get(k) != b["env"].get(k)}
         assert not env, {k: (a["env"].get(k), b["env"].get(k)) for k in env}
@@ -71,6 +74,7 @@ def test_a_forked_worker_sees_what_a_fresh_one_sees(tmp_path):
         assert a["torch_threads"] == 1 and a["env"]["OMP_NUM_THREADS"] == "1"  # torch: 2 here
         assert a["spawn"] == [9] and a["fork"] == [16] and a["loader"] == [6, 22]
         assert a["own_pgrp"] is True
+        assert a["proc_cmdline"][-3:] == [str(PROBE), "an arg", "--flag=x"]  # ps, pgrep -f
         assert any("FutureWarning" in f for f in a["warnings"])
 
 
@@ -89,7 +93,7 @@ def test_an_edited_script_runs_its_new_text_after_a_restart(tmp_path, out):
     events = tmp_path / "events"
     result = run(
         [
-            *("--standalone", "--preload", "torch", "--max-restarts", "1"),
+            *("--standalone", "--max-restarts", "1"),
             *("--events-file", str(events), str(script)),
         ],
         out,

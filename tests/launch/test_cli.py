@@ -52,6 +52,9 @@ def _no_pet(monkeypatch):
         (["--standalone", "--nnodes", "1:2"], "asks for up to 2"),
         (["--min-workers", "0"], "--min-workers '0' is not valid"),
         (["--min-workers", "two"], "--min-workers 'two' is not valid"),
+        (["--preload", "none,numpy"], "--preload none turns preloading off, but modules are"),
+        (["--preload", "torch", "--preload", "off"], "named too (torch)"),
+        (["--preload", "torch,2d"], "--preload 'torch,2d': '2d' is not a module name"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_quoting_it(flags, message):
@@ -129,6 +132,7 @@ def test_a_launch_config_of_the_wrong_type_names_the_field(field, value, message
         ("hang_timeout", 1e10, "hang_timeout '10000000000.0' is not valid"),
         ("master_port", 70000, "master_port '70000' is not valid"),
         ("nproc_per_node", 5000, "nproc_per_node '5000': this node can run at most"),
+        ("preload", ["none"], "LaunchConfig.preload ['none']: 'none' is not a module name"),
     ],
 )
 def test_a_launch_config_out_of_range_names_the_field(field, value, message):
@@ -143,6 +147,13 @@ def test_min_workers_beyond_the_jobs_workers_names_both():
         check_config(config)
     assert "--min-workers 5: the job has at most 4 workers" in str(e.value)
     check_config(dataclasses.replace(config, min_workers=4))
+
+
+def test_preload_is_auto_unless_turned_off():
+    assert LaunchConfig().preload == ["auto"] == config_of().preload
+    assert config_of("--preload", "numpy").preload == ["auto", "numpy"]
+    assert config_of("--preload", "none").preload == []
+    check_config(dataclasses.replace(LaunchConfig(), preload=["json", "auto"]))
 
 
 def test_a_default_launch_config_is_valid():

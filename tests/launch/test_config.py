@@ -85,7 +85,9 @@ def test_lists_filters_signals():
     assert parse_ranks_filter("") is None
     assert parse_ranks_filter("0,2") == {0, 2}
     assert parse_signals("SIGTERM, USR1") == [signal.SIGTERM, signal.SIGUSR1]
-    assert parse_preload(["torch,numpy", "json"]) == ["torch", "numpy", "json"]
+    assert parse_preload(["torch,numpy", "json"]) == ["auto", "torch", "numpy", "json"]
+    assert parse_preload([]) == ["auto"] and parse_preload(["auto"]) == ["auto"]
+    assert parse_preload(["none"]) == [] and parse_preload(["auto", "none"]) == []
 
 
 def test_rdzv_conf_and_endpoints():

@@ -126,3 +126,22 @@ def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_pat
         assert "importing 'no_such_module_here' failed" in caplog.text
     finally:
         spawner.close()
+
+
+def test_a_worker_environment_read_at_start_that_differs_is_not_forked(tmp_path, caplog):
+    from elastic_launch.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork([], FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    try:
+        out = tmp_path / "out.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "7", "PROBE": "fresh"}
+        process = spawner.spawn(SpawnRequest(0, ["--", str(script), str(out), "0"], env))
+        assert process.reaped_by_agent is True, "a fresh interpreter, not a fork"
+        assert process.reap(30) == (0, None)
+        assert json.loads(out.read_text())["env"] == "fresh"
+        assert not spawner.forks
+        assert "OMP_NUM_THREADS='7'" in caplog.text and "fresh interpreters" in caplog.text
+    finally:
+        spawner.close()

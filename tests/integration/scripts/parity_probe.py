@@ -35,6 +35,11 @@ def fd_kind(fd):
     return f"{kind} blocking={os.get_blocking(fd)}"
 
 
+def proc_list(name):
+    with open(f"/proc/self/{name}", "rb") as f:
+        return [item.decode() for item in f.read().split(b"\0") if item]
+
+
 if __name__ == "__main__":
     out = {
         "name": __name__,
@@ -55,6 +60,9 @@ if __name__ == "__main__":
         "stdout_line_buffering": sys.stdout.line_buffering,
         "excepthook": getattr(sys.excepthook, "__qualname__", repr(sys.excepthook)),
         "threads": __import__("threading").active_count(),
+        # What ps, pgrep -f and other tools read from outside the process.
+        "proc_cmdline": proc_list("cmdline"),
+        "proc_environ": sorted(proc_list("environ")),
     }
     with mp.get_context("spawn").Pool(1) as p:
         out["spawn"] = p.map(square, [3])

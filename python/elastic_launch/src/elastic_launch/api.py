@@ -63,7 +63,9 @@ class LaunchConfig:
     hang_timeout: float | None = None  # seconds; None: automatic (learned step time)
     hang_timeout_floor: float = 60.0  # automatic mode: never below this
     hang_timeout_factor: float = 10.0  # automatic mode: k x p99 step interval
-    preload: list[str] = field(default_factory=list)
+    # Module names the zygote imports; "auto": torch when the entrypoint imports it (the
+    # default). Empty: no zygote, fresh interpreters (--preload none).
+    preload: list[str] = field(default_factory=lambda: ["auto"])
     events_file: str | None = None
     metrics_port: str | None = None  # "PORT" or "HOST:PORT"
     health_port: str | None = None  # "PORT" or "HOST:PORT"

@@ -263,8 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
         "preload",
         action=_Append,
         default=[],
-        help="modules (comma-separated, repeatable) a zygote imports once; workers are forked "
-        "from it, so a restart skips the interpreter and import cost (e.g. torch)",
+        help="auto (default): Python workers are forked from a zygote that has imported torch "
+        "(when the script imports it), so a start or restart skips the interpreter and import "
+        "torch; module names (comma-separated, repeatable) are imported on top; none: fresh "
+        "interpreters",
     )
     _add(
         e,

@@ -268,19 +268,32 @@ def parse_bind(value: str, flag: str) -> tuple[str, int]:
 
 
 def parse_preload(values: Iterable[str]) -> list[str]:
-    """``--preload torch,numpy`` (repeatable): importable module names."""
+    """``--preload`` (comma-separated, repeatable): ``auto`` (the default: torch when the
+    script imports it), module names imported on top of it, or ``none`` alone (fresh
+    interpreters). Returns ``LaunchConfig.preload``: ``auto`` first unless ``none``."""
     out: list[str] = []
+    off = False
     for value in values:
         for name in (x.strip() for x in value.split(",")):
             if not name:
                 continue
+            if name.lower() in ("none", "off"):
+                off = True
+                continue
+            if name.lower() == "auto":
+                continue
             if not all(part.isidentifier() for part in name.split(".")):
                 raise ConfigError(
                     f"--preload '{value}': '{name}' is not a module name; give names such as "
-                    "torch,numpy"
+                    "torch,numpy, or auto, or none"
                 )
             out.append(name)
-    return out
+    if off and out:
+        raise ConfigError(
+            f"--preload none turns preloading off, but modules are named too ({','.join(out)}): "
+            "give either none or the modules"
+        )
+    return [] if off else ["auto", *out]
 
 
 MAX_SECONDS = 1e9  # the longest duration the core takes (about 31 years)
@@ -417,4 +430,13 @@ def check_config(config: LaunchConfig) -> None:
         raise ConfigError(
             f"--start-method '{config.start_method}': choose spawn, fork or forkserver"
         )
+    for name in config.preload:
+        if name in ("none", "off") or (
+            name != "auto" and not all(part.isidentifier() for part in name.split("."))
+        ):
+            raise ConfigError(
+                f"LaunchConfig.preload {config.preload!r}: {name!r} is not a module name; give "
+                "module names, 'auto' (torch when the entrypoint imports it; the default is "
+                "['auto']), or [] for fresh interpreters"
+            )
     parse_signals(config.signals_to_handle)

@@ -19,7 +19,7 @@ from typing import Any
 
 import elastic_core
 
-from elastic_launch import compat
+from elastic_launch import compat, preload
 from elastic_launch.agent import ElasticAgent
 from elastic_launch.api import (
     AgentState,
@@ -51,19 +51,21 @@ def make_spawner(
     cancel: CancelToken,
     guardian: Guardian | None = None,
 ) -> Spawner:
-    """How this launch starts its workers: forked from a zygote when modules are preloaded (or
-    ``fork``/``forkserver`` is asked for), forked from the launcher for a function with
-    ``fork``, else fresh interpreters."""
+    """How this launch starts its workers: forked from a zygote (``--preload``, by default for
+    every Python entrypoint, or ``fork``/``forkserver``), forked from the launcher for a
+    function with ``fork``, else fresh interpreters (saying why when preloading was asked for).
+    The zygote starts now, so that its imports overlap the rendezvous."""
     fresh = FreshInterpreter(entrypoint)
     if entrypoint.kind == Kind.FUNCTION and config.start_method == "fork":
         return FunctionFork()
-    wants_zygote = (
-        bool(config.preload)
-        or config.start_method == "forkserver"
-        or (entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and config.start_method == "fork")
+    chosen = preload.plan(config.preload, entrypoint)
+    forked_method = config.start_method == "forkserver" or (
+        entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and config.start_method == "fork"
     )
-    if wants_zygote and entrypoint.is_python:
-        return ZygoteFork(config.preload, fresh, cancel, guardian)
+    if entrypoint.is_python and (chosen.zygote or forked_method):
+        return ZygoteFork(chosen.modules, fresh, cancel, guardian)
+    if chosen.why_not:
+        logger.warning("%s", chosen.why_not)
     return fresh
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.entrypoint import Entrypoint, main_path
+from elastic_launch.preload import import_time_mismatch
 from elastic_launch.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_forked
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class ZygoteFork(Spawner):
     def __init__(
         self,
         modules: list[str],
-        fallback: Spawner,
+        fallback: FreshInterpreter,
         cancel: CancelToken = NEVER,
         guardian: Guardian | None = None,
     ) -> None:
@@ -265,9 +266,15 @@ class ZygoteFork(Spawner):
 
         z = self._ready_zygote()
         if z is not None:
+            mismatch = import_time_mismatch(z.env, request.env)
+            if mismatch:
+                self._give_up(f"--preload: {mismatch}")
+                z = None
+        if z is not None:
             request.write_spec()
             try:
-                pid = z.spawn(request.argv, request.env, request.stdout, request.stderr)
+                title = self.fallback.entrypoint.command(request.argv)  # as a fresh one shows
+                pid = z.spawn(request.argv, request.env, request.stdout, request.stderr, title)
                 return ZygoteProcess(z, pid)
             except ZygoteUnavailableError as e:
                 self._give_up(str(e))

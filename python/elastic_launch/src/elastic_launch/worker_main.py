@@ -65,6 +65,7 @@ class Handover:
     stderr: int = KEEP
     cwd: str | None = None
     parent_pid: int | None = None  # who it must die with (the zygote for its children)
+    title: list[str] | None = None  # the command line a fresh interpreter would show (ps)
     close_fds: list[int] = field(default_factory=list)  # the parent's own descriptors
 
 
@@ -181,6 +182,10 @@ def _take_over(h: Handover) -> None:
     os.environ.update(h.env)
     if h.parent_pid:
         os.environ[PARENT_ENV] = str(h.parent_pid)
+    if h.title:
+        from elastic_launch.proctitle import set_title
+
+        set_title(h.title, os.environ)
     if h.cwd:
         os.chdir(h.cwd)
     # A fresh interpreter seeds its random generators from the OS; forked ones would all share

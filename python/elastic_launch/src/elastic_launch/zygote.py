@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from elastic_launch.compat import python_executable
+from elastic_launch.proctitle import room_argument, room_environment, set_title
 from elastic_launch.worker_main import Handover, run_forked
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ def _fork_worker(
         stderr=streams[1],
         cwd=request["cwd"],
         parent_pid=os.getppid(),  # the zygote: it must die with it
+        title=request.get("title"),
     )
     run_forked(handover, request["argv"])
 
@@ -110,6 +113,8 @@ def fork_hazard() -> str | None:
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
     sock = socket.socket(fileno=fd)
+    modules = [m for m in modules if m.strip()]  # the blank one is room for workers' titles
+    set_title([sys.executable, "-u", "-m", "elastic_launch.zygote", str(fd), *modules])  # ps
     import elastic_core
 
     elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
@@ -188,14 +193,18 @@ class Zygote:
 
     def __init__(self, modules: list[str]) -> None:
         self.modules = modules
+        #: The environment it started with: what a forked worker keeps of it is read at start.
+        self.env = dict(os.environ)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = parent
+        # The interpreter fresh workers would run ($PYTHON_EXEC, as torchrun honours it).
+        command = [python_executable(sys.executable), "-u", "-m", __name__, str(child.fileno())]
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", __name__, str(child.fileno()), *modules],
+                [*command, *modules, room_argument()],
                 pass_fds=[child.fileno()],
                 start_new_session=True,
-                env={**os.environ, "ELASTICRUN_AGENT_PID": str(os.getpid())},
+                env={**self.env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())},
             )
         except BaseException:
             parent.close()
@@ -256,9 +265,16 @@ class Zygote:
             self._cond.wait_for(lambda: self._ready or self._dead, max(timeout, 0.0))
             return self._ready and not self._dead
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> int:
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        title: list[str] | None = None,
+    ) -> int:
         """Fork a worker running ``worker_main.run_target(argv)``; the streams are descriptors,
-        KEEP or DEVNULL. Returns its pid."""
+        KEEP or DEVNULL; `title` is the command line it shows (``ps``). Returns its pid."""
         fds = [t for t in (stdout, stderr) if t >= 0]
         kinds = [0 if t >= 0 else t for t in (stdout, stderr)]
         with self._cond:
@@ -273,6 +289,7 @@ class Zygote:
             "cwd": os.getcwd(),
             "stdout": kinds[0],
             "stderr": kinds[1],
+            "title": title,
         }
         try:
             send(self._sock, request, fds)
