@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_hang
 import bench_launch
+import bench_rdzv_scale
 import bench_rendezvous
 import bench_replace
 import bench_sampler
@@ -32,6 +33,7 @@ SECTIONS = {
     "hang": bench_hang.run,
     "replace": bench_replace.run,
     "rendezvous": bench_rendezvous.run,
+    "rdzv_scale": bench_rdzv_scale.run,  # N=32,128; more: bench_rdzv_scale.py --n
     "sampler": bench_sampler.run,
     "train_loop": bench_train_loop.run,
     "slurm": bench_slurm.run,

@@ -159,11 +159,11 @@ def test_a_spare_stopped_by_a_signal_leaves_and_the_job_runs_on(launched, tmp_pa
     launched.append(spare)
     store = EtcdV3Store(etcd.endpoint, "test", retry_for=5)
     try:
-        assert wait_for(lambda: store.range(f"/elasticrun/{rid}/m/waiting/")[0]), "no spare"
+        assert wait_for(lambda: store.range(f"/elasticrun/{rid}/s/waiting/")[0]), "no spare"
         assert health(port).get("rendezvous", {}).get("phase") == "spare"
         code, _ = stop_with(spare, signal.SIGTERM, within=3.0)
         assert code == 128 + signal.SIGTERM
-        assert store.range(f"/elasticrun/{rid}/m/waiting/")[0] == []
+        assert store.range(f"/elasticrun/{rid}/s/waiting/")[0] == []
         assert not list(b_out.glob("*.pid")), "the spare never ran a worker"
         time.sleep(0.5)
         assert member.poll() is None and len(list(a_out.glob("*.pid"))) == 1, "not restarted"

@@ -140,6 +140,50 @@ def test_the_members_see_a_node_leave_after_the_round(endpoint, request, settle)
     assert watcher_threads() == 0, "a watcher outlived its handler"
 
 
+class ReadCountingStore(EtcdV3Store):
+    """Counts the keys each store's reads returned (ranges and gets)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys_read = 0
+
+    def range(self, prefix: str):
+        kvs, revision = super().range(prefix)
+        self.keys_read += len(kvs)
+        return kvs, revision
+
+    def get(self, key: str):
+        kv = super().get(key)
+        self.keys_read += kv is not None
+        return kv
+
+
+def test_a_node_that_does_not_lead_reads_the_same_whatever_the_number_of_nodes(endpoint, request):
+    """The state key stays small, the membership is read once, and only the leader reads the
+    whole round: a node that does not lead costs the store the same at 2 nodes as at 8."""
+    reads = {}
+    for n in (2, 8):
+        run_id = f"reads-{n}-{request.node.callspec.id}-{time.monotonic_ns()}"
+        members = handlers(endpoint, n, run_id, [ReadCountingStore] * n)
+        try:
+            form_round(members)
+            time.sleep(0.3)  # the followers take their first look
+            leader = [h for h in members if h._round is not None and h._round.leader == h.node]
+            assert len(leader) == 1
+            others = [h.store.keys_read for h in members if h is not leader[0]]
+            reads[n] = (max(others), leader[0].store.keys_read)
+            assert all(
+                len(kv.value) < 300 for kv in members[0].store.range(members[0]._state_key)[0]
+            )
+        finally:
+            for h in members:
+                h.shutdown()
+    # The same few keys (state, leader key, members; a second look when a phase raced
+    # another), where reading the round would be 2-3 keys per member.
+    assert reads[8][0] <= 10 and reads[8][0] <= reads[2][0] + 2, reads
+    assert reads[8][1] > reads[2][1], reads  # the leader reads every member's keys
+
+
 def test_a_new_round_right_after_one_formed_starts_clean(endpoint, request):
     members = handlers(endpoint, 2, f"again-{request.node.callspec.id}-{time.monotonic_ns()}")
     try:

@@ -4,6 +4,7 @@ the restart budget, closing, versions."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from elastic_launch.rendezvous import round as rnd
@@ -155,6 +156,43 @@ def test_round_info_puts_rank_zero_node_as_master():
 def test_the_state_survives_its_json():
     closed = rnd.close(final_round(), CloseReason.SUCCEEDED, "", expires_at=123.0)
     again = RoundState.from_json(closed.to_json())
-    assert again == closed
+    assert not again.nodes and again.size == 2, "the membership is not in the state key"
+    assert again.with_members(closed.members_json()) == replace(closed, prev_ranks={})
+    assert len(closed.to_json()) < 300
     assert Member.from_json(member().to_json()) == member()
     assert Member.from_json(b'{"addr": "h", "port": 1, "lws": 1, "future": 3}').addr == "h"
+
+
+def test_the_state_key_stays_small_and_the_members_key_holds_the_round():
+    joined = {f"host{i:04d}-1234-abcdef": i for i in range(1000)}
+    infos = {n: member() for n in joined}
+    frozen = rnd.freeze(joinable(), joined, infos, 1, 1000)
+    assert frozen is not None and frozen.size == 1000
+    assert len(frozen.to_json()) < 300, "every node watches the state: its size is not N's"
+    members = frozen.members_json()
+    assert len(members) < 60 * 1000, "the membership costs a few dozen bytes a node"
+    again = RoundState.from_json(frozen.to_json())
+    assert not again.members_known and again.with_members(members).members_known
+    assert dict(again.with_members(members).ranks) == dict(frozen.ranks)
+
+
+def test_the_freezer_leads_and_a_reopened_round_knows_which_ran_last():
+    joined = {"a": 1, "b": 2, "c": 3}
+    frozen = rnd.freeze(joinable(), joined, {n: member() for n in joined}, 2, 2, freezer="c")
+    assert frozen is not None
+    assert frozen.leader == "c" and list(frozen.nodes) == ["c", "a"], "the freezer is a member"
+    final = rnd.finalize(frozen, {"a", "c"})
+    assert final is not None
+    reopened = rnd.reopen(final, RestartReason.MEMBERSHIP, 0)
+    assert reopened.ran == final.version and reopened.version == final.version + 1
+    assert rnd.abandon(reopened).ran == final.version, "an abandoned round never ran"
+
+
+def test_a_reopened_round_says_who_left_until_it_freezes():
+    final = final_round()
+    reopened = rnd.reopen(final, RestartReason.MEMBERSHIP, 3, left="b")
+    again = RoundState.from_json(reopened.to_json())
+    assert again.left == "b", "the others learn who left from the state they watch"
+    assert RoundState.from_json(rnd.reopen(final, RestartReason.MEMBERSHIP, 3).to_json()).left == ""
+    frozen = rnd.freeze(again, {"a": 1, "c": 2}, {"a": member(), "c": member()}, 1, 3)
+    assert frozen is not None and frozen.left == "" and b'"left"' not in frozen.to_json()

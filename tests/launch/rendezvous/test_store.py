@@ -291,3 +291,26 @@ def test_an_early_lease_request_that_fails_is_asked_again_with_retries():
             store.start_liveness(5.0)
     finally:
         store.close()
+
+
+def test_a_v2_watch_whose_index_was_cleared_catches_up_from_a_read(store, request):
+    """etcd v2 keeps its last 1,000 events: a watch that starts (or falls) behind them reads
+    the keys again and goes on, instead of failing the rendezvous."""
+    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+
+    if not isinstance(store, EtcdV2Store):
+        pytest.skip("etcd v2 only: the v3 stores keep their history (or compact it less often)")
+    base = f"/cleared-{time.monotonic_ns()}"
+    _, start = store.range(base + "/x/")
+    store.put(f"{base}/x/a", b"1")
+    for i in range(1100):  # pushes the event of /x/a out of etcd's window
+        store.put(f"{base}/y/{i % 10}", b"churn")
+    watch = store.watch(base + "/x/", start)
+    try:
+        batch = watch.next(30.0)
+        assert batch is not None, "the watch failed or heard nothing"
+        assert [(c.key, c.value) for c in batch] == [(f"{base}/x/a", b"1")]
+        store.put(f"{base}/x/b", b"2")  # and it watches on
+        assert [c.key for c in watch.next(30.0) or []] == [f"{base}/x/b"]
+    finally:
+        watch.close()

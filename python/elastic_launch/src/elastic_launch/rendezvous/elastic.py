@@ -4,15 +4,20 @@ The decisions (who leads, when to freeze, ranks, the restart budget, closing) ar
 functions of :mod:`.round`; this module reads the store, asks them, and writes what they return,
 with compare-and-swap on the job's state key. Keys, under ``/elasticrun/<run id>/``::
 
-    state                      the RoundState (JSON); CAS-versioned
+    state                      the RoundState (small JSON: no membership); CAS-versioned
+    state/v<N>/leader          ephemeral: round N's leader (the first to create it), its name
     m/v<N>/join/<node>         ephemeral (the node's lease): the node joined round N (its Member)
+    m/v<N>/members             round N's membership (ranks, addresses), written at its freeze
     m/v<N>/confirm/<node>      ephemeral: the node confirmed frozen round N
-    m/waiting/<node>           ephemeral: a spare, waiting to be admitted
+    state/waiting/<node>       ephemeral: a spare, waiting to be admitted
     m/done/<node>              the node's workers finished
 
-Every wait is a watch (the leader watches the round's keys; the others the state and the leader's
-join key), bounded by a deadline and ended at once by a cancellation or a lost lease; nothing
-polls. Requests per round grow linearly with the number of nodes. When a job closes, its state
+Every wait is a watch, bounded by a deadline and ended at once by a cancellation or a lost lease;
+nothing polls. The leader of a round reads and watches all of it; every other node reads and
+watches only the state key's prefix (the state and the leader's key, whose deletion says the
+leader is gone) and the waiting spares, and reads the round's members key once: each node's
+requests and bytes per round stay the same whatever the number of nodes, and the leader's grow
+with it (docs/rendezvous_scale.md). When a job closes, its state
 is kept for :data:`CLOSED_TTL` seconds (so late nodes learn how it ended) and every other key is
 removed; after that its run id is free again.
 """
@@ -73,16 +78,22 @@ class ElasticRendezvous(RendezvousHandler):
         self.prefix = f"/elasticrun/{params.run_id}"
         self._state_key = f"{self.prefix}/state"
         self._m = f"{self.prefix}/m"
+        # What every node follows besides the state: the rounds' leader keys and the spares.
+        self._shared = f"{self.prefix}/s/"
+        self._waiting = f"{self._shared}waiting/"
+        self._light = [self._state_key, self._shared]  # what a node that does not lead watches
         self._round: RoundState | None = None  # our final round, while it runs
         self._closed: JobClosed | None = None
         self._seen_open = False  # whether this node saw the job before it closed
         self._spare = False  # it wrote a waiting key (as a spare)
-        self._drop: str | None = None  # a finished round's keys this node is to delete
+        self._drop: list[str] = []  # finished rounds' keys this node is to delete
         self._rounds = 0
         self._phase = ""
         self._presence: PresencePort | None = None
         self._follower: _Follower | None = None
         self._finished_first = False  # our workers succeeded while other members still ran
+        self._members: tuple[int, RoundState] | None = None  # (round, with its members), once read
+        self._prev: tuple[int, dict[str, int]] | None = None  # (round that ran, its ranks)
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -102,6 +113,12 @@ class ElasticRendezvous(RendezvousHandler):
         """Write `state` if the state key is still at `version` (0: absent): its new version,
         or 0 if someone got there first. A closing state expires after CLOSED_TTL, and the
         job's other keys are removed."""
+        if state.status == Status.FROZEN and state.nodes:
+            # The membership first, in its own key (read once by each node), then the state
+            # that names the round frozen. A state that loses its CAS leaves a members key of
+            # a round that never froze; the round's keys go with it.
+            self.store.put(self._members_key(state.version), state.members_json())
+            self._members = (state.version, state)
         if state.status != Status.CLOSED:
             return self.store.cas(self._state_key, state.to_json(), version)
         state = dataclasses.replace(state, expires_at=time.time() + CLOSED_TTL)
@@ -110,6 +127,7 @@ class ElasticRendezvous(RendezvousHandler):
             self._closed = state.closed
             with contextlib.suppress(StoreError):
                 self.store.delete(self._m + "/", prefix=True)
+                self.store.delete(self._shared, prefix=True)
         return written
 
     def _advance(self, state: RoundState, version: int) -> tuple[RoundState | None, int]:
@@ -117,10 +135,56 @@ class ElasticRendezvous(RendezvousHandler):
         from what got there first. A round made final drops the previous round's keys."""
         written = self._commit(state, version)
         if not written:
-            return self._read()
+            found, found_version = self._read()
+            if found is not None and found.status in (Status.FROZEN, Status.FINAL):
+                found = self._with_members(found)  # None: it moved on again, look again
+            return found, found_version
         if state.status == Status.FINAL and state.version > 1:
-            self._drop = f"{self._m}/v{state.version - 1}/"  # by the follower, off the path
+            # The rounds since the last final one (abandoned ones too), by the follower, off
+            # the path to the workers' start.
+            first = state.ran or 1
+            rounds = range(first, state.version)
+            self._drop = [f"{self._m}/v{v}/" for v in rounds]
+            self._drop += [f"{self._shared}v{v}/" for v in rounds]
         return state, written
+
+    def _leader_key(self, version: int) -> str:
+        """Round `version`'s leader key: where every node looks (with the state), so that the
+        nodes that do not lead see the leader come and go on the watch they have anyway."""
+        return f"{self._shared}v{version}/leader"
+
+    def _look(self, leading: bool) -> tuple[list[KeyValue], int]:
+        """What a node reads before it watches: the leader the whole job, the others the state
+        and the shared keys (the leader keys, the spares), the same whatever N is."""
+        if leading:
+            return self.store.range(self.prefix + "/")
+        kvs, revision = self.store.range(self._state_key)
+        shared, shared_revision = self.store.range(self._shared)
+        return kvs + shared, min(revision, shared_revision)
+
+    def _leader_done_key(self, version: int) -> str:
+        """Written by round `version`'s leader when its workers finished: its leaving after
+        that is no loss."""
+        return f"{self._shared}v{version}/done"
+
+    def _members_key(self, version: int) -> str:
+        return f"{self._m}/v{version}/members"
+
+    def _with_members(self, state: RoundState) -> RoundState | None:
+        """`state` with its round's membership: one read of the members key per round (kept);
+        None if the key is gone (the round has moved on: look again)."""
+        if state.members_known:
+            return state
+        cached = self._members
+        if cached is None or cached[0] != state.version:
+            kv = self.store.get(self._members_key(state.version))
+            if kv is None:
+                return None
+            full = state.with_members(kv.value)
+            cached = self._members = (state.version, full)
+            return full
+        # Parsed once per round (thousands of members cost milliseconds each time).
+        return dataclasses.replace(state, nodes=cached[1].nodes, ranks=cached[1].ranks)
 
     def _me(self) -> bytes:
         assert self._presence is not None
@@ -179,12 +243,18 @@ class ElasticRendezvous(RendezvousHandler):
             info: RendezvousInfo | None
             if state.status == Status.JOINABLE:
                 info = self._join(state, version, deadline)
-            elif state.status == Status.FROZEN and self.node in state.nodes:
-                info = self._confirm(state, version)
-            elif state.status == Status.FINAL and self.node in state.nodes:
-                info = self._enter(state)
+                if info is not None:
+                    return info
+                continue
+            full = self._with_members(state)
+            if full is None:
+                continue  # the round moved on as we looked
+            if full.status == Status.FROZEN and self.node in full.nodes:
+                info = self._confirm(full, version)
+            elif full.status == Status.FINAL and self.node in full.nodes:
+                info = self._enter(full)
             else:
-                info = self._wait_as_spare(state)
+                info = self._wait_as_spare(full)
             if info is not None:
                 return info
 
@@ -241,9 +311,24 @@ class ElasticRendezvous(RendezvousHandler):
         self.store.create(me, self._me(), ephemeral=True)
         if self._spare:  # it waited as a spare: its waiting key goes (else there is none)
             with contextlib.suppress(StoreError):
-                self.store.delete(f"{self._m}/waiting/{self.node}")
+                self.store.delete(self._waiting + self.node)
             self._spare = False
-        kvs, revision = self.store.range(self.prefix + "/")
+        # The first to create the round's leader key leads: it reads and watches the whole
+        # round and freezes it. The others read and watch only the state key's prefix (the
+        # state and the leader key): a join costs each of them the same whatever N is.
+        leader_key = self._leader_key(v)
+        leading = bool(self.store.create(leader_key, self.node.encode(), ephemeral=True))
+        kvs, revision = self._look(leading)
+        found, sversion = self._state_in(kvs)
+        if found is None:
+            return None
+        state = found
+        leader_kv = next((kv for kv in kvs if kv.key == leader_key), None)
+        if leader_kv is None:
+            return None  # the leader left already (or our own key went): look again
+        leader = leader_kv.value.decode()
+        if leading and leader != self.node:
+            return None  # our lease was replaced between the create and the read
         joined = {
             kv.key[len(join_prefix) :]: kv.created for kv in kvs if kv.key.startswith(join_prefix)
         }
@@ -252,19 +337,9 @@ class ElasticRendezvous(RendezvousHandler):
             for kv in kvs
             if kv.key.startswith(join_prefix)
         }
-        found, sversion = self._state_in(kvs)
-        if found is None:
-            return None
-        state = found
-        # The first to join leads the round and counts the others; the rest follow the state
-        # and the leader's key (so each change reaches N watchers once, not N x N).
-        leader = rnd.leader_of(joined)
-        if leader is None:
-            return None  # our key went already (a lost lease): look again
-        leading = leader == self.node
-        watched = [self.prefix + "/"] if leading else [self._state_key, join_prefix + leader]
+        watched = [self.prefix + "/"] if leading else self._light
         last_call: Deadline | None = None
-        spares = f"{self._m}/waiting/"
+        spares = self._waiting
         waiting = {kv.key[len(spares) :] for kv in kvs if kv.key.startswith(spares)}
         looked: set[str] = set()
         rest_gone = False
@@ -283,16 +358,17 @@ class ElasticRendezvous(RendezvousHandler):
             while True:
                 notice.check()
                 if state.version != v or state.status != Status.JOINABLE:
-                    if (
-                        state.version == v
-                        and state.status == Status.FROZEN
-                        and (self.node in state.nodes)
-                    ):
-                        return self._confirm(state, sversion, (inbox, set(joined), leader))
+                    if state.version == v and state.status == Status.FROZEN:
+                        full = self._with_members(state)
+                        if full is not None and self.node in full.nodes:
+                            present = set(joined) if leading else {leader}
+                            return self._confirm(full, sversion, (inbox, present, leader))
                     return None
                 if self.session.take_lost():
                     self._rejoin(me, joined)
-                if leader not in joined:
+                    if leading:
+                        return None  # our leader key went with the lease: another leads
+                if leader_kv is None:
                     return None  # the leader left: look again, another leads
                 if leading and len(joined) >= self.params.min_nodes:
                     if last_call is None:
@@ -307,7 +383,12 @@ class ElasticRendezvous(RendezvousHandler):
                     )
                     if ready:
                         frozen = rnd.freeze(
-                            state, joined, infos, self.params.min_nodes, self.params.max_nodes
+                            self._with_previous(state),
+                            joined,
+                            infos,
+                            self.params.min_nodes,
+                            self.params.max_nodes,
+                            freezer=self.node,
                         )
                         last_call = None
                         if frozen is not None:
@@ -324,6 +405,9 @@ class ElasticRendezvous(RendezvousHandler):
                         if change.value is None:
                             return None
                         state, sversion = RoundState.from_json(change.value), change.revision
+                    elif change.key == leader_key:
+                        if change.value is None:
+                            leader_kv = None
                     elif change.key.startswith(spares):
                         spare = change.key[len(spares) :]
                         if change.value is None:
@@ -342,17 +426,32 @@ class ElasticRendezvous(RendezvousHandler):
                             joined.pop(node, None)
                             infos.pop(node, None)
 
+    def _with_previous(self, state: RoundState) -> RoundState:
+        """`state` with the ranks of the last round that ran (the leader's one read of that
+        round's members key), so that survivors keep their ranks."""
+        if state.prev_ranks or not state.ran:
+            return state
+        if self._prev is None or self._prev[0] != state.ran:
+            ranks: dict[str, int] = {}
+            with contextlib.suppress(StoreError):
+                kv = self.store.get(self._members_key(state.ran))
+                if kv is not None:
+                    ranks = dict(RoundState(state.ran, Status.FINAL).with_members(kv.value).ranks)
+            self._prev = (state.ran, ranks)
+        return dataclasses.replace(state, prev_ranks=self._prev[1])
+
     def _rest_gone(self, state: RoundState, joined: dict[str, int], waiting: set[str]) -> bool:
         """Whether the last call can be skipped: this round follows another, no spare waits,
         and every member of the previous round is back or provably gone (its join key expired,
         or its presence port refuses: a process that died on a host that is up). Survivors of
         a failure go on at once instead of waiting for the dead."""
+        state = self._with_previous(state)
         if not state.prev_ranks or state.version <= 1 or waiting - set(joined):
             return False
         missing = set(state.prev_ranks) - set(joined)
         if not missing:
             return True
-        prev = f"{self._m}/v{state.version - 1}/join/"
+        prev = f"{self._m}/v{state.ran}/join/"
         kvs, _ = self.store.range(prev)  # one request for all: those absent have expired
         targets: dict[str, tuple[str, int]] = {}
         for kv in kvs:
@@ -392,62 +491,59 @@ class ElasticRendezvous(RendezvousHandler):
         sversion: int,
         joined: tuple[Inbox, set[str], str] | None = None,
     ) -> RendezvousInfo | None:
-        """A frozen round with us in it: confirm, and (the leader) make it final once every
-        member has; a member that vanishes sends the round back to joinable. `joined` is what
-        the join phase leaves, when it leads here: its watch (open since before the freeze, so
-        everything after is in it), the members whose join keys it saw, and whom it followed."""
+        """A frozen round with us in it (`state` with its membership): confirm, and (the
+        leader) make it final once every member has; a member that vanishes sends the round
+        back to joinable. `joined` is what the join phase leaves: its watch (open since before
+        the freeze, so everything after is in it), who it saw present, and who led it."""
         self._phase = "confirming"
         v = state.version
         round_prefix = f"{self._m}/v{v}/"
         confirm_prefix = round_prefix + "confirm/"
         join_prefix = round_prefix + "join/"
+        leader_key = self._leader_key(v)
         self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
         leading = state.leader == self.node
         inbox: Inbox | None = None
         if joined is not None and joined[2] == state.leader:
             # Straight from the join: its watch already covers what this phase follows (the
-            # leader: the whole round; the others: the state and the leader's key), so no
-            # read and no new watch stand between the freeze and the confirmation.
+            # leader: the whole round; the others: the state and the leader key), so no read
+            # and no new watch stand between the freeze and the confirmation.
             inbox, present, _ = joined
             confirmed = {self.node}
         else:
             # The state may have moved on since the caller looked (the round may be final
             # already), and the watches start where this look ends. The leader reads the
-            # round (every member's keys); the others only the state and the leader's join
-            # key, so a round costs O(N) reads, not O(N^2).
-            if leading:
-                kvs, revision = self.store.range(self.prefix + "/")
-            else:
-                kvs, revision = self.store.range(self._state_key)
-                leader_kvs, leader_revision = self.store.range(join_prefix + state.leader)
-                kvs, revision = kvs + leader_kvs, min(revision, leader_revision)
+            # round (every member's keys); the others only the state and the leader key.
+            kvs, revision = self._look(leading)
             found, found_version = self._state_in(kvs)
             if found is None:
                 return None
             if found_version != sversion:
-                state, sversion = found, found_version
+                full = self._with_members(found)
+                if full is None:
+                    return None
+                state, sversion = full, found_version
             confirmed = {
                 kv.key[len(confirm_prefix) :] for kv in kvs if kv.key.startswith(confirm_prefix)
             }
             present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-        # Who must be there for the round to go on: the leader follows every member, the
-        # others the leader.
+            if any(kv.key == leader_key for kv in kvs):
+                present.add(state.leader)
+        # Who must be there for the round to go on: the leader follows every member (their
+        # join keys), the others the leader (its leader key).
         required = set(state.nodes) if leading else {state.leader}
         # The leader gives the members `close_timeout` to confirm; should the leader itself
         # vanish, the others start over at once (its key is gone), or a lease later.
         until = Deadline(self.conf.close_timeout + (0.0 if leading else self.conf.lease_ttl))
-        watched = (
-            [self._state_key, round_prefix]
-            if leading
-            else [self._state_key, join_prefix + state.leader]
-        )
+        watched = [self._state_key, self._shared, round_prefix] if leading else self._light
         with contextlib.ExitStack() as stack:
             if inbox is None:
                 inbox = stack.enter_context(self.session.watching(watched, revision))
             while True:
                 if state.version != v or state.status != Status.FROZEN:
                     if state.version == v and state.status == Status.FINAL:
-                        return self._enter(state)
+                        full = self._with_members(state)
+                        return self._enter(full) if full is not None else None
                     return None
                 nxt: RoundState | None = None
                 if leading:
@@ -464,7 +560,17 @@ class ElasticRendezvous(RendezvousHandler):
                     if change.key == self._state_key:
                         if change.value is None:
                             return None
-                        state, sversion = RoundState.from_json(change.value), change.revision
+                        found = RoundState.from_json(change.value)
+                        full = (
+                            self._with_members(found)
+                            if found.version == v and found.status == Status.FINAL
+                            else found
+                        )
+                        if full is None:
+                            return None
+                        state, sversion = full, change.revision
+                    elif change.key == leader_key:
+                        (present.add if change.value is not None else present.discard)(state.leader)
                     elif change.key.startswith(confirm_prefix):
                         node = change.key[len(confirm_prefix) :]
                         (confirmed.add if change.value is not None else confirmed.discard)(node)
@@ -479,13 +585,15 @@ class ElasticRendezvous(RendezvousHandler):
         changes. No join timeout: a spare waits for the job to need it or to end. A round
         whose members have all vanished (a job that crashed) is abandoned."""
         self._phase = "spare"
-        key = f"{self._m}/waiting/{self.node}"
+        key = self._waiting + self.node
         self.store.put(key, str(self.params.local_world_size).encode(), ephemeral=True)
         self._spare = True
         v = state.version
         join_prefix = f"{self._m}/v{v}/join/"
         kvs, revision = self.store.range(self.prefix + "/")
         found, sversion = self._state_in(kvs)
+        if found is not None and found.status in (Status.FROZEN, Status.FINAL):
+            found = self._with_members(found)
         if found is None:
             return None
         state = found
@@ -512,7 +620,14 @@ class ElasticRendezvous(RendezvousHandler):
                     if change.key == self._state_key:
                         if change.value is None:
                             return None
-                        state, sversion = RoundState.from_json(change.value), change.revision
+                        found = RoundState.from_json(change.value)
+                        if found.version == v and found.status in (Status.FROZEN, Status.FINAL):
+                            found = self._with_members(found)  # the same round: kept
+                            if found is None:
+                                return None
+                        state, sversion = found, change.revision
+                    elif not change.key.startswith(join_prefix):
+                        continue  # the leader key, other spares
                     elif change.value is None:
                         present.discard(change.key[len(join_prefix) :])
                     else:
@@ -523,7 +638,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _start_follower(self) -> None:
         assert self._round is not None
-        drop, self._drop = self._drop, None
+        drop, self._drop = self._drop, []
         self._follower = _Follower(self, self._round, drop)
 
     def _stop_follower(self) -> None:
@@ -542,7 +657,15 @@ class ElasticRendezvous(RendezvousHandler):
         :meth:`note`, from their watch: no request per read). The note goes with the round."""
         if self._round is None:
             raise RuntimeError("post_note() needs a running round")
-        self.store.put(f"{self._m}/v{self._round.version}/note/{name}", value.encode())
+        ours = self._round.version
+        while True:  # in the state, which every member watches already
+            state, version = self._read()
+            if not rnd.still_runs(state, ours):
+                return  # the round is over: so is its note
+            assert state is not None
+            noted = dataclasses.replace(state, notes={**state.notes, name: value})
+            if self._commit(noted, version):
+                return
 
     def note(self, name: str) -> str | None:
         """A note of the running round, as far as this member's watch has seen."""
@@ -585,6 +708,8 @@ class ElasticRendezvous(RendezvousHandler):
         for n in refused:
             with contextlib.suppress(StoreError):
                 self.store.delete(join_prefix + n)
+                if n == current.leader:  # the key the nodes that do not lead follow
+                    self.store.delete(self._leader_key(current.version))
         silent = {n for n, a in answers.items() if a == SILENT}
         if silent:
             gone |= self._expired(silent, join_prefix, revision)
@@ -623,6 +748,8 @@ class ElasticRendezvous(RendezvousHandler):
         """Our workers succeeded. The last member to finish closes the job as succeeded.
         Returns True if the whole job has finished."""
         self._stop_follower()
+        if self._round is not None and self._round.leader == self.node:
+            self.store.put(self._leader_done_key(self._round.version), b"1")
         self.store.put(f"{self._m}/done/{self.node}", b"1")
         kvs, _ = self.store.range(f"{self._m}/done/")
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs}
@@ -634,7 +761,9 @@ class ElasticRendezvous(RendezvousHandler):
                     state.closed if state is not None else JobClosed(CloseReason.SUCCEEDED)
                 )
                 return True
-            if state.version != ours or not rnd.everyone_done(state, done):
+            if state.version == ours and state.status == Status.FINAL:
+                state = self._with_members(state) or state
+            if state.version != ours or not state.nodes or not rnd.everyone_done(state, done):
                 self._finished_first = True
                 return False
             if self._commit(rnd.close(state, CloseReason.SUCCEEDED), version):
@@ -682,15 +811,21 @@ class ElasticRendezvous(RendezvousHandler):
 
 
 class _Follower:
-    """Follows the running round from a thread (its first range and watch off the path to the
+    """Follows the running round from a thread (its first read and watch off the path to the
     workers' start) and sets :attr:`changed` when the round is over for this node: the state
     moved on (another node reopened it, or closed the job), a member left, a node waits to be
-    admitted and there is room, or this node's own lease expired."""
+    admitted and there is room, or this node's own lease expired.
 
-    def __init__(self, rdzv: ElasticRendezvous, current: RoundState, drop: str | None) -> None:
+    The round's leader follows all of it (every member's join key, the finished ones) and
+    reopens the round when a member leaves; the others follow only the state key's prefix
+    (the state with its notes, the leader key, the waiting spares), so that a node costs the
+    store the same whatever the number of nodes. Should the leader finish first and go, they
+    follow all of it from then on."""
+
+    def __init__(self, rdzv: ElasticRendezvous, current: RoundState, drop: list[str]) -> None:
         self.rdzv = rdzv
         self.round = current
-        self._drop = drop  # the previous round's keys, deleted first (by the leader)
+        self._drop = drop  # the previous rounds' keys, deleted first (by the leader)
         # A loss before now is not this round's: its keys were written with the new lease
         # (or are missing, which the first look below sees).
         self._losses = rdzv.session.losses
@@ -698,7 +833,9 @@ class _Follower:
         self.broken = threading.Event()  # changed, and not merely by a node waiting
         self.waiting: set[str] = set()
         self.done: set[str] = set()
-        self.notes: dict[str, str] = {}
+        self.notes: dict[str, str] = dict(current.notes)
+        self.leader_done = False
+        self._told: set[str] = set()  # members whose leaving this node has logged
         self._stop = threading.Event()
         self._inbox: Inbox | None = None
         self._lock = threading.Lock()
@@ -714,67 +851,133 @@ class _Follower:
 
     def _run(self) -> None:
         try:
-            self._follow()
+            everything = self.round.leader == self.rdzv.node
+            while not self._follow(everything):
+                everything = True  # the leader finished and went: follow all from now on
         except Exception as e:  # any failure: the agent must hear of it, not a dead thread
             if not self._stop.is_set():
                 if not isinstance(e, Cancelled):
                     logger.warning("rendezvous watch: %s", e)
                 self._break()
 
-    def _follow(self) -> None:
+    def _follow(self, everything: bool) -> bool:
+        """Follow the round until stopped (True), or until the leader is found to have
+        finished and gone (False: follow everything instead)."""
         r = self.rdzv
-        if self._drop is not None:
+        for prefix in self._drop:
             with contextlib.suppress(StoreError):
-                r.store.delete(self._drop, prefix=True)
-        kvs, revision = r.store.range(r.prefix + "/")
-        join_prefix = f"{r._m}/v{self.round.version}/join/"
-        self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/done/")}
-        self.waiting = {
-            kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/waiting/")
-        }
-        present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-        for kv in kvs:
-            self._apply_note(kv.key, kv.value)
+                r.store.delete(prefix, prefix=True)
+        self._drop = []
+        watched = [r.prefix + "/"] if everything else r._light
+        kvs, revision = r._look(everything)
+        v = self.round.version
+        join_prefix = f"{r._m}/v{v}/join/"
+        leader_key = r._leader_key(v)
+        self.waiting = {kv.key[len(r._waiting) :] for kv in kvs if kv.key.startswith(r._waiting)}
+        self.leader_done = any(kv.key == r._leader_done_key(v) for kv in kvs)
         # The watch sees changes after `revision`; whatever happened between the round going
-        # final and that range (a member gone, the round reopened) shows in the range itself.
+        # final and that read (a member gone, the round reopened) shows in the read itself.
         state, _ = r._state_in(kvs)
         self._note(state)
-        if (
-            rnd.still_runs(state, self.round.version)
-            and not set(self.round.nodes) - self.done <= present
-        ):
-            logger.warning("a node left the job as its round began")
-            self._break()
+        if everything:
+            self.done = {
+                kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/done/")
+            }
+            present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+            gone = set(self.round.nodes) - self.done - present
+            if rnd.still_runs(state, v) and gone:
+                self._lost(sorted(gone)[0], "as its round began")
+        elif not any(kv.key == leader_key for kv in kvs) and self._leader_gone():
+            return False
         if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
             self.changed.set()
-        with r.session.watching([r.prefix + "/"], revision) as inbox:
+        with r.session.watching(watched, revision) as inbox:
             with self._lock:
                 self._inbox = inbox
             if self._stop.is_set():
-                return
+                return True
             while not self._stop.is_set():
                 if r.session.losses != self._losses:
                     self._break()  # our lease expired: the others think we are gone
                 batch = inbox.next(float("inf"))
                 for change in batch or []:
-                    self._apply(change, join_prefix)
+                    if not self._apply(change, join_prefix, leader_key, everything):
+                        return False
+        return True
 
     def _note(self, state: RoundState | None) -> None:
         if state is not None and state.status == Status.CLOSED:
             self.rdzv._closed = state.closed
         if not rnd.still_runs(state, self.round.version):
+            if (
+                state is not None
+                and state.left
+                and state.left not in self._told
+                and state.version == self.round.version + 1
+            ):
+                # The leader reopened the round for a member that left: say who, as it did.
+                self._told.add(state.left)
+                logger.warning("node %s left the job", state.left)
             self._break()
+        elif state is not None:
+            self.notes.update(state.notes)
 
     def _break(self) -> None:
         self.broken.set()
         self.changed.set()
 
-    def _apply(self, c: Change, join_prefix: str) -> None:
+    def _leader_gone(self) -> bool:
+        """The leader key went: False if the leader finished (follow everything from now on);
+        otherwise the leader left the job (True, and the round is broken)."""
+        r = self.rdzv
+        leader = self.round.leader
+        if self.leader_done:  # it said so on the same watch, before its key went
+            return False
+        if r._closed is None:
+            logger.warning("node %s left the job", leader)
+        self._break()
+        return True
+
+    def _lost(self, node: str, when: str = "") -> None:
+        """A member left (the leader sees it): the round is reopened at once, so that every
+        node hears of it from the state, which it watches, without waiting for this node's
+        agent to stop its workers first."""
+        r = self.rdzv
+        if r._closed is None and node not in self._told:  # a closed job's keys all go
+            self._told.add(node)
+            logger.warning("node %s left the job%s", node, f" {when}" if when else "")
+        self._break()
+        if r.session.losses != self._losses:
+            return  # it is us who were cut off: not ours to decide
+        # From a thread of its own: a store going away (the job ending) costs the follower
+        # nothing, and stopping it never waits for these requests.
+        threading.Thread(
+            target=self._reopen, args=(node,), name="elasticrun-reopen", daemon=True
+        ).start()
+
+    def _reopen(self, left: str) -> None:
+        r = self.rdzv
+        with contextlib.suppress(Exception):  # gone, closed, moved on: nothing to do
+            state, version = r._read()
+            if rnd.still_runs(state, self.round.version):
+                assert state is not None
+                reopened = rnd.reopen(
+                    state, RestartReason.MEMBERSHIP, r.params.max_restarts, left=left
+                )
+                r._commit(reopened, version)
+
+    def _apply(self, c: Change, join_prefix: str, leader_key: str, everything: bool) -> bool:
+        """Take one change in; False when the leader turns out to have finished and gone."""
         r = self.rdzv
         node = c.key.rsplit("/", 1)[1]
         if c.key == r._state_key:
             self._note(RoundState.from_json(c.value) if c.value is not None else None)
-        elif c.key.startswith(f"{r._m}/waiting/"):
+        elif c.key == leader_key and c.value is None and not everything:
+            if not self._leader_gone():
+                return False
+        elif c.key == r._leader_done_key(self.round.version) and c.value is not None:
+            self.leader_done = True
+        elif c.key.startswith(r._waiting):
             if c.value is None:
                 self.waiting.discard(node)
             else:
@@ -787,13 +990,5 @@ class _Follower:
             if node == r.node:
                 self._break()  # our own lease expired
             elif node in self.round.nodes and node not in self.done:
-                if r._closed is None:  # a closed job's keys all go: nobody left it
-                    logger.warning("node %s left the job", node)
-                self._break()
-        else:
-            self._apply_note(c.key, c.value)
-
-    def _apply_note(self, key: str, value: bytes | None) -> None:
-        prefix = f"{self.rdzv._m}/v{self.round.version}/note/"
-        if key.startswith(prefix) and value is not None:
-            self.notes[key[len(prefix) :]] = value.decode()
+                self._lost(node)
+        return True

@@ -27,6 +27,7 @@ from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+_MAX_STREAMS = 4096
 _HISTORY = 100_000  # events kept for watches that start in the past
 
 
@@ -86,7 +87,32 @@ class _State:
         )
         self.compacted = 0  # the newest revision with events dropped from the history
         self.pending: list[kv_pb2.Event] = []  # the current revision's events
-        self.watchers: list[_Watcher] = []
+        # Watchers by the range they watch: many nodes watch the same few ranges (the state,
+        # the shared keys), so a commit matches each event against ranges, not watchers.
+        self.watchers: dict[tuple[bytes, bytes], list[_Watcher]] = {}
+
+    def add_watcher(self, w: _Watcher) -> None:
+        self.watchers.setdefault((w.key, w.end), []).append(w)
+
+    def remove_watchers(self, gone: list[_Watcher]) -> None:
+        for w in gone:
+            group = self.watchers.get((w.key, w.end), [])
+            if w in group:
+                group.remove(w)
+                if not group:
+                    del self.watchers[(w.key, w.end)]
+
+    def since(self, start: int, w: _Watcher) -> list[tuple[int, kv_pb2.Event]]:
+        """The history's events from revision `start` on that `w` watches (read from the
+        newest back: a new watch usually starts near the present)."""
+        past = []
+        for rev, ev in reversed(self.history):
+            if rev < start:
+                break
+            if w.matches(ev.kv.key):
+                past.append((rev, ev))
+        past.reverse()
+        return past
 
     def header(self) -> rpc_pb2.ResponseHeader:
         return rpc_pb2.ResponseHeader(cluster_id=1, member_id=1, revision=self.revision)
@@ -109,10 +135,11 @@ class _State:
             if len(self.history) == self.history.maxlen:
                 self.compacted = self.history[0][0]
             self.history.append((self.revision, event))
-        for w in self.watchers:
-            mine = [e for e in events if w.matches(e.kv.key)]
+        for group in self.watchers.values():
+            mine = [e for e in events if group[0].matches(e.kv.key)]
             if mine:
-                w.out.put((w.watch_id, mine))
+                for w in group:
+                    w.out.put((w.watch_id, mine))
 
     def check_lease(self, lease: int) -> None:
         if lease and lease not in self.leases:
@@ -370,7 +397,7 @@ class _Service(
                     return
                 if kind == "cancel":
                     with self.s.lock:
-                        self.s.watchers = [w for w in self.s.watchers if w.watch_id != arg]
+                        self.s.remove_watchers([w for w in mine if w.watch_id == arg])
                     mine[:] = [w for w in mine if w.watch_id != arg]
                     yield rpc_pb2.WatchResponse(header=self.s.header(), watch_id=arg, canceled=True)
                     continue
@@ -382,12 +409,8 @@ class _Service(
                     compacted = bool(start) and start <= self.s.compacted
                     past: list[tuple[int, kv_pb2.Event]] = []
                     if not compacted:
-                        past = [
-                            (rev, ev)
-                            for rev, ev in self.s.history
-                            if start and rev >= start and w.matches(ev.kv.key)
-                        ]
-                        self.s.watchers.append(w)
+                        past = self.s.since(start, w) if start else []
+                        self.s.add_watcher(w)
                         mine.append(w)
                 if compacted:  # events from `start` on are gone: the client must re-read
                     yield rpc_pb2.WatchResponse(
@@ -405,7 +428,7 @@ class _Service(
                     )
         finally:
             with self.s.lock:
-                self.s.watchers = [w for w in self.s.watchers if w not in mine]
+                self.s.remove_watchers(mine)
 
     def Status(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._check(context)
@@ -420,7 +443,11 @@ class EmbeddedServer:
         self.state = _State()
         service = _Service(self.state, token)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="elasticrun-rdzv"),
+            # A watch or keep-alive stream holds a thread for its life: room for a few thousand
+            # nodes' streams (threads start as needed).
+            futures.ThreadPoolExecutor(
+                max_workers=_MAX_STREAMS, thread_name_prefix="elasticrun-rdzv"
+            ),
             options=[("grpc.so_reuseport", 0)],
         )
         rpc_pb2_grpc.add_KVServicer_to_server(service, self.server)

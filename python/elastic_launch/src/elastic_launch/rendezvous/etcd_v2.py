@@ -250,6 +250,7 @@ class _V2Watch(Watch):
         self._store = store
         self._prefix = prefix
         self._index = after + 1
+        self._seen: set[str] = set()  # keys this watch saw written and not deleted since
         super().__init__(inbox)
         self._closed = threading.Event()
         self._client = store._client()  # its own connection, so close() can cut a long poll
@@ -271,10 +272,19 @@ class _V2Watch(Watch):
             except (e.EtcdWatchTimedOut, e.EtcdKeyNotFound):
                 continue
             except e.EtcdEventIndexCleared:
-                self.inbox.put(
-                    StoreError(f"{self._store.name}: watch lost: index {self._index} was cleared")
-                )
-                return
+                # etcd v2 keeps its last 1,000 events only: a busy job (many nodes writing)
+                # moves past a quiet watcher's index. Catch up from a read instead of failing.
+                try:
+                    self._catch_up()
+                except Exception as error:
+                    self.inbox.put(
+                        StoreError(
+                            f"{self._store.name}: watch lost: index {self._index} was cleared "
+                            f"and the keys could not be read again ({error})"
+                        )
+                    )
+                    return
+                continue
             except Cancelled:
                 return  # the waiter sees the cancellation itself
             except StoreError as error:
@@ -292,7 +302,23 @@ class _V2Watch(Watch):
                 continue
             gone = result.action in ("delete", "expire", "compareAndDelete")
             value = None if gone else (result.value or "").encode()
+            (self._seen.discard if gone else self._seen.add)(result.key)
             self.inbox.put([Change(result.key, value, int(result.modifiedIndex))])
+
+    def _catch_up(self) -> None:
+        """After the events from our index on were dropped: the keys as they are now, as
+        changes (those written since our index), and deletions of the keys this watch saw
+        that are gone; then watch on from the read's index. (A key that existed before the
+        watch began and went in the dropped events is not seen: the rendezvous' waits have
+        deadlines for that.)"""
+        kvs, index = self._store.range(self._prefix)
+        batch = [Change(kv.key, kv.value, kv.version) for kv in kvs if kv.version >= self._index]
+        present = {kv.key for kv in kvs}
+        batch += [Change(k, None, index) for k in sorted(self._seen - present)]
+        self._seen = present
+        self._index = index + 1
+        if batch:
+            self.inbox.put(sorted(batch, key=lambda c: c.revision))
 
     def close(self) -> None:
         self._closed.set()

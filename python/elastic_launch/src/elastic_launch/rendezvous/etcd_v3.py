@@ -107,6 +107,7 @@ class EtcdV3Store(Store):
         self._early_grant: tuple[int, float, Any] | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+        self._keep_call: Any = None  # the keep-alive stream
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -337,24 +338,58 @@ class EtcdV3Store(Store):
             self._grant()
 
     def _keep_alive(self) -> None:
+        """Renew the lease on one long-lived stream (as etcd's own client does): a request
+        every TTL/3, the answers read here. A stream that breaks, or that has not answered for
+        most of the TTL, is replaced at once, so that a slow store or a busy process loses the
+        lease only when a whole TTL passed without an answer, never after two slow ticks, and
+        a renewal costs the store one message, not a new stream."""
         interval = max(self._lease_ttl / 3.0, 0.2)
-        timeout = min(self.read_timeout, max(self._lease_ttl / 2.0, 0.5))
-        while not self._stop.wait(interval):
-            request = rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id)
+        # Answers late by most of the TTL: the stream is stuck (a busy process reads them
+        # late too, and a new stream would only cost it more). A broken one errors at once.
+        stale = max(self._lease_ttl * 0.8, 2 * interval)
+        delay = 0.05
+        while not self._stop.is_set():
+            last = [time.monotonic()]  # the last answer (or the stream's start)
+            call: list[Any] = []
+
             try:
-                self._count()
-                replies = self._lease.LeaseKeepAlive(
-                    iter([request]), timeout=timeout, metadata=self._metadata
-                )
-                reply = next(iter(replies), None)
+                requests = self._keep_requests(last, call, interval, stale)
+                stream = self._lease.LeaseKeepAlive(requests, metadata=self._metadata)
+                call.append(stream)
+                self._keep_call = stream
+                if self._stop.is_set():
+                    stream.cancel()
+                for reply in stream:
+                    last[0] = time.monotonic()
+                    delay = 0.05
+                    if reply.TTL <= 0 and not self._stop.is_set():
+                        with contextlib.suppress(StoreError, Cancelled):
+                            self._replace_lease(reply.ID)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED and self._user:
                     with contextlib.suppress(StoreError, Cancelled):
                         self._authenticate()
-                continue  # unreachable for now: try again next tick, the TTL has slack
-            if reply is not None and reply.TTL <= 0 and not self._stop.is_set():
-                with contextlib.suppress(StoreError, Cancelled):
-                    self._replace_lease(request.ID)
+            except ValueError:
+                return  # the channel was closed: the store is closing
+            if call:
+                call[0].cancel()
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, 0.5)  # again soon: the TTL has what is left, no more
+
+    def _keep_requests(
+        self, last: list[float], call: list[Any], interval: float, stale: float
+    ) -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
+        """The keep-alive stream's requests, in gRPC's own thread for the stream: one per
+        tick; the stream is cancelled when its answers stop coming (`last`: the last one)."""
+        while True:
+            self._count()
+            yield rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id)
+            if self._stop.wait(interval):
+                return
+            if time.monotonic() - last[0] > stale and call:
+                call[0].cancel()
+                return
 
     # ---- watch ---------------------------------------------------------------------------
 
@@ -389,6 +424,8 @@ class EtcdV3Store(Store):
                     timeout=2.0,
                     metadata=self._metadata,
                 )
+        if self._keep_call is not None:
+            self._keep_call.cancel()
         if self._keeper is not None:
             self._keeper.join(timeout=self.read_timeout + 1)
         self._channel.close()

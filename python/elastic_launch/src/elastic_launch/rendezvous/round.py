@@ -33,7 +33,9 @@ from elastic_launch.rendezvous.api import (
 )
 
 #: The rendezvous protocol: keys and the state's format. Nodes of another protocol cannot join.
-PROTOCOL = 2
+#: 3: the state key is small (no membership: that is a round's `members` key, read once per
+#: node), the notes travel in it, and the joinable round's leader is elected with a key.
+PROTOCOL = 3
 
 
 class Status(str, enum.Enum):
@@ -66,7 +68,12 @@ class Member:
 
 @dataclass(frozen=True)
 class RoundState:
-    """The job's state key."""
+    """The job's state key, and (in memory) the round's membership.
+
+    The key itself stays small whatever the number of nodes, since every node watches it:
+    `nodes` and `ranks` are written once per round, in the round's own members key
+    (:meth:`members_json`), and `prev_ranks` are those of round `ran`, read from its members
+    key by the one node that needs them (the leader, when it freezes)."""
 
     version: int  # the round
     status: Status
@@ -74,28 +81,65 @@ class RoundState:
     nodes: Mapping[str, Member] = field(default_factory=dict)  # frozen and final rounds
     ranks: Mapping[str, int] = field(default_factory=dict)
     prev_ranks: Mapping[str, int] = field(default_factory=dict)
-    leader: str = ""  # who finalizes a frozen round
+    leader: str = ""  # who finalizes a frozen round and follows a final one: group rank 0
     closed: JobClosed | None = None
     protocol: int = PROTOCOL
     release: str = ""  # the elasticrun version that created the job
     expires_at: float | None = None  # a closed job's keys are removed then (Unix time)
+    size: int = 0  # members of a frozen or final round (`nodes` is in its members key)
+    ran: int = 0  # the last round that went final (its members key has the previous ranks)
+    notes: Mapping[str, str] = field(default_factory=dict)  # a final round's notes
+    left: str = ""  # a joinable round's: the member whose leaving ended the round before
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
             "version": self.version,
             "status": self.status.value,
             "restarts": self.restarts,
-            "nodes": {n: asdict(m) for n, m in self.nodes.items()},
-            "ranks": dict(self.ranks),
-            "prev_ranks": dict(self.prev_ranks),
+            "size": len(self.nodes) or self.size,
+            "ran": self.ran,
             "leader": self.leader,
             "protocol": self.protocol,
             "release": self.release,
         }
+        if self.notes:
+            data["notes"] = dict(self.notes)
+        if self.left:
+            data["left"] = self.left
         if self.closed is not None:
             data["closed"] = {"reason": self.closed.reason.value, "detail": self.closed.detail}
             data["expires_at"] = self.expires_at
-        return json.dumps(data).encode()
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    def members_json(self) -> bytes:
+        """The membership, for the round's members key: the nodes in rank order, each as
+        [name, addr, port, lws, presence] (release and protocol are the job's)."""
+        order = sorted(self.nodes, key=lambda n: self.ranks[n])
+        rows = [
+            [n, m.addr, m.port, m.lws, m.presence] for n, m in ((n, self.nodes[n]) for n in order)
+        ]
+        return json.dumps({"version": self.version, "nodes": rows}, separators=(",", ":")).encode()
+
+    def with_members(self, data: bytes) -> RoundState:
+        """This state with the membership of its members key (`data`)."""
+        rows = json.loads(data)["nodes"]
+        nodes = {
+            str(n): Member(
+                addr=addr,
+                port=int(port),
+                lws=int(lws),
+                release=self.release,
+                protocol=self.protocol,
+                presence=int(presence),
+            )
+            for n, addr, port, lws, presence in rows
+        }
+        return replace(self, nodes=nodes, ranks={str(row[0]): i for i, row in enumerate(rows)})
+
+    @property
+    def members_known(self) -> bool:
+        """Whether the membership of a frozen or final round is here (not only its size)."""
+        return bool(self.nodes) or not self.size
 
     @classmethod
     def from_json(cls, data: bytes) -> RoundState:
@@ -105,12 +149,10 @@ class RoundState:
             version=int(raw.get("version", 0)),
             status=Status(raw.get("status", "closed")),
             restarts=int(raw.get("restarts", 0)),
-            nodes={
-                n: Member(**{k: v for k, v in m.items() if k in Member.__dataclass_fields__})
-                for n, m in (raw.get("nodes") or {}).items()
-            },
-            ranks=raw.get("ranks") or {},
-            prev_ranks=raw.get("prev_ranks") or {},
+            size=int(raw.get("size", 0)),
+            ran=int(raw.get("ran", 0)),
+            notes=raw.get("notes") or {},
+            left=str(raw.get("left", "")),
             leader=raw.get("leader", ""),
             closed=JobClosed(CloseReason(closed["reason"]), closed.get("detail", ""))
             if isinstance(closed, dict)
@@ -204,22 +246,31 @@ def freeze(
     infos: Mapping[str, Member],
     min_nodes: int,
     max_nodes: int,
+    freezer: str | None = None,
 ) -> RoundState | None:
-    """Fix the round's members (the first MAX to join) and their ranks; None if fewer than
-    MIN are left. Members of different versions close the job instead."""
-    order = [n for n in join_order(joined) if n in infos][:max_nodes]
+    """Fix the round's members (the node that freezes, `freezer`, and the first others to
+    join, MAX in all) and their ranks; None if fewer than MIN are left. Members of different
+    versions close the job instead. The freezer (by default the first to join) leads the
+    round from here on: the others follow its leader key."""
+    order = [n for n in join_order(joined) if n in infos]
+    if freezer is not None and freezer in infos:
+        order = [freezer] + [n for n in order if n != freezer]
+    order = order[:max_nodes]
     if len(order) < min_nodes:
         return None
     members = {n: infos[n] for n in order}
     conflict = member_conflict(members)
     if conflict is not None:
         return close(state, CloseReason.ERROR, f"nodes run different versions: {conflict}")
+    ranks = assign_ranks(order, state.prev_ranks)
     return replace(
         state,
         status=Status.FROZEN,
         nodes=members,
-        ranks=assign_ranks(order, state.prev_ranks),
+        size=len(members),
+        ranks=ranks,
         leader=order[0],
+        left="",
     )
 
 
@@ -241,7 +292,9 @@ def abandon(state: RoundState) -> RoundState:
         status=Status.JOINABLE,
         nodes={},
         ranks={},
+        size=0,
         leader="",
+        notes={},
     )
 
 
@@ -259,10 +312,15 @@ def exhausted_detail(max_restarts: int, failure: str) -> str:
 
 
 def reopen(
-    state: RoundState, reason: RestartReason, max_restarts: int, failure: str = ""
+    state: RoundState,
+    reason: RestartReason,
+    max_restarts: int,
+    failure: str = "",
+    left: str = "",
 ) -> RoundState:
     """Leave final round `state` for the next one. A failure spends one restart, or closes the
-    job when none is left (`failure` says what failed, for the closing message)."""
+    job when none is left (`failure` says what failed, for the closing message). `left`: the
+    member whose leaving ends the round, so that the others can say who it was."""
     restarts = state.restarts
     if reason == RestartReason.FAILURE:
         spent = spend_restart(restarts, max_restarts)
@@ -277,7 +335,11 @@ def reopen(
         nodes={},
         ranks={},
         prev_ranks=dict(state.ranks) or dict(state.prev_ranks),
+        size=0,
+        ran=state.version,
         leader="",
+        notes={},
+        left=left,
     )
 
 

@@ -1,0 +1,567 @@
+"""Simulated agents for bench_rdzv_scale.py: one process holding `--count` real rendezvous
+handlers (made as the launcher makes them), each calling next_rendezvous() in its own thread as
+an agent would, with no workers. Every handler keeps its own lease, watches and writes; only the
+process (and gRPC's connection pool) is shared.
+
+The store's operations are counted here, by wrapping the gRPC stubs (etcd v3 and the embedded
+service), python-etcd's client (etcd v2), the Store methods (what the rendezvous asks for) and
+the JSON decoders (the work each answer costs the agent). Nothing in the package is edited: the
+wrappers are installed in this process only.
+
+Commands on stdin, one per line: ``go`` (make the handlers and start the rendezvous), ``snap``
+(print the counters since the last snap, and reset them), ``quit``. Everything it reports goes to
+stdout, one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_lock = threading.Lock()
+_out_lock = threading.Lock()
+_counts: collections.Counter[str] = collections.Counter()
+_gauges: dict[str, float] = {}  # maxima since the last snap
+_keepalive_last: dict[int, float] = {}  # per lease stub: its last keep-alive
+_store_index: dict[int, int] = {}  # id(store) -> handler index
+
+
+def emit(**fields: Any) -> None:
+    line = json.dumps(fields)
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def count(name: str, n: float = 1) -> None:
+    with _lock:
+        _counts[name] += n  # type: ignore[assignment]
+
+
+def peak(name: str, value: float) -> None:
+    with _lock:
+        if value > _gauges.get(name, float("-inf")):
+            _gauges[name] = value
+
+
+def snapshot() -> dict[str, Any]:
+    with _lock:
+        counts, gauges = dict(_counts), dict(_gauges)
+        _counts.clear()
+        _gauges.clear()
+    t = os.times()
+    return {"counts": counts, "peaks": gauges, "cpu": t.user + t.system}
+
+
+# ---- instrumentation ------------------------------------------------------------------------
+
+
+def _key_class(key: str) -> str:
+    """What a key or prefix is, in the rendezvous' layout (elastic.py's docstring)."""
+    if key.endswith("/state"):
+        return "state"
+    for part in ("/join/", "/confirm/", "/waiting/", "/done/", "/note/"):
+        if part in key:
+            rest = key.split(part, 1)[1]
+            return part.strip("/") + ("/*" if not rest else "/<node>")
+    if key.endswith("/m/") or key.endswith("/m"):
+        return "m/*"
+    if "/m/v" in key:
+        return "round/*"
+    return "job/*"
+
+
+class _Unary:
+    """A counted unary gRPC method (called directly or with .future())."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self._inner, self._name = inner, name
+
+    def _sized(self, reply: Any) -> Any:
+        count(f"rpc.{self._name}.reply_bytes", reply.ByteSize())
+        if self._name == "Range":
+            count("rpc.Range.keys", len(reply.kvs))
+        return reply
+
+    def __call__(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        count(f"rpc.{self._name}")
+        return self._sized(self._inner(request, *args, **kwargs))
+
+    def future(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        count(f"rpc.{self._name}")
+        fut = self._inner.future(request, *args, **kwargs)
+
+        def done(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._sized(f.result())
+
+        fut.add_done_callback(done)
+        return fut
+
+
+class _KeepAlive:
+    """Counts keep-alives (each request on the lease's stream), their failures, the longest
+    gap between two answers to one lease stub (a gap longer than the TTL is an expired lease)
+    and the longest wait for an answer."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __call__(self, requests: Any, *args: Any, **kwargs: Any) -> Any:
+        sent: list[float] = []
+
+        def counted() -> Iterator[Any]:
+            for r in requests:
+                count("rpc.LeaseKeepAlive")
+                sent.append(time.monotonic())
+                yield r
+
+        call = self._inner(counted(), *args, **kwargs)
+        key = id(self)
+
+        class Replies:
+            def __iter__(self) -> Any:
+                return self
+
+            def __next__(self) -> Any:
+                try:
+                    reply = next(call)
+                except StopIteration:
+                    raise
+                except Exception:
+                    count("rpc.LeaseKeepAlive.failed")
+                    raise
+                now = time.monotonic()
+                with _lock:
+                    last = _keepalive_last.get(key)
+                    _keepalive_last[key] = now
+                if last is not None:
+                    peak("keepalive_gap_max_s", now - last)
+                if sent:
+                    peak("keepalive_latency_max_s", now - sent.pop(0))
+                return reply
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(call, name)
+
+        return Replies()
+
+
+class _WatchCall:
+    """A watch stream's responses, counted as they arrive (events and `created` replies)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> _WatchCall:
+        return self
+
+    def __next__(self) -> Any:
+        reply = next(self._inner)
+        count("watch.events", len(reply.events))
+        count("watch.reply_bytes", reply.ByteSize())
+        return reply
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _Watch:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __call__(self, requests: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
+        count("rpc.Watch(stream)")
+
+        def counted() -> Iterator[Any]:
+            for r in requests:
+                if r.HasField("create_request"):
+                    count("rpc.Watch.create")
+                yield r
+
+        return _WatchCall(self._inner(counted(), *args, **kwargs))
+
+
+def _share_channels() -> None:
+    """One gRPC channel (one connection, one completion-queue thread) per store address for
+    the whole process, as the issue allows simulated agents to share a connection; each
+    handler still keeps its own lease, watch streams and writes."""
+    import grpc
+
+    channels: dict[tuple[str, str], Any] = {}
+    original = grpc.insecure_channel
+
+    class Shared:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def close(self) -> None:  # the process's: never closed by one handler
+            pass
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    def insecure_channel(target: str, options: Any = None, compression: Any = None) -> Any:
+        key = (target, repr(options))
+        with _lock:
+            if key not in channels:
+                channels[key] = Shared(original(target, options=options, compression=compression))
+            return channels[key]
+
+    grpc.insecure_channel = insecure_channel
+
+
+def _instrument_grpc() -> None:
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2_grpc as g
+
+    def wrap(cls: Any, make: Callable[[Any], None]) -> None:
+        original = cls.__init__
+
+        def init(self: Any, channel: Any) -> None:
+            original(self, channel)
+            make(self)
+
+        cls.__init__ = init
+
+    def kv(stub: Any) -> None:
+        for name in ("Range", "Put", "Txn", "DeleteRange"):
+            setattr(stub, name, _Unary(getattr(stub, name), name))
+
+    def lease(stub: Any) -> None:
+        for name in ("LeaseGrant", "LeaseRevoke", "LeaseTimeToLive"):
+            setattr(stub, name, _Unary(getattr(stub, name), name))
+        stub.LeaseKeepAlive = _KeepAlive(stub.LeaseKeepAlive)
+
+    def watch(stub: Any) -> None:
+        stub.Watch = _Watch(stub.Watch)
+
+    def maintenance(stub: Any) -> None:
+        stub.Status = _Unary(stub.Status, "Status")
+
+    wrap(g.KVStub, kv)
+    wrap(g.LeaseStub, lease)
+    wrap(g.WatchStub, watch)
+    wrap(g.MaintenanceStub, maintenance)
+
+
+def _instrument_v2() -> None:
+    import etcd  # python-etcd
+
+    client = etcd.Client
+
+    def counted(name: str) -> None:
+        original = getattr(client, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            kind = name
+            if name == "read" and kwargs.get("wait"):
+                kind = "watch_poll"
+            elif name == "read" and kwargs.get("recursive"):
+                kind = "read_recursive"
+            count(f"v2.{kind}")
+            start = time.monotonic()
+            try:
+                result = original(self, *args, **kwargs)
+            except Exception as e:
+                count(f"v2.{kind}.{type(e).__name__}")
+                raise
+            if kind == "read_recursive":
+                count("v2.read_recursive.keys", sum(1 for n in result.leaves if not n.dir))
+            if kind == "refresh":
+                peak("keepalive_latency_max_s", time.monotonic() - start)
+            return result
+
+        setattr(client, name, call)
+
+    for name in ("read", "write", "delete", "refresh"):
+        counted(name)
+
+
+def _instrument_store() -> None:
+    """The rendezvous' own requests (Store methods), by kind and key, with what came back."""
+    from elastic_launch.rendezvous import elastic, session, store
+    from elastic_launch.rendezvous.round import Member, RoundState
+
+    classes: list[Any] = []
+    try:
+        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+        classes.append(EtcdV3Store)
+    except ImportError:
+        pass
+    try:
+        from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+
+        classes.append(EtcdV2Store)
+    except ImportError:
+        pass
+
+    for cls in classes:
+        for name in ("get", "range", "put", "create", "cas", "delete", "watch_many"):
+            original = getattr(cls, name)
+
+            def make(original: Any = original, name: str = name) -> Any:
+                def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                    if name == "watch_many":
+                        for p in args[0]:
+                            count(f"op.watch({_key_class(p)})")
+                    else:
+                        count(f"op.{name}({_key_class(args[0])})")
+                    result = original(self, *args, **kwargs)
+                    if name == "range":
+                        count(f"op.range({_key_class(args[0])}).keys", len(result[0]))
+                    if name == "get" and result is not None:
+                        count("op.get.bytes", len(result.value))
+                    if name == "create" and "/join/" in args[0] and result:
+                        emit(ev="joined", h=_store_index.get(id(self), -1), t=time.monotonic())
+                    return result
+
+                return call
+
+            setattr(cls, name, make())
+
+    # etcd v3: the two reads that fill the gap between a watch's revision and the server's.
+    try:
+        from elastic_launch.rendezvous.etcd_v3 import _EtcdWatch
+
+        gap_read = _EtcdWatch._read
+
+        def counted_gap(self: Any, key: bytes, revision: int) -> Any:
+            kvs = gap_read(self, key, revision)
+            name = _key_class(key.decode())
+            count(f"gap.range({name})")
+            count(f"gap.range({name}).keys", len(kvs))
+            return kvs
+
+        _EtcdWatch._read = counted_gap  # type: ignore[method-assign]
+    except ImportError:
+        pass
+
+    # Changes delivered to the rendezvous (every watch, whatever the backend).
+    put = store.Inbox.put
+
+    def inbox_put(self: Any, item: Any) -> None:
+        if isinstance(item, list):
+            count("delivered.changes", len(item))
+        put(self, item)
+
+    store.Inbox.put = inbox_put  # type: ignore[method-assign]
+
+    # JSON decoding: what each answer costs the agent's CPU.
+    for cls in (RoundState, Member):
+        original = cls.from_json.__func__  # type: ignore[attr-defined]
+
+        def make_decode(original: Any = original, cls: Any = cls) -> Any:
+            def decode(klass: Any, data: bytes) -> Any:
+                count(f"decode.{cls.__name__}")
+                count(f"decode.{cls.__name__}.bytes", len(data))
+                return original(klass, data)
+
+            return classmethod(decode)
+
+        cls.from_json = make_decode()  # type: ignore[method-assign]
+
+    lost = session.Session._lease_lost
+
+    def lease_lost(self: Any) -> None:
+        count("lease_lost")
+        emit(ev="lease_lost", t=time.monotonic())
+        lost(self)
+
+    session.Session._lease_lost = lease_lost  # type: ignore[method-assign]
+
+    # When a round becomes final: the leader's successful commit of the FINAL state.
+    commit = elastic.ElasticRendezvous._commit
+
+    def committed(self: Any, state: Any, version: int) -> int:
+        written = commit(self, state, version)
+        if written:
+            emit(
+                ev="commit",
+                status=state.status.value,
+                round=state.version,
+                nodes=len(state.nodes),
+                t=time.monotonic(),
+            )
+        return written
+
+    elastic.ElasticRendezvous._commit = committed  # type: ignore[method-assign]
+
+
+def _instrument_server() -> None:
+    """The embedded service's side: calls by method, and the streams open at once."""
+    from elastic_launch.rendezvous import embedded_server as es
+
+    service = es._Service
+    open_streams = collections.Counter[str]()
+
+    for name in ("Range", "Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke", "Status"):
+        original = getattr(service, name)
+
+        def make(original: Any = original, name: str = name) -> Any:
+            def call(self: Any, request: Any, context: Any) -> Any:
+                count(f"server.{name}")
+                return original(self, request, context)
+
+            return call
+
+        setattr(service, name, make())
+
+    for name in ("Watch", "LeaseKeepAlive"):
+        original = getattr(service, name)
+
+        def make_stream(original: Any = original, name: str = name) -> Any:
+            def call(self: Any, requests: Any, context: Any) -> Iterator[Any]:
+                count(f"server.{name}(stream)")
+                with _lock:
+                    open_streams[name] += 1
+                    now_open = sum(open_streams.values())
+                peak("server.open_streams", now_open)
+
+                def counted() -> Iterator[Any]:
+                    for r in requests:
+                        if name == "Watch" and r.HasField("create_request"):
+                            count("server.Watch.create")
+                        elif name == "LeaseKeepAlive":
+                            count("server.LeaseKeepAlive")
+                        yield r
+
+                try:
+                    yield from original(self, counted(), context)
+                finally:
+                    with _lock:
+                        open_streams[name] -= 1
+
+            return call
+
+        setattr(service, name, make_stream())
+
+
+# ---- the agents -------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--min", type=int, required=True)
+    parser.add_argument("--max", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--first", type=int, default=0, help="index of the first handler")
+    parser.add_argument("--conf", default="", help="--rdzv-conf as k=v,k=v")
+    parser.add_argument("--host", action="store_true", help="embedded: host the service")
+    parser.add_argument(
+        "--ramp", type=float, default=0.0, help="seconds over which its agents start (in turn)"
+    )
+    args = parser.parse_args()
+
+    if os.environ.get("RDZV_SIM_SHARED_CHANNEL", "1") == "1":
+        _share_channels()
+    _instrument_grpc()
+    _instrument_store()
+    if args.backend == "etcd-v2":
+        _instrument_v2()
+    if args.host:
+        _instrument_server()
+
+    from elastic_launch.cancel import CancelToken
+    from elastic_launch.rendezvous import (
+        RendezvousHandler,
+        RendezvousParameters,
+        RestartReason,
+        create_handler,
+    )
+
+    conf = dict(kv.split("=", 1) for kv in args.conf.split(",") if kv)
+    if args.backend in ("embedded", "c10d"):
+        conf["is_host"] = "true" if args.host else "false"
+
+    def params() -> RendezvousParameters:  # as launcher.rendezvous_parameters makes them
+        return RendezvousParameters(
+            backend=args.backend,
+            endpoint=args.endpoint,
+            run_id=args.run_id,
+            min_nodes=args.min,
+            max_nodes=args.max,
+            max_restarts=3,
+            local_world_size=1,
+            config=conf,
+            local_addr="127.0.0.1",
+        )
+
+    handlers: list[RendezvousHandler | None] = [None] * args.count
+    cancel = CancelToken()
+    changed = [threading.Event() for _ in range(args.count)]
+    running: list[bool] = [False] * args.count
+
+    if args.host:  # the service must be up before the others come
+        handlers[0] = create_handler(params())
+        _store_index[id(handlers[0].store)] = args.first  # type: ignore[attr-defined]
+    emit(ev="ready", pid=os.getpid())
+
+    def agent(i: int) -> None:
+        """An agent's loop: rendezvous, 'run' until the round is over for it, again. Its
+        handler is made as it starts, as an agent makes it at its start (its lease is granted
+        then: a handler made long before its first rendezvous would find it expired)."""
+        h = handlers[i]
+        if h is None:
+            h = handlers[i] = create_handler(params())
+            _store_index[id(h.store)] = args.first + i  # type: ignore[attr-defined]
+        reason = RestartReason.START
+        while not cancel.cancelled:
+            t_call = time.monotonic()
+            try:
+                info = h.next_rendezvous(reason, cancel=cancel)
+            except Exception as e:
+                emit(ev="error", h=args.first + i, error=f"{type(e).__name__}: {e}"[:300])
+                return
+            emit(
+                ev="done",
+                h=args.first + i,
+                round=info.round,
+                rank=info.group_rank,
+                world=info.group_world_size,
+                reason=reason.value,
+                t_call=t_call,
+                t=time.monotonic(),
+            )
+            running[i] = True
+            changed[i].wait()
+            changed[i].clear()
+            running[i] = False
+            emit(ev="changed", h=args.first + i, t=time.monotonic(), round=info.round)
+            reason = RestartReason.MEMBERSHIP
+
+    def monitor() -> None:
+        """The agents' monitor loop (agent.py looks every monitor_interval): one thread here."""
+        while not cancel.cancelled:
+            for i, h in enumerate(handlers):
+                if running[i] and h is not None and h.membership_changed():
+                    changed[i].set()
+            time.sleep(0.05)
+
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "go":
+            for i in range(args.count):
+                threading.Thread(target=agent, args=(i,), daemon=True).start()
+                if args.ramp > 0:
+                    time.sleep(args.ramp / args.count)  # nodes arrive over time, not at once
+            threading.Thread(target=monitor, daemon=True).start()
+        elif cmd == "snap":
+            emit(ev="snap", **snapshot())
+        elif cmd == "quit":
+            break
+    os._exit(0)  # the driver ends the store; no lease revokes on the way out
+
+
+if __name__ == "__main__":
+    main()
