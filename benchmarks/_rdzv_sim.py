@@ -218,6 +218,17 @@ def _share_channels() -> None:
     grpc.insecure_channel = insecure_channel
 
 
+def _quiet_grpc_waits() -> None:
+    """gRPC's blocking calls wake every 0.1 s while they wait (to let signal handlers run),
+    though an answer wakes them anyway. In an agent's own process that is a few wake-ups a
+    second; here, with hundreds of agents' streams in one process, it is thousands, each
+    taking the GIL, and at N=1,024 they alone kept both cores busy (80% system time) and
+    starved the lease renewals. Waking every 2 s changes nothing an agent sends or receives."""
+    from grpc import _common
+
+    _common.MAXIMUM_WAIT_TIMEOUT = 2.0
+
+
 def _instrument_grpc() -> None:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2_grpc as g
 
@@ -465,6 +476,7 @@ def main() -> None:
 
     if os.environ.get("RDZV_SIM_SHARED_CHANNEL", "1") == "1":
         _share_channels()
+    _quiet_grpc_waits()
     _instrument_grpc()
     _instrument_store()
     if args.backend == "etcd-v2":

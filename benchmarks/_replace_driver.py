@@ -43,7 +43,7 @@ def main() -> None:
     ep = Entrypoint(Kind.SCRIPT, str(HERE / "_replace_worker.py"))
     fresh = FreshInterpreter(ep)
     spawner = ZygoteFork(preload, fresh) if preload else fresh
-    info = RendezvousInfo(0, 0, 1, (2,), "127.0.0.1", elastic_core.now_ns() % 20000 + 30000)
+    info = RendezvousInfo(0, 0, 1, 2, 0, "127.0.0.1", elastic_core.now_ns() % 20000 + 30000)
     table = elastic_core.HeartbeatTable.create(f"/dev/shm/bench-replace-{os.getpid()}", 2)
     with LogLayout(os.devnull, "bench") as layout, elastic_core.Watchdog() as watchdog:
         group = WorkerGroup(config, ep, "bench", layout, table, watchdog, spawner)

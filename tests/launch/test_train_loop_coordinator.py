@@ -154,7 +154,7 @@ class FakeTeam(RendezvousHandler):
         self.calls.append((reason, failure))
         if self.raise_next is not None:
             raise self.raise_next
-        return RendezvousInfo(1, 0, 1, (1,), "127.0.0.1", 0)
+        return RendezvousInfo(1, 0, 1, 1, 0, "127.0.0.1", 0)
 
     def num_nodes_waiting(self) -> int:
         return self.waiting

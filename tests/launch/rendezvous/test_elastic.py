@@ -118,6 +118,35 @@ def test_a_round_of_max_nodes_writes_the_state_twice(endpoint, request):
             h.shutdown()
 
 
+def test_each_member_reads_only_its_own_shard_of_the_membership(endpoint, request, monkeypatch):
+    from elastic_launch.rendezvous import round as rnd
+
+    monkeypatch.setattr(rnd, "SHARD_NODES", 1)  # a shard per node: 4 shards
+    members = handlers(endpoint, 4, f"shard-{request.node.callspec.id}-{time.monotonic_ns()}")
+    try:
+        infos = form_round(members)
+        assert sorted(i.group_rank for i in infos) == [0, 1, 2, 3]
+        assert {(i.group_world_size, i.world_size, i.master_port) for i in infos} == {
+            (4, 4, infos[0].master_port)
+        }
+        assert sorted(i.rank_offset for i in infos) == [0, 1, 2, 3]
+        leader = [h for h in members if h._round is not None and h._round.leader == h.node]
+        assert len(leader) == 1 and len(leader[0]._round.nodes) == 4, "the leader has all"
+        others = [h for h in members if h is not leader[0]]
+        names = [h.node for h in members]
+
+        def shard(node: str) -> set[str]:
+            return {n for n in names if rnd.shard_of(n, 4) == rnd.shard_of(node, 4)}
+
+        assert all(set(h._round.nodes) == shard(h.node) for h in others), "the others theirs"
+        # What needs every member reads every shard: a node that finishes last closes the job.
+        assert [h.mark_done() for h in others] == [False, False, False]
+        assert leader[0].mark_done() is True
+    finally:
+        for h in members:
+            h.shutdown()
+
+
 @pytest.mark.parametrize("settle", [0.0, 0.3], ids=["at-once", "later"])
 def test_the_members_see_a_node_leave_after_the_round(endpoint, request, settle):
     run_id = f"leave-{request.node.callspec.id}-{time.monotonic_ns()}"

@@ -124,10 +124,9 @@ def test_the_failure_past_the_budget_closes_the_job_with_what_failed():
 
 
 def test_a_running_round_makes_room_only_when_there_is_some():
-    members = {"a": member(), "b": member()}
-    assert rnd.admissible({"s"}, members, 3)
-    assert not rnd.admissible({"s"}, members, 2), "at MAX the waiting node stays a spare"
-    assert not rnd.admissible(set(), members, 3)
+    assert rnd.admissible({"s"}, 2, 3)
+    assert not rnd.admissible({"s"}, 2, 2), "at MAX the waiting node stays a spare"
+    assert not rnd.admissible(set(), 2, 3)
 
 
 def test_still_runs_and_everyone_done():
@@ -140,40 +139,52 @@ def test_still_runs_and_everyone_done():
 
 
 def test_round_info_puts_rank_zero_node_as_master():
-    final = RoundState(
-        version=7,
-        status=Status.FINAL,
-        restarts=1,
-        nodes={"a": member("10.0.0.1", lws=2), "b": member("10.0.0.2", lws=4)},
-        ranks={"a": 1, "b": 0},
-    )
+    infos = {"a": member("10.0.0.1", lws=2), "b": member("10.0.0.2", lws=4)}
+    state = joinable(version=7, restarts=1, prev_ranks={"a": 1, "b": 0})
+    frozen = rnd.freeze(state, {"a": 1, "b": 2}, infos, 2, 2)
+    assert frozen is not None
+    final = rnd.finalize(frozen, {"a", "b"})
+    assert final is not None
     info = rnd.round_info(final, "a")
     assert (info.round, info.group_rank, info.group_world_size) == (7, 1, 2)
-    assert info.local_world_sizes == (4, 2) and info.world_size == 6 and info.rank_offset == 4
+    assert info.world_size == 6 and info.rank_offset == 4
     assert (info.master_addr, info.master_port, info.restart_count) == ("10.0.0.2", 5000, 1)
+    # A member that read only its own shard knows the same (the state carries the rest).
+    again = RoundState.from_json(final.to_json())
+    shard = final.shard_values()[rnd.shard_of("a", final.shards)]
+    assert rnd.round_info(again.with_shards([shard]), "a") == info
 
 
 def test_the_state_survives_its_json():
     closed = rnd.close(final_round(), CloseReason.SUCCEEDED, "", expires_at=123.0)
     again = RoundState.from_json(closed.to_json())
     assert not again.nodes and again.size == 2, "the membership is not in the state key"
-    assert again.with_members(closed.members_json()) == replace(closed, prev_ranks={})
+    assert again.with_shards(list(closed.shard_values().values())) == replace(closed, prev_ranks={})
     assert len(closed.to_json()) < 300
     assert Member.from_json(member().to_json()) == member()
     assert Member.from_json(b'{"addr": "h", "port": 1, "lws": 1, "future": 3}').addr == "h"
 
 
-def test_the_state_key_stays_small_and_the_members_key_holds_the_round():
+def test_the_state_key_stays_small_and_each_node_reads_a_small_shard():
     joined = {f"host{i:04d}-1234-abcdef": i for i in range(1000)}
     infos = {n: member() for n in joined}
     frozen = rnd.freeze(joinable(), joined, infos, 1, 1000)
-    assert frozen is not None and frozen.size == 1000
-    assert len(frozen.to_json()) < 300, "every node watches the state: its size is not N's"
-    members = frozen.members_json()
-    assert len(members) < 60 * 1000, "the membership costs a few dozen bytes a node"
+    assert frozen is not None and frozen.size == 1000 and frozen.world == 2000
+    assert len(frozen.to_json()) < 400, "every node watches the state: its size is not N's"
+    shards = frozen.shard_values()
+    assert len(shards) == frozen.shards == 16
+    assert max(len(v) for v in shards.values()) < 8 * 1024, "a node reads a few KiB"
     again = RoundState.from_json(frozen.to_json())
-    assert not again.members_known and again.with_members(members).members_known
-    assert dict(again.with_members(members).ranks) == dict(frozen.ranks)
+    assert not again.members_complete
+    mine = "host0421-1234-abcdef"
+    one = again.with_shards([shards[rnd.shard_of(mine, again.shards)]])
+    assert mine in one.nodes and not one.members_complete
+    assert one.ranks[mine] == frozen.ranks[mine] and one.offsets[mine] == frozen.offsets[mine]
+    every = again.with_shards(list(shards.values()))
+    assert every.members_complete and dict(every.ranks) == dict(frozen.ranks)
+    final_one = replace(one, status=Status.FINAL)
+    assert not rnd.everyone_done(final_one, set(joined)), "one shard cannot say all are done"
+    assert rnd.everyone_done(replace(every, status=Status.FINAL), set(joined))
 
 
 def test_the_freezer_leads_and_a_reopened_round_knows_which_ran_last():

@@ -102,20 +102,12 @@ class RendezvousInfo:
 
     round: int
     group_rank: int
-    group_world_size: int
-    local_world_sizes: tuple[int, ...]  # by group rank
+    group_world_size: int  # nodes
+    world_size: int  # workers, all nodes together
+    rank_offset: int  # global rank of this node's local rank 0
     master_addr: str
     master_port: int
     restart_count: int = 0  # restarts after failures so far (job-wide where the store allows)
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.local_world_sizes)
-
-    @property
-    def rank_offset(self) -> int:
-        """Global rank of this node's local rank 0."""
-        return sum(self.local_world_sizes[: self.group_rank])
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ with compare-and-swap on the job's state key. Keys, under ``/elasticrun/<run id>
     state                      the RoundState (small JSON: no membership); CAS-versioned
     state/v<N>/leader          ephemeral: round N's leader (the first to create it), its name
     m/v<N>/join/<node>         ephemeral (the node's lease): the node joined round N (its Member)
-    m/v<N>/members             round N's membership (ranks, addresses), written at its freeze
+    m/v<N>/members/<shard>     round N's membership (ranks, addresses) in shards of 64 nodes,
+                               written at its freeze; a node reads its own shard
     m/v<N>/confirm/<node>      ephemeral: the node confirmed frozen round N
     state/waiting/<node>       ephemeral: a spare, waiting to be admitted
     m/done/<node>              the node's workers finished
@@ -15,9 +16,9 @@ with compare-and-swap on the job's state key. Keys, under ``/elasticrun/<run id>
 Every wait is a watch, bounded by a deadline and ended at once by a cancellation or a lost lease;
 nothing polls. The leader of a round reads and watches all of it; every other node reads and
 watches only the state key's prefix (the state and the leader's key, whose deletion says the
-leader is gone) and the waiting spares, and reads the round's members key once: each node's
-requests and bytes per round stay the same whatever the number of nodes, and the leader's grow
-with it (docs/rendezvous_scale.md). When a job closes, its state
+leader is gone) and the waiting spares, and reads its own shard of the round's membership once:
+each node's requests and bytes per round stay the same whatever the number of nodes, and the
+leader's grow with it (docs/rendezvous_scale.md). When a job closes, its state
 is kept for :data:`CLOSED_TTL` seconds (so late nodes learn how it ended) and every other key is
 removed; after that its run id is free again.
 """
@@ -114,10 +115,11 @@ class ElasticRendezvous(RendezvousHandler):
         or 0 if someone got there first. A closing state expires after CLOSED_TTL, and the
         job's other keys are removed."""
         if state.status == Status.FROZEN and state.nodes:
-            # The membership first, in its own key (read once by each node), then the state
-            # that names the round frozen. A state that loses its CAS leaves a members key of
-            # a round that never froze; the round's keys go with it.
-            self.store.put(self._members_key(state.version), state.members_json())
+            # The membership first, in its shards (each node reads its own), then the state
+            # that names the round frozen. A state that loses its CAS leaves members shards
+            # of a round that never froze; the round's keys go with it.
+            for shard, value in state.shard_values().items():
+                self.store.put(self._members_prefix(state.version) + str(shard), value)
             self._members = (state.version, state)
         if state.status != Status.CLOSED:
             return self.store.cas(self._state_key, state.to_json(), version)
@@ -167,24 +169,34 @@ class ElasticRendezvous(RendezvousHandler):
         that is no loss."""
         return f"{self._shared}v{version}/done"
 
-    def _members_key(self, version: int) -> str:
-        return f"{self._m}/v{version}/members"
+    def _members_prefix(self, version: int) -> str:
+        return f"{self._m}/v{version}/members/"
 
-    def _with_members(self, state: RoundState) -> RoundState | None:
-        """`state` with its round's membership: one read of the members key per round (kept);
-        None if the key is gone (the round has moved on: look again)."""
-        if state.members_known:
+    def _with_members(self, state: RoundState, every: bool = False) -> RoundState | None:
+        """`state` (frozen or final) with its round's membership: this node's shard (one read
+        per round, kept), or with `every` all of them (the leader, a spare, the job's end);
+        None if the shards are gone (the round has moved on: look again)."""
+        if not state.size or state.members_complete:
             return state
         cached = self._members
-        if cached is None or cached[0] != state.version:
-            kv = self.store.get(self._members_key(state.version))
-            if kv is None:
+        if (
+            cached is None
+            or cached[0] != state.version
+            or (every and not cached[1].members_complete)
+        ):
+            prefix = self._members_prefix(state.version)
+            if every:
+                kvs, _ = self.store.range(prefix)
+                values = [kv.value for kv in kvs]
+            else:
+                kv = self.store.get(prefix + str(rnd.shard_of(self.node, state.shards)))
+                values = [kv.value] if kv is not None else []
+            if not values:
                 return None
-            full = state.with_members(kv.value)
-            cached = self._members = (state.version, full)
-            return full
-        # Parsed once per round (thousands of members cost milliseconds each time).
-        return dataclasses.replace(state, nodes=cached[1].nodes, ranks=cached[1].ranks)
+            cached = self._members = (state.version, state.with_shards(values))
+        # Parsed once per round: the state's other fields may have moved on (notes).
+        m = cached[1]
+        return dataclasses.replace(state, nodes=m.nodes, ranks=m.ranks, offsets=m.offsets)
 
     def _me(self) -> bytes:
         assert self._presence is not None
@@ -246,7 +258,7 @@ class ElasticRendezvous(RendezvousHandler):
                 if info is not None:
                     return info
                 continue
-            full = self._with_members(state)
+            full = self._with_members(state, every=state.leader == self.node)
             if full is None:
                 continue  # the round moved on as we looked
             if full.status == Status.FROZEN and self.node in full.nodes:
@@ -359,7 +371,7 @@ class ElasticRendezvous(RendezvousHandler):
                 notice.check()
                 if state.version != v or state.status != Status.JOINABLE:
                     if state.version == v and state.status == Status.FROZEN:
-                        full = self._with_members(state)
+                        full = self._with_members(state, every=leading)
                         if full is not None and self.node in full.nodes:
                             present = set(joined) if leading else {leader}
                             return self._confirm(full, sversion, (inbox, present, leader))
@@ -434,9 +446,9 @@ class ElasticRendezvous(RendezvousHandler):
         if self._prev is None or self._prev[0] != state.ran:
             ranks: dict[str, int] = {}
             with contextlib.suppress(StoreError):
-                kv = self.store.get(self._members_key(state.ran))
-                if kv is not None:
-                    ranks = dict(RoundState(state.ran, Status.FINAL).with_members(kv.value).ranks)
+                kvs, _ = self.store.range(self._members_prefix(state.ran))
+                ran = RoundState(state.ran, Status.FINAL).with_shards([kv.value for kv in kvs])
+                ranks = dict(ran.ranks)
             self._prev = (state.ran, ranks)
         return dataclasses.replace(state, prev_ranks=self._prev[1])
 
@@ -519,7 +531,7 @@ class ElasticRendezvous(RendezvousHandler):
             if found is None:
                 return None
             if found_version != sversion:
-                full = self._with_members(found)
+                full = self._with_members(found, every=leading)
                 if full is None:
                     return None
                 state, sversion = full, found_version
@@ -562,8 +574,8 @@ class ElasticRendezvous(RendezvousHandler):
                             return None
                         found = RoundState.from_json(change.value)
                         full = (
-                            self._with_members(found)
-                            if found.version == v and found.status == Status.FINAL
+                            self._with_members(found, every=leading)
+                            if found.version == v and found.status in (Status.FROZEN, Status.FINAL)
                             else found
                         )
                         if full is None:
@@ -593,7 +605,7 @@ class ElasticRendezvous(RendezvousHandler):
         kvs, revision = self.store.range(self.prefix + "/")
         found, sversion = self._state_in(kvs)
         if found is not None and found.status in (Status.FROZEN, Status.FINAL):
-            found = self._with_members(found)
+            found = self._with_members(found, every=True)  # it watches every member
         if found is None:
             return None
         state = found
@@ -622,7 +634,7 @@ class ElasticRendezvous(RendezvousHandler):
                             return None
                         found = RoundState.from_json(change.value)
                         if found.version == v and found.status in (Status.FROZEN, Status.FINAL):
-                            found = self._with_members(found)  # the same round: kept
+                            found = self._with_members(found, every=True)  # the same round: kept
                             if found is None:
                                 return None
                         state, sversion = found, change.revision
@@ -678,7 +690,7 @@ class ElasticRendezvous(RendezvousHandler):
             return 0
         waiting = set(f.waiting)
         return (
-            len(waiting) if rnd.admissible(waiting, self._round.nodes, self.params.max_nodes) else 0
+            len(waiting) if rnd.admissible(waiting, self._round.size, self.params.max_nodes) else 0
         )
 
     def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
@@ -687,14 +699,16 @@ class ElasticRendezvous(RendezvousHandler):
         the others see it at once too. A member that does not answer at all (a host that is
         down, or a network that drops) is lost only if its lease expires within its TTL: a
         firewall never turns a failure into a free restart."""
-        current = self._round
-        if current is None:
+        if self._round is None:
             return []
         self.session.use(cancel)
-        join_prefix = f"{self._m}/v{current.version}/join/"
+        join_prefix = f"{self._m}/v{self._round.version}/join/"
         try:
+            current = self._with_members(self._round, every=True)
             kvs, revision = self.store.range(f"{self._m}/")
         except StoreError:
+            return []
+        if current is None:
             return []
         present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{self._m}/done/")}
@@ -762,7 +776,7 @@ class ElasticRendezvous(RendezvousHandler):
                 )
                 return True
             if state.version == ours and state.status == Status.FINAL:
-                state = self._with_members(state) or state
+                state = self._with_members(state, every=True) or state
             if state.version != ours or not state.nodes or not rnd.everyone_done(state, done):
                 self._finished_first = True
                 return False
@@ -776,7 +790,11 @@ class ElasticRendezvous(RendezvousHandler):
         if not self._finished_first or self._round is None:
             return True
         self.session.use(cancel)
-        members = set(self._round.nodes) - {self.node}
+        try:
+            every = self._with_members(self._round, every=True)
+        except StoreError:
+            every = None
+        members = set((every or self._round).nodes) - {self.node}
         join_prefix = f"{self._m}/v{self._round.version}/join/"
         deadline = Deadline(timeout)
         try:
@@ -880,6 +898,11 @@ class _Follower:
         state, _ = r._state_in(kvs)
         self._note(state)
         if everything:
+            if not self.round.members_complete:  # every member's shard is in the read
+                shards = r._members_prefix(v)
+                self.round = self.round.with_shards(
+                    [kv.value for kv in kvs if kv.key.startswith(shards)]
+                )
             self.done = {
                 kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(f"{r._m}/done/")
             }
@@ -889,7 +912,7 @@ class _Follower:
                 self._lost(sorted(gone)[0], "as its round began")
         elif not any(kv.key == leader_key for kv in kvs) and self._leader_gone():
             return False
-        if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
+        if rnd.admissible(self.waiting, self.round.size, r.params.max_nodes):
             self.changed.set()
         with r.session.watching(watched, revision) as inbox:
             with self._lock:
@@ -982,7 +1005,7 @@ class _Follower:
                 self.waiting.discard(node)
             else:
                 self.waiting.add(node)
-                if rnd.admissible(self.waiting, self.round.nodes, r.params.max_nodes):
+                if rnd.admissible(self.waiting, self.round.size, r.params.max_nodes):
                     self.changed.set()
         elif c.key.startswith(f"{r._m}/done/") and c.value is not None:
             self.done.add(node)

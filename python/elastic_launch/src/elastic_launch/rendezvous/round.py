@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -33,9 +35,23 @@ from elastic_launch.rendezvous.api import (
 )
 
 #: The rendezvous protocol: keys and the state's format. Nodes of another protocol cannot join.
-#: 3: the state key is small (no membership: that is a round's `members` key, read once per
-#: node), the notes travel in it, and the joinable round's leader is elected with a key.
+#: 3: the state key is small (no membership: that is in a round's members shards, a node reads
+#: its own), the notes travel in it, and the joinable round's leader is elected with a key.
 PROTOCOL = 3
+
+#: Members per shard of a round's membership (about 3 KiB): a node reads only its own shard,
+#: so what a round sends each node does not grow with the number of nodes.
+SHARD_NODES = 64
+
+
+def shard_count(size: int) -> int:
+    """How many shards a round of `size` members is written in."""
+    return max(1, math.ceil(size / SHARD_NODES))
+
+
+def shard_of(node: str, shards: int) -> int:
+    """The shard that holds `node` (stable across processes and releases: CRC-32)."""
+    return zlib.crc32(node.encode()) % max(shards, 1)
 
 
 class Status(str, enum.Enum):
@@ -70,10 +86,13 @@ class Member:
 class RoundState:
     """The job's state key, and (in memory) the round's membership.
 
-    The key itself stays small whatever the number of nodes, since every node watches it:
-    `nodes` and `ranks` are written once per round, in the round's own members key
-    (:meth:`members_json`), and `prev_ranks` are those of round `ran`, read from its members
-    key by the one node that needs them (the leader, when it freezes)."""
+    The key itself stays small whatever the number of nodes, since every node watches it: it
+    holds what every member needs (the size, the world size, rank 0's address). `nodes`,
+    `ranks` and `offsets` are written once per round, in the round's members shards
+    (:meth:`shard_values`), of which a node reads its own (then `nodes` holds only that
+    shard's members: see :attr:`members_complete`) or, where it needs all (the leader, a
+    spare, the end of the job), every one. `prev_ranks` are those of round `ran`, read by the
+    node that freezes the next round."""
 
     version: int  # the round
     status: Status
@@ -90,18 +109,24 @@ class RoundState:
     ran: int = 0  # the last round that went final (its members key has the previous ranks)
     notes: Mapping[str, str] = field(default_factory=dict)  # a final round's notes
     left: str = ""  # a joinable round's: the member whose leaving ended the round before
+    offsets: Mapping[str, int] = field(default_factory=dict)  # global rank of local rank 0
+    world: int = 0  # a frozen or final round's workers, all nodes together
+    master: tuple[str, int] = ("", 0)  # rank 0's address and port
+    shards: int = 0  # the members shards of a frozen or final round
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
             "version": self.version,
             "status": self.status.value,
             "restarts": self.restarts,
-            "size": len(self.nodes) or self.size,
+            "size": self.size,
             "ran": self.ran,
             "leader": self.leader,
             "protocol": self.protocol,
             "release": self.release,
         }
+        if self.size:
+            data.update(world=self.world, master=list(self.master), shards=self.shards)
         if self.notes:
             data["notes"] = dict(self.notes)
         if self.left:
@@ -111,35 +136,43 @@ class RoundState:
             data["expires_at"] = self.expires_at
         return json.dumps(data, separators=(",", ":")).encode()
 
-    def members_json(self) -> bytes:
-        """The membership, for the round's members key: the nodes in rank order, each as
-        [name, addr, port, lws, presence] (release and protocol are the job's)."""
-        order = sorted(self.nodes, key=lambda n: self.ranks[n])
-        rows = [
-            [n, m.addr, m.port, m.lws, m.presence] for n, m in ((n, self.nodes[n]) for n in order)
-        ]
-        return json.dumps({"version": self.version, "nodes": rows}, separators=(",", ":")).encode()
+    def shard_values(self) -> dict[int, bytes]:
+        """The membership, by shard: each shard's nodes as {name: [rank, offset, addr, port,
+        lws, presence]} (release and protocol are the job's)."""
+        rows: dict[int, dict[str, list[Any]]] = {i: {} for i in range(self.shards)}
+        for n, m in self.nodes.items():
+            rows[shard_of(n, self.shards)][n] = [
+                self.ranks[n],
+                self.offsets[n],
+                m.addr,
+                m.port,
+                m.lws,
+                m.presence,
+            ]
+        return {i: json.dumps(nodes, separators=(",", ":")).encode() for i, nodes in rows.items()}
 
-    def with_members(self, data: bytes) -> RoundState:
-        """This state with the membership of its members key (`data`)."""
-        rows = json.loads(data)["nodes"]
-        nodes = {
-            str(n): Member(
-                addr=addr,
-                port=int(port),
-                lws=int(lws),
-                release=self.release,
-                protocol=self.protocol,
-                presence=int(presence),
-            )
-            for n, addr, port, lws, presence in rows
-        }
-        return replace(self, nodes=nodes, ranks={str(row[0]): i for i, row in enumerate(rows)})
+    def with_shards(self, values: list[bytes]) -> RoundState:
+        """This state with the members of the shards in `values` (one, or all of them)."""
+        nodes: dict[str, Member] = {}
+        ranks: dict[str, int] = {}
+        offsets: dict[str, int] = {}
+        for value in values:
+            for n, (rank, offset, addr, port, lws, presence) in json.loads(value).items():
+                nodes[n] = Member(
+                    addr=addr,
+                    port=int(port),
+                    lws=int(lws),
+                    release=self.release,
+                    protocol=self.protocol,
+                    presence=int(presence),
+                )
+                ranks[n], offsets[n] = int(rank), int(offset)
+        return replace(self, nodes=nodes, ranks=ranks, offsets=offsets)
 
     @property
-    def members_known(self) -> bool:
-        """Whether the membership of a frozen or final round is here (not only its size)."""
-        return bool(self.nodes) or not self.size
+    def members_complete(self) -> bool:
+        """Whether every member of a frozen or final round is here (not one shard's)."""
+        return len(self.nodes) == self.size
 
     @classmethod
     def from_json(cls, data: bytes) -> RoundState:
@@ -150,6 +183,9 @@ class RoundState:
             status=Status(raw.get("status", "closed")),
             restarts=int(raw.get("restarts", 0)),
             size=int(raw.get("size", 0)),
+            world=int(raw.get("world", 0)),
+            master=(str(raw.get("master", ["", 0])[0]), int(raw.get("master", ["", 0])[1])),
+            shards=int(raw.get("shards", 0)),
             ran=int(raw.get("ran", 0)),
             notes=raw.get("notes") or {},
             left=str(raw.get("left", "")),
@@ -263,12 +299,23 @@ def freeze(
     if conflict is not None:
         return close(state, CloseReason.ERROR, f"nodes run different versions: {conflict}")
     ranks = assign_ranks(order, state.prev_ranks)
+    by_rank = sorted(order, key=lambda n: ranks[n])
+    offsets: dict[str, int] = {}
+    world = 0
+    for n in by_rank:
+        offsets[n] = world
+        world += members[n].lws
+    master = members[by_rank[0]]
     return replace(
         state,
         status=Status.FROZEN,
         nodes=members,
         size=len(members),
         ranks=ranks,
+        offsets=offsets,
+        world=world,
+        master=(master.addr, master.port),
+        shards=shard_count(len(members)),
         leader=order[0],
         left="",
     )
@@ -279,7 +326,9 @@ def freeze(
 
 def finalize(state: RoundState, confirmed: set[str]) -> RoundState | None:
     """The round goes final once every member confirmed; None until then."""
-    if state.status != Status.FROZEN or not set(state.nodes) <= confirmed:
+    if state.status != Status.FROZEN or not state.members_complete:
+        return None
+    if not set(state.nodes) <= confirmed:
         return None
     return replace(state, status=Status.FINAL)
 
@@ -290,9 +339,7 @@ def abandon(state: RoundState) -> RoundState:
         state,
         version=state.version + 1,
         status=Status.JOINABLE,
-        nodes={},
-        ranks={},
-        size=0,
+        **_no_members(),
         leader="",
         notes={},
     )
@@ -332,10 +379,9 @@ def reopen(
         version=state.version + 1,
         status=Status.JOINABLE,
         restarts=restarts,
-        nodes={},
-        ranks={},
-        prev_ranks=dict(state.ranks) or dict(state.prev_ranks),
-        size=0,
+        **_no_members(),
+        # Only the node that froze the round has them all (the next freezer reads them).
+        prev_ranks=dict(state.ranks) if state.members_complete else {},
         ran=state.version,
         leader="",
         notes={},
@@ -343,9 +389,15 @@ def reopen(
     )
 
 
-def admissible(waiting: set[str], members: Mapping[str, Member], max_nodes: int) -> bool:
-    """Whether a running round should make room: nodes wait and there is room for them."""
-    return bool(waiting) and len(members) < max_nodes
+def _no_members() -> dict[str, Any]:
+    """A joinable round's membership fields: none."""
+    return dict(nodes={}, ranks={}, offsets={}, size=0, world=0, master=("", 0), shards=0)
+
+
+def admissible(waiting: set[str], size: int, max_nodes: int) -> bool:
+    """Whether a running round of `size` members should make room: nodes wait and there is
+    room for them."""
+    return bool(waiting) and size < max_nodes
 
 
 def still_runs(state: RoundState | None, version: int) -> bool:
@@ -354,7 +406,8 @@ def still_runs(state: RoundState | None, version: int) -> bool:
 
 
 def everyone_done(state: RoundState, done: set[str]) -> bool:
-    return state.status == Status.FINAL and set(state.nodes) <= done
+    """Whether every member of final round `state` (all of its members, read) is done."""
+    return state.status == Status.FINAL and state.members_complete and set(state.nodes) <= done
 
 
 def close(
@@ -366,15 +419,14 @@ def close(
 
 
 def round_info(state: RoundState, node: str) -> RendezvousInfo:
-    """What the final round means for `node`."""
-    by_rank = sorted(state.ranks, key=lambda n: state.ranks[n])
-    master = state.nodes[by_rank[0]]
+    """What the final round means for `node` (its own shard of the membership is enough)."""
     return RendezvousInfo(
         round=state.version,
         group_rank=state.ranks[node],
-        group_world_size=len(by_rank),
-        local_world_sizes=tuple(state.nodes[n].lws for n in by_rank),
-        master_addr=master.addr,
-        master_port=master.port,
+        group_world_size=state.size,
+        world_size=state.world,
+        rank_offset=state.offsets[node],
+        master_addr=state.master[0],
+        master_port=state.master[1],
         restart_count=state.restarts,
     )
