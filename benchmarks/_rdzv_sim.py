@@ -314,8 +314,11 @@ def _instrument_store() -> None:
     except ImportError:
         pass
 
+    ops = ("get", "range", "put", "put_get", "create", "cas", "cas_with", "delete", "watch_many")
     for cls in classes:
-        for name in ("get", "range", "put", "create", "cas", "delete", "watch_many"):
+        for name in ops:
+            if name not in cls.__dict__:
+                continue  # the Store default (v2's put_get: a put and a get, counted as such)
             original = getattr(cls, name)
 
             def make(original: Any = original, name: str = name) -> Any:
@@ -328,7 +331,7 @@ def _instrument_store() -> None:
                     result = original(self, *args, **kwargs)
                     if name == "range":
                         count(f"op.range({_key_class(args[0])}).keys", len(result[0]))
-                    if name == "get" and result is not None:
+                    if name in ("get", "put_get") and result is not None:
                         count("op.get.bytes", len(result.value))
                     if name == "create" and "/join/" in args[0] and result:
                         emit(ev="joined", h=_store_index.get(id(self), -1), t=time.monotonic())

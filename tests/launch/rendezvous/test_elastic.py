@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -47,6 +48,12 @@ class CountingStore(EtcdV3Store):
                 CountingStore.cas_calls += 1
         return super().cas(key, value, version, ttl)
 
+    def cas_with(self, key: str, value: bytes, version: int, puts: Mapping[str, bytes]) -> int:
+        if version:
+            with CountingStore.lock:
+                CountingStore.cas_calls += 1
+        return super().cas_with(key, value, version, puts)
+
 
 SLOW = pytest.mark.slow  # a real etcd server
 
@@ -66,11 +73,20 @@ def handlers(
     min_nodes: int = 2,
     conf: RendezvousConf = CONF,
     max_restarts: int = 0,
+    max_nodes: int | None = None,
 ) -> list[ElasticRendezvous]:
-    """`n` handlers of a job of `min_nodes`..n nodes, each with its own connection."""
+    """`n` handlers of a job of `min_nodes`..`max_nodes` (n) nodes, each with its own
+    connection."""
     address, token = endpoint
     params = RendezvousParameters(
-        "etcd", address, run_id, min_nodes, n, 1, local_addr="127.0.0.1", max_restarts=max_restarts
+        "etcd",
+        address,
+        run_id,
+        min_nodes,
+        max_nodes or n,
+        1,
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
     )
     return [
         ElasticRendezvous(
@@ -186,6 +202,11 @@ class ReadCountingStore(EtcdV3Store):
         self.keys_read += kv is not None
         return kv
 
+    def put_get(self, key: str, value: bytes, get_key: str, ephemeral: bool = False):
+        kv = super().put_get(key, value, get_key, ephemeral)
+        self.keys_read += kv is not None
+        return kv
+
 
 def test_a_node_that_does_not_lead_reads_the_same_whatever_the_number_of_nodes(endpoint, request):
     """The state key stays small, the membership is read once, and only the leader reads the
@@ -213,6 +234,44 @@ def test_a_node_that_does_not_lead_reads_the_same_whatever_the_number_of_nodes(e
     assert reads[8][1] > reads[2][1], reads  # the leader reads every member's keys
 
 
+class LateFreezeStore(CountingStore):
+    """Freezes round 1 only once three nodes have joined it."""
+
+    def cas_with(self, key: str, value: bytes, version: int, puts: Mapping[str, bytes]) -> int:
+        joins = key[: -len("state")] + "m/v1/join/"
+        wait_for(lambda: len(self.range(joins)[0]) == 3, "the third node never joined")
+        return super().cas_with(key, value, version, puts)
+
+
+def test_a_node_left_out_of_a_full_round_takes_its_confirmation_back(endpoint, request):
+    """A member confirms with the read of its shard of the membership (one request); a node
+    that joined but was left out (more joined than the maximum) finds itself absent there
+    and deletes the confirmation it wrote, then waits as a spare."""
+    run_id = f"full-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 3, run_id, [LateFreezeStore] * 3, max_nodes=2)
+    token = CancelToken()
+    pool = ThreadPoolExecutor(3)
+    try:
+        futures = [pool.submit(h.next_rendezvous, cancel=token) for h in members]
+        wait_for(lambda: sum(f.done() for f in futures) == 2, "the round never formed")
+        infos = [f.result() for f in futures if f.done()]
+        assert sorted(i.group_rank for i in infos) == [0, 1]
+        left_out = next(h for h, f in zip(members, futures) if not f.done())
+        wait_for(lambda: left_out._phase == "spare", "the node left out never waited as a spare")
+        confirms = members[0].store.range(f"{members[0]._m}/v1/confirm/")[0]
+        assert sorted(kv.key.rsplit("/", 1)[1] for kv in confirms) == sorted(
+            h.node for h in members if h is not left_out
+        )
+        token.cancel(15)
+        with pytest.raises(Cancelled):
+            next(f for f in futures if not f.done() or f.exception()).result(timeout=5)
+    finally:
+        token.cancel(15)
+        for h in members:
+            h.shutdown()
+        pool.shutdown(wait=False)
+
+
 def test_a_new_round_right_after_one_formed_starts_clean(endpoint, request):
     members = handlers(endpoint, 2, f"again-{request.node.callspec.id}-{time.monotonic_ns()}")
     try:
@@ -232,6 +291,11 @@ class SlowConfirmStore(EtcdV3Store):
         if "/confirm/" in key:
             time.sleep(0.5)
         return super().put(key, value, ephemeral)
+
+    def put_get(self, key: str, value: bytes, get_key: str, ephemeral: bool = False):
+        if "/confirm/" in key:
+            time.sleep(0.5)
+        return super().put_get(key, value, get_key, ephemeral)
 
 
 def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoint, request):

@@ -59,6 +59,27 @@ def test_get_put_create_cas_delete(store):
     assert store.requests > 0
 
 
+def test_a_put_with_a_read_and_a_cas_with_other_writes(store):
+    store.start_liveness(5.0)
+    store.put("/pg/shard", b"members")
+    found = store.put_get("/pg/confirm", b"1", "/pg/shard", ephemeral=True)
+    assert found is not None and found.value == b"members"
+    assert store.get("/pg/confirm").value == b"1"
+    assert store.put_get("/pg/other", b"2", "/pg/absent") is None
+    version = store.create("/pg/state", b"joinable")
+    assert store.cas_with("/pg/state", b"frozen", version, {"/pg/m/0": b"a", "/pg/m/1": b"b"})
+    assert store.get("/pg/state").value == b"frozen"
+    assert sorted(kv.value for kv in store.range("/pg/m/")[0]) == [b"a", b"b"]
+    # A cas that loses writes nothing where the store has transactions (etcd v3).
+    assert not store.cas_with("/pg/state", b"late", version, {"/pg/m/2": b"c"})
+    assert store.get("/pg/state").value == b"frozen"
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    if isinstance(store, EtcdV3Store):
+        assert store.get("/pg/m/2") is None
+    store.close()  # revoked: the ephemeral confirmation goes with the lease
+
+
 def test_watch_delivers_changes_after_a_revision_in_order(store):
     _, revision = store.range("/w/")
     watch = store.watch("/w/", revision)

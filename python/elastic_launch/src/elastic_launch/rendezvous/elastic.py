@@ -95,6 +95,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._finished_first = False  # our workers succeeded while other members still ran
         self._members: tuple[int, RoundState] | None = None  # (round, with its members), once read
         self._prev: tuple[int, dict[str, int]] | None = None  # (round that ran, its ranks)
+        self._confirmed = ""  # the confirmation key this node wrote last
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -115,12 +116,16 @@ class ElasticRendezvous(RendezvousHandler):
         or 0 if someone got there first. A closing state expires after CLOSED_TTL, and the
         job's other keys are removed."""
         if state.status == Status.FROZEN and state.nodes:
-            # The membership first, in its shards (each node reads its own), then the state
-            # that names the round frozen. A state that loses its CAS leaves members shards
-            # of a round that never froze; the round's keys go with it.
-            for shard, value in state.shard_values().items():
-                self.store.put(self._members_prefix(state.version) + str(shard), value)
-            self._members = (state.version, state)
+            # The membership, in its shards (each node reads its own), with the state that
+            # names the round frozen: one transaction on etcd v3. Where the shards go first
+            # (v2), a state that loses its CAS leaves those of a round that never froze; the
+            # round's keys go with it.
+            prefix = self._members_prefix(state.version)
+            shards = {prefix + str(shard): v for shard, v in state.shard_values().items()}
+            written = self.store.cas_with(self._state_key, state.to_json(), version, shards)
+            if written:
+                self._members = (state.version, state)
+            return written
         if state.status != Status.CLOSED:
             return self.store.cas(self._state_key, state.to_json(), version)
         state = dataclasses.replace(state, expires_at=time.time() + CLOSED_TTL)
@@ -172,10 +177,18 @@ class ElasticRendezvous(RendezvousHandler):
     def _members_prefix(self, version: int) -> str:
         return f"{self._m}/v{version}/members/"
 
-    def _with_members(self, state: RoundState, every: bool = False) -> RoundState | None:
+    def _confirm_key(self, version: int) -> str:
+        return f"{self._m}/v{version}/confirm/{self.node}"
+
+    def _with_members(
+        self, state: RoundState, every: bool = False, confirm: bool = False
+    ) -> RoundState | None:
         """`state` (frozen or final) with its round's membership: this node's shard (one read
         per round, kept), or with `every` all of them (the leader, a spare, the job's end);
-        None if the shards are gone (the round has moved on: look again)."""
+        None if the shards are gone (the round has moved on: look again). With `confirm`,
+        the read of the shard also writes this node's confirmation of the frozen round (one
+        request on etcd v3, where a member's part of the freeze is then one round trip);
+        `_confirmed` says whether it was written."""
         if not state.size or state.members_complete:
             return state
         cached = self._members
@@ -189,7 +202,13 @@ class ElasticRendezvous(RendezvousHandler):
                 kvs, _ = self.store.range(prefix)
                 values = [kv.value for kv in kvs]
             else:
-                kv = self.store.get(prefix + str(rnd.shard_of(self.node, state.shards)))
+                shard = prefix + str(rnd.shard_of(self.node, state.shards))
+                if confirm:
+                    key = self._confirm_key(state.version)
+                    kv = self.store.put_get(key, b"1", shard, ephemeral=True)
+                    self._confirmed = key
+                else:
+                    kv = self.store.get(shard)
                 values = [kv.value] if kv is not None else []
             if not values:
                 return None
@@ -371,10 +390,11 @@ class ElasticRendezvous(RendezvousHandler):
                 notice.check()
                 if state.version != v or state.status != Status.JOINABLE:
                     if state.version == v and state.status == Status.FROZEN:
-                        full = self._with_members(state, every=leading)
+                        full = self._with_members(state, every=leading, confirm=not leading)
                         if full is not None and self.node in full.nodes:
                             present = set(joined) if leading else {leader}
                             return self._confirm(full, sversion, (inbox, present, leader))
+                        self._unconfirm(v)  # not a member (more joined than the max)
                     return None
                 if self.session.take_lost():
                     self._rejoin(me, joined)
@@ -477,6 +497,14 @@ class ElasticRendezvous(RendezvousHandler):
         answers = probe(targets, min(PROBE_TIMEOUT, 0.25)) if targets else {}
         return all(a == REFUSED for a in answers.values())
 
+    def _unconfirm(self, version: int) -> None:
+        """Take back a confirmation written with the read of a round that turned out not to
+        include this node (or to have moved on)."""
+        if self._confirmed == self._confirm_key(version):
+            self._confirmed = ""
+            with contextlib.suppress(StoreError):
+                self.store.delete(self._confirm_key(version))
+
     def _rejoin(self, me: str, joined: dict[str, int]) -> None:
         """Our lease expired while we waited: our join key again (a new lease is in place)."""
         self.store.ensure_lease()
@@ -513,7 +541,9 @@ class ElasticRendezvous(RendezvousHandler):
         confirm_prefix = round_prefix + "confirm/"
         join_prefix = round_prefix + "join/"
         leader_key = self._leader_key(v)
-        self.store.put(confirm_prefix + self.node, b"1", ephemeral=True)
+        if self._confirmed != self._confirm_key(v):  # written with the read of our shard
+            self.store.put(self._confirm_key(v), b"1", ephemeral=True)
+            self._confirmed = self._confirm_key(v)
         leading = state.leader == self.node
         inbox: Inbox | None = None
         if joined is not None and joined[2] == state.leader:

@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import grpc
 
@@ -31,6 +31,8 @@ from elastic_launch.rendezvous.store import (
 )
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -194,7 +196,34 @@ class EtcdV3Store(Store):
 
         return self._with_lease(ephemeral, put)
 
-    def _with_lease(self, ephemeral: bool, write: Callable[[int], int]) -> int:
+    def put_get(
+        self, key: str, value: bytes, get_key: str, ephemeral: bool = False
+    ) -> KeyValue | None:
+        def put_get(lease: int) -> Any:
+            put = rpc_pb2.PutRequest(key=key.encode(), value=value, lease=lease)
+            get = rpc_pb2.RangeRequest(key=get_key.encode())
+            request = rpc_pb2.TxnRequest(
+                success=[rpc_pb2.RequestOp(request_put=put), rpc_pb2.RequestOp(request_range=get)]
+            )
+            return self._call(self._kv.Txn, request)
+
+        found = self._with_lease(ephemeral, put_get).responses[1].response_range.kvs
+        return _kv(found[0]) if found else None
+
+    def cas_with(self, key: str, value: bytes, version: int, puts: Mapping[str, bytes]) -> int:
+        others = [
+            rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=k.encode(), value=v))
+            for k, v in puts.items()
+        ]
+        put = rpc_pb2.PutRequest(key=key.encode(), value=value)
+        request = rpc_pb2.TxnRequest(
+            compare=[self._unchanged(key.encode(), version)],
+            success=[*others, rpc_pb2.RequestOp(request_put=put)],
+        )
+        response = self._call(self._kv.Txn, request)
+        return int(response.header.revision) if response.succeeded else 0
+
+    def _with_lease(self, ephemeral: bool, write: Callable[[int], _T]) -> _T:
         """`write(lease)`: with our lease for an ephemeral key (else none). A lease that
         expired while this node was cut off (a network partition longer than its TTL) is
         replaced, the session told, and the write made with the new one."""
@@ -240,22 +269,26 @@ class EtcdV3Store(Store):
             lambda lease: self._txn(compare, rpc_pb2.PutRequest(key=k, value=value, lease=lease)),
         )
 
-    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
-        k = key.encode()
+    @staticmethod
+    def _unchanged(k: bytes, version: int) -> rpc_pb2.Compare:
+        """The cas condition: `k` still at `version` (0: absent)."""
         if version:
-            compare = rpc_pb2.Compare(
+            return rpc_pb2.Compare(
                 key=k,
                 target=rpc_pb2.Compare.MOD,
                 result=rpc_pb2.Compare.EQUAL,
                 mod_revision=version,
             )
-        else:
-            compare = rpc_pb2.Compare(
-                key=k,
-                target=rpc_pb2.Compare.CREATE,
-                result=rpc_pb2.Compare.EQUAL,
-                create_revision=0,
-            )
+        return rpc_pb2.Compare(
+            key=k,
+            target=rpc_pb2.Compare.CREATE,
+            result=rpc_pb2.Compare.EQUAL,
+            create_revision=0,
+        )
+
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
+        k = key.encode()
+        compare = self._unchanged(k, version)
         lease = 0
         if ttl is not None:  # a lease of its own, never renewed: the key goes when it expires
             reply = self._call(self._lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(ttl)))
@@ -519,6 +552,10 @@ class _EtcdWatch(Watch):
                 return
             except Cancelled:
                 return  # the session's waits are woken by the cancellation itself
+            except ValueError:  # "Channel closed": the store was closed under this watch
+                if not self._closed.is_set():
+                    self.inbox.put(StoreError(f"{self._store.name}: the connection was closed"))
+                return
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return

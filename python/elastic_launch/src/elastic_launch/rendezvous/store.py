@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
@@ -176,6 +176,22 @@ class Store(abc.ABC):
         """Replace `key` only if its version is still `version` (0: only if absent): the key's
         new version, or 0 if it had moved on. With `ttl` the key expires after that many
         seconds (a lease or TTL of its own, never renewed)."""
+
+    def put_get(
+        self, key: str, value: bytes, get_key: str, ephemeral: bool = False
+    ) -> KeyValue | None:
+        """Write `key`, then read `get_key`: in one request where the store can (etcd v3: one
+        transaction); here a put, then a get."""
+        self.put(key, value, ephemeral)
+        return self.get(get_key)
+
+    def cas_with(self, key: str, value: bytes, version: int, puts: Mapping[str, bytes]) -> int:
+        """`cas` of `key`, with `puts` written too: in the same transaction where the store can
+        (etcd v3: all of them or none); here each of them first, then the cas, so a cas that
+        loses leaves them behind (keys of a round the caller's cleanup drops)."""
+        for other, other_value in puts.items():
+            self.put(other, other_value)
+        return self.cas(key, value, version)
 
     @abc.abstractmethod
     def delete(self, key: str, prefix: bool = False) -> None: ...
