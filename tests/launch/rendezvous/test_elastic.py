@@ -639,6 +639,56 @@ def test_survivors_skip_the_last_call_when_the_rest_is_provably_gone(endpoint, r
             h.shutdown()
 
 
+class RequestCountingStore(EtcdV3Store):
+    """Counts ranges and gets by the prefix or key they read."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ranges: list[str] = []
+        self.gets: list[str] = []
+
+    def range(self, prefix: str):
+        self.ranges.append(prefix)
+        return super().range(prefix)
+
+    def get(self, key: str):
+        self.gets.append(key)
+        return super().get(key)
+
+
+def test_survivors_coming_back_one_by_one_cost_the_leader_few_reads(endpoint, request):
+    """A reopened round's leader looks at who of the previous round is still awaited each time
+    a survivor comes back: its reads of the previous round's N join keys must not be one per
+    survivor (N reads of N keys), only when those awaited have halved, then singly."""
+    from elastic_launch.rendezvous.round import Member, RoundState, Status
+
+    run_id = f"awaited-{request.node.callspec.id}-{time.monotonic_ns()}"
+    (leader,) = handlers(endpoint, 1, run_id, [RequestCountingStore])
+    alive = socket.create_server(("127.0.0.1", 0))  # the survivors' presence port: it answers
+    try:
+        nodes = [f"n{i:03d}" for i in range(200)]
+        survivors = nodes[:150]  # the other 50 died: their join keys expired
+        for node in survivors:
+            member = Member("127.0.0.1", 1, 1, presence=alive.getsockname()[1])
+            leader.store.put(f"{leader._m}/v1/join/{node}", member.to_json())
+        state = RoundState(
+            2, Status.JOINABLE, ran=1, prev_ranks={n: i for i, n in enumerate(nodes)}
+        )
+        leader.store.ranges.clear()
+        joined: dict[str, int] = {}
+        answers = []
+        for node in survivors:
+            joined[node] = len(joined)
+            answers.append(leader._rest_gone(state, joined, set()))
+        assert answers == [False] * 149 + [True], "not all back, or back and not seen"
+        join_reads = [p for p in leader.store.ranges if p.endswith("/v1/join/")]
+        assert len(join_reads) <= 8, f"{len(join_reads)} reads of the previous round's keys"
+        assert len(leader.store.gets) <= 12, leader.store.gets
+    finally:
+        alive.close()
+        leader.shutdown()
+
+
 def test_a_member_that_is_alive_is_waited_for_until_the_last_call(endpoint, request):
     run_id = f"alive-{request.node.callspec.id}-{time.monotonic_ns()}"
     conf = replace(CONF, last_call_timeout=1.0)

@@ -62,6 +62,29 @@ logger = logging.getLogger(__name__)
 CLOSED_TTL = 600.0
 #: How long lost_members() probes the other members' agents.
 PROBE_TIMEOUT = 2.0
+PROBE_BATCH = 64  # presence ports probed at once (each a socket: far below the fd limit)
+FEW_AWAITED = 4  # previous members awaited, below which their join keys are read singly
+
+
+def _mark(node: str, there: bool, present: set[str], absent: set[str], required: set[str]) -> None:
+    """`node`'s key came (`there`) or went: in `present`, and in `absent` if `required`."""
+    if there:
+        present.add(node)
+        absent.discard(node)
+    else:
+        present.discard(node)
+        if node in required:
+            absent.add(node)
+
+
+@dataclasses.dataclass
+class _Gone:
+    """What a reopened round's leader knows of the previous round's members: who is gone for
+    good, and how many it still awaited when it last read their keys."""
+
+    ran: int  # the previous round
+    nodes: set[str] = dataclasses.field(default_factory=set)
+    awaited_at_last_read: int = 2**62  # the first call reads
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -96,6 +119,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._members: tuple[int, RoundState] | None = None  # (round, with its members), once read
         self._prev: tuple[int, dict[str, int]] | None = None  # (round that ran, its ranks)
         self._confirmed = ""  # the confirmation key this node wrote last
+        self._gone: _Gone | None = None  # (a reopened round's leader) who is gone for good
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -372,7 +396,8 @@ class ElasticRendezvous(RendezvousHandler):
         last_call: Deadline | None = None
         spares = self._waiting
         waiting = {kv.key[len(spares) :] for kv in kvs if kv.key.startswith(spares)}
-        looked: set[str] = set()
+        changes = 0  # (the leader) how often `joined` changed: who is back is looked at anew
+        looked = -1
         rest_gone = False
         p = self.params
 
@@ -405,8 +430,8 @@ class ElasticRendezvous(RendezvousHandler):
                 if leading and len(joined) >= self.params.min_nodes:
                     if last_call is None:
                         last_call = Deadline(self.conf.last_call_timeout)
-                    if set(joined) != looked:  # who is back: look again at who is not
-                        looked, rest_gone = set(joined), self._rest_gone(state, joined, waiting)
+                    if changes != looked:  # who is back: look again at who is not
+                        looked, rest_gone = changes, self._rest_gone(state, joined, waiting)
                     ready = rnd.ready_to_freeze(
                         len(joined),
                         self.params.min_nodes,
@@ -446,15 +471,17 @@ class ElasticRendezvous(RendezvousHandler):
                             waiting.discard(spare)
                         else:
                             waiting.add(spare)
-                            looked = set()  # a spare is coming: wait for the last call
+                            looked = -1  # a spare is coming: wait for the last call
                     elif change.key.startswith(join_prefix):
                         node = change.key[len(join_prefix) :]
                         if change.value is not None:
+                            changes += node not in joined
                             joined.setdefault(node, change.revision)
                             infos[node] = Member.from_json(change.value)
                         elif node == self.node:
                             self._rejoin(me, joined)  # our lease expired: join again
                         else:
+                            changes += node in joined
                             joined.pop(node, None)
                             infos.pop(node, None)
 
@@ -476,26 +503,47 @@ class ElasticRendezvous(RendezvousHandler):
         """Whether the last call can be skipped: this round follows another, no spare waits,
         and every member of the previous round is back or provably gone (its join key expired,
         or its presence port refuses: a process that died on a host that is up). Survivors of
-        a failure go on at once instead of waiting for the dead."""
+        a failure go on at once instead of waiting for the dead.
+
+        Called as members come back, so its cost must not grow with N per call: who is known
+        gone is kept (an expired key does not come back, nor does a dead process), the
+        previous round's join keys are read again only once those still awaited have halved
+        (so O(log N) reads of N keys in a round, not one per join), singly once a few are
+        left, and presence ports are probed a few at a time, stopping at the first alive."""
         state = self._with_previous(state)
         if not state.prev_ranks or state.version <= 1 or waiting - set(joined):
             return False
-        missing = set(state.prev_ranks) - set(joined)
-        if not missing:
+        if self._gone is None or self._gone.ran != state.ran:
+            self._gone = _Gone(state.ran)
+        gone = self._gone
+        awaited = set(state.prev_ranks) - set(joined) - gone.nodes
+        if not awaited:
             return True
+        if len(awaited) > FEW_AWAITED and 2 * len(awaited) > gone.awaited_at_last_read:
+            return False  # most of those last read were alive: they are on their way back
+        gone.awaited_at_last_read = len(awaited)
         prev = f"{self._m}/v{state.ran}/join/"
-        kvs, _ = self.store.range(prev)  # one request for all: those absent have expired
+        if len(awaited) <= FEW_AWAITED:
+            kvs = [kv for node in sorted(awaited) if (kv := self.store.get(prev + node))]
+        else:
+            kvs, _ = self.store.range(prev)  # one request for all: those absent have expired
         targets: dict[str, tuple[str, int]] = {}
         for kv in kvs:
             node = kv.key[len(prev) :]
-            if node not in missing:
+            if node not in awaited:
                 continue
             member = Member.from_json(kv.value)
             if not member.presence:
                 return False
             targets[node] = (member.addr, member.presence)
-        answers = probe(targets, min(PROBE_TIMEOUT, 0.25)) if targets else {}
-        return all(a == REFUSED for a in answers.values())
+        gone.nodes |= awaited - set(targets)  # their keys expired
+        batch = list(targets.items())
+        for start in range(0, len(batch), PROBE_BATCH):
+            answers = probe(dict(batch[start : start + PROBE_BATCH]), min(PROBE_TIMEOUT, 0.25))
+            gone.nodes |= {node for node, a in answers.items() if a == REFUSED}
+            if any(a != REFUSED for a in answers.values()):
+                return False
+        return True
 
     def _unconfirm(self, version: int) -> None:
         """Take back a confirmation written with the read of a round that turned out not to
@@ -574,6 +622,10 @@ class ElasticRendezvous(RendezvousHandler):
         # Who must be there for the round to go on: the leader follows every member (their
         # join keys), the others the leader (its leader key).
         required = set(state.nodes) if leading else {state.leader}
+        # Who of those is missing, and (the leader) who has yet to confirm, kept as the
+        # changes come: each costs O(1), not a pass over every member.
+        absent = required - present
+        unconfirmed = required - confirmed if leading else set()
         # The leader gives the members `close_timeout` to confirm; should the leader itself
         # vanish, the others start over at once (its key is gone), or a lease later.
         until = Deadline(self.conf.close_timeout + (0.0 if leading else self.conf.lease_ttl))
@@ -588,9 +640,9 @@ class ElasticRendezvous(RendezvousHandler):
                         return self._enter(full) if full is not None else None
                     return None
                 nxt: RoundState | None = None
-                if leading:
+                if leading and not unconfirmed:
                     nxt = rnd.finalize(state, confirmed)
-                if nxt is None and (not required <= present or until.passed):
+                if nxt is None and (absent or until.passed):
                     nxt = rnd.abandon(state)  # a member (or the leader) died: start over
                 if nxt is not None:
                     found, sversion = self._advance(nxt, sversion)
@@ -612,13 +664,19 @@ class ElasticRendezvous(RendezvousHandler):
                             return None
                         state, sversion = full, change.revision
                     elif change.key == leader_key:
-                        (present.add if change.value is not None else present.discard)(state.leader)
+                        _mark(state.leader, change.value is not None, present, absent, required)
                     elif change.key.startswith(confirm_prefix):
                         node = change.key[len(confirm_prefix) :]
-                        (confirmed.add if change.value is not None else confirmed.discard)(node)
+                        if change.value is not None:
+                            confirmed.add(node)
+                            unconfirmed.discard(node)
+                        else:
+                            confirmed.discard(node)
+                            if leading and node in required:
+                                unconfirmed.add(node)
                     elif change.key.startswith(join_prefix):
                         node = change.key[len(join_prefix) :]
-                        (present.add if change.value is not None else present.discard)(node)
+                        _mark(node, change.value is not None, present, absent, required)
 
     # ---- spares ------------------------------------------------------------------------------
 
