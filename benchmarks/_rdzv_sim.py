@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 _lock = threading.Lock()
@@ -461,7 +464,24 @@ def _instrument_server() -> None:
 # ---- the agents -------------------------------------------------------------------------------
 
 
+def _stack_counts(*_: Any) -> None:
+    """Every thread's innermost frames, counted: which waits hold the agents (faulthandler
+    shows only 100 threads)."""
+    import traceback
+
+    counts: collections.Counter[str] = collections.Counter()
+    for frame in sys._current_frames().values():
+        stack = traceback.extract_stack(frame)[-4:]
+        counts[
+            " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(stack))
+        ] += 1
+    for stack, n in counts.most_common(40):
+        print(f"{n:5d} {stack}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck round waits
+    signal.signal(signal.SIGUSR2, _stack_counts)  # the same, for thousands of threads
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--endpoint", required=True)
