@@ -634,6 +634,72 @@ def run(cpp_build: Path | None = None) -> list[Row]:
     return rows
 
 
+# ---- the leader's cost per member ------------------------------------------------------------
+
+_WRITER = """
+import sys, threading
+from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+endpoint, prefix, n, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), 16
+def write(first):
+    store = EtcdV3Store(endpoint, "writer", retry_for=10)
+    for i in range(first, n, width):
+        store.put(f"{prefix}{i:06d}", b"1")
+    store.close()
+threads = [threading.Thread(target=write, args=(k,)) for k in range(width)]
+for t in threads: t.start()
+for t in threads: t.join(timeout=300)
+"""
+
+
+def leader_cost(n: int, cap: float = 120.0) -> dict[str, Any]:
+    """What a member's confirmation costs the round's leader, apart from the simulator: N
+    single-key writes (another process, 16 at a time, each its own revision, as N members'
+    confirmations are) arrive on one watch of this process, as on the leader's, and are
+    counted off as the leader does. The CPU this process spends (gRPC, decoding, the inbox,
+    the bookkeeping) per event, and the events per second etcd delivered (bounded here by the
+    writer's rate on the same 2 cores)."""
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store import Inbox
+
+    etcd = Etcd()
+    writer: subprocess.Popen[bytes] | None = None
+    store = EtcdV3Store(etcd.endpoint, "leader", retry_for=10)
+    try:
+        prefix = "/bench/m/v1/confirm/"
+        _, revision = store.range(prefix)
+        inbox = Inbox()
+        store.watch(prefix, revision, inbox)
+        unconfirmed = {f"{i:06d}" for i in range(n)}
+        confirmed: set[str] = set()
+        cpu0 = time.process_time()
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, etcd.endpoint, prefix, str(n)],
+            stdout=subprocess.DEVNULL,
+        )
+        first = last = 0.0
+        deadline = time.monotonic() + cap
+        while unconfirmed and time.monotonic() < deadline:
+            batch = inbox.next(1.0)
+            for change in batch or []:
+                node = change.key[len(prefix) :]
+                confirmed.add(node)
+                unconfirmed.discard(node)
+                first, last = first or time.monotonic(), time.monotonic()
+        cpu = time.process_time() - cpu0
+        return {
+            "n": n,
+            "received": len(confirmed),
+            "cpu_per_event_us": cpu / max(len(confirmed), 1) * 1e6,
+            "events_per_s": len(confirmed) / (last - first) if last > first else float("nan"),
+        }
+    finally:
+        if writer is not None:
+            writer.kill()
+            writer.wait()
+        store.close()
+        etcd.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", default="32,128", help="agent counts, comma-separated")
@@ -645,7 +711,20 @@ def main() -> int:
     parser.add_argument("--conf", default="", help="more --rdzv-conf keys (heartbeat_timeout=30)")
     parser.add_argument("--json", type=Path, help="write the raw results there")
     parser.add_argument("--logs", type=Path, help="keep the simulators' logs there")
+    parser.add_argument(
+        "--leader-events",
+        type=int,
+        metavar="N",
+        help="only measure what N members' confirmations cost the leader (etcd v3), and stop",
+    )
     args = parser.parse_args()
+    if args.leader_events:
+        r = leader_cost(args.leader_events)
+        print(
+            f"{r['received']} of {r['n']} confirmations: {r['cpu_per_event_us']:.0f} µs of the "
+            f"leader's CPU each, delivered at {r['events_per_s']:.0f}/s"
+        )
+        return 0 if r["received"] == r["n"] else 1
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     for b in backends:
         if b not in BACKENDS:

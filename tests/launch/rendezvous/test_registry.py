@@ -83,3 +83,25 @@ def test_a_multi_node_static_job_says_what_its_workers_wait_for(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert "this is node 1 of 2" in line and "10.0.0.5:29500" in line
     assert "--node-rank" in line and info.group_rank == 1
+
+
+def test_an_embedded_service_asked_for_more_nodes_than_measured_says_to_use_etcd(caplog):
+    from elastic_launch.net import free_port
+
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+    for most, warned in ((512, False), (2000, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="elastic_launch"):
+            handler = create_handler(
+                params(
+                    "embedded",
+                    endpoint=endpoint,
+                    min_nodes=2,
+                    max_nodes=most,
+                    local_addr="127.0.0.1",
+                )
+            )
+            handler.shutdown()
+        said = [r.getMessage() for r in caplog.records if "measured to serve" in r.getMessage()]
+        assert bool(said) == warned, said
+    assert "--nnodes 2:2000" in said[0] and "--rdzv-backend etcd" in said[0]

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_EMBEDDED_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 HOST_LINGER_S = 300.0  # torchrun's exit barrier waits as long
+# Nodes the embedded service is measured to serve through a node loss (docs/rendezvous_scale.md:
+# at 1,024 its thread-per-stream Python server does not recover from one in 120 s).
+EMBEDDED_MAX_NODES = 512
 
 
 class EmbeddedRendezvous(ElasticRendezvous):
@@ -45,6 +48,16 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 "that hosts the rendezvous (the same on every node)"
             )
         host, port = parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+        if params.max_nodes > EMBEDDED_MAX_NODES:
+            logger.warning(
+                "--nnodes %d:%d with --rdzv-backend %s: the embedded rendezvous service is "
+                "measured to serve %d nodes through a node loss, not more; for larger jobs "
+                "use --rdzv-backend etcd (docs/rendezvous_scale.md)",
+                params.min_nodes,
+                params.max_nodes,
+                params.backend,
+                EMBEDDED_MAX_NODES,
+            )
         self.server = None
         # Agents on one host race to serve: the one holding the lock serves, the others are
         # clients (as with another host's service). The lock is an abstract socket: no file.
