@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -423,9 +423,9 @@ def _instrument_server() -> None:
         original = getattr(service, name)
 
         def make(original: Any = original, name: str = name) -> Any:
-            def call(self: Any, request: Any, context: Any) -> Any:
+            async def call(self: Any, request: Any, context: Any) -> Any:
                 count(f"server.{name}")
-                return original(self, request, context)
+                return await original(self, request, context)
 
             return call
 
@@ -435,15 +435,15 @@ def _instrument_server() -> None:
         original = getattr(service, name)
 
         def make_stream(original: Any = original, name: str = name) -> Any:
-            def call(self: Any, requests: Any, context: Any) -> Iterator[Any]:
+            async def call(self: Any, requests: Any, context: Any) -> AsyncIterator[Any]:
                 count(f"server.{name}(stream)")
                 with _lock:
                     open_streams[name] += 1
                     now_open = sum(open_streams.values())
                 peak("server.open_streams", now_open)
 
-                def counted() -> Iterator[Any]:
-                    for r in requests:
+                async def counted() -> AsyncIterator[Any]:
+                    async for r in requests:
                         if name == "Watch" and r.HasField("create_request"):
                             count("server.Watch.create")
                         elif name == "LeaseKeepAlive":
@@ -451,7 +451,8 @@ def _instrument_server() -> None:
                         yield r
 
                 try:
-                    yield from original(self, counted(), context)
+                    async for reply in original(self, counted(), context):
+                        yield reply
                 finally:
                     with _lock:
                         open_streams[name] -= 1

@@ -486,6 +486,7 @@ def _node_loss(run: Run, n: int, cap: float, metrics: str | None, sampler: Sampl
         out["loss_lease_lost"] = len([t for t in run.lost if t > t_kill])
     out["loss_ok"] = ok and again()
     out["loss_survivors_done"] = len({e["h"] for e in after})
+    out["loss_errors"] = [e["error"] for e in run.errors[:3]]
     if changed:
         first_seen = min(changed)
         out["kill_to_detect"] = first_seen - t_kill

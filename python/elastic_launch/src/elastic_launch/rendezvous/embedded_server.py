@@ -6,17 +6,19 @@ rendezvous algorithm serve both. Revisions, leases with TTLs, and watches from a
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import collections
+import concurrent.futures
+import contextlib
+import functools
 import hmac
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_MAX_STREAMS = 4096
+_START_TIMEOUT = 30.0  # seconds for the server to bind and start
 _HISTORY = 100_000  # events kept for watches that start in the past
 
 
@@ -36,14 +38,18 @@ VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd b
 
 @dataclass
 class _Entry:
+    """A key's current version, with its KeyValue message built once: ranges and events copy
+    it (three times cheaper than building one per read: a node's shard is 64 of them)."""
+
     value: bytes
     create_revision: int
     mod_revision: int
     version: int
     lease: int
+    kv: kv_pb2.KeyValue = field(init=False, repr=False)
 
-    def proto(self, key: bytes) -> kv_pb2.KeyValue:
-        return kv_pb2.KeyValue(
+    def set_key(self, key: bytes) -> _Entry:
+        self.kv = kv_pb2.KeyValue(
             key=key,
             value=self.value,
             create_revision=self.create_revision,
@@ -51,6 +57,7 @@ class _Entry:
             version=self.version,
             lease=self.lease,
         )
+        return self
 
 
 @dataclass
@@ -64,7 +71,7 @@ class _Lease:
 class _Watcher:
     key: bytes
     end: bytes
-    out: queue.Queue[Any]  # (watch_id, [events of one revision]) for the stream's sender
+    out: asyncio.Queue[Any]  # (watch_id, [events of one revision]) for the stream's sender
     watch_id: int
 
     def matches(self, key: bytes) -> bool:
@@ -74,10 +81,9 @@ class _Watcher:
 
 
 class _State:
-    """The store: every method runs under one lock (the service is small)."""
+    """The store. Touched only from the service's event loop, so it needs no lock."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.revision = 1
         self.keys: list[bytes] = []  # sorted
         self.data: dict[bytes, _Entry] = {}
@@ -90,7 +96,7 @@ class _State:
         # Watchers by the range they watch, then by id: many nodes watch the same few ranges
         # (the state, the shared keys), so a commit matches each event against ranges, not
         # watchers, and a watcher comes and goes in O(1) (a thousand nodes leaving a range
-        # at once, as after a node loss, must not cost a million comparisons under the lock).
+        # at once, as after a node loss, must not cost a million comparisons in one commit).
         self.watchers: dict[tuple[bytes, bytes], dict[int, _Watcher]] = {}
 
     def add_watcher(self, w: _Watcher) -> None:
@@ -140,7 +146,7 @@ class _State:
             mine = [e for e in events if first.matches(e.kv.key)]
             if mine:
                 for w in group.values():
-                    w.out.put((w.watch_id, mine))
+                    w.out.put_nowait((w.watch_id, mine))
 
     def check_lease(self, lease: int) -> None:
         if lease and lease not in self.leases:
@@ -152,13 +158,14 @@ class _State:
             self.leases[old.lease].keys.discard(key)
         if old is None:
             bisect.insort(self.keys, key)
-            entry = _Entry(value, self.revision, self.revision, 1, lease)
+            entry = _Entry(value, self.revision, self.revision, 1, lease).set_key(key)
         else:
             entry = _Entry(value, old.create_revision, self.revision, old.version + 1, lease)
+            entry.set_key(key)
         self.data[key] = entry
         if lease:
             self.leases[lease].keys.add(key)
-        self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry.proto(key)))
+        self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry.kv))
 
     def delete(self, key: bytes) -> None:
         entry = self.data.pop(key)
@@ -213,23 +220,50 @@ class _State:
         self.commit()
 
 
+class _RefusedError(Exception):
+    """A request the service refuses: the status and message it answers with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _answering(method: Any) -> Any:
+    """A unary handler whose refusals (:class:`_RefusedError`) become the call's status."""
+
+    @functools.wraps(method)
+    async def handler(self: _Service, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check(context)
+            return method(self, request)
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+
+    return handler
+
+
 class _Service(
     rpc_pb2_grpc.KVServicer,
     rpc_pb2_grpc.LeaseServicer,
     rpc_pb2_grpc.WatchServicer,
     rpc_pb2_grpc.MaintenanceServicer,
 ):
+    """The handlers. They run on the service's event loop, one at a time: a unary request is
+    answered whole between two awaits, so the store needs no lock, and a thousand nodes' streams
+    cost a coroutine each, not a thread each."""
+
     def __init__(self, state: _State, token: str | None) -> None:
         self.s = state
         self.token = token
         self._watch_ids = iter(range(1, 1 << 62))
 
-    def _check(self, context: grpc.ServicerContext) -> None:
+    def _check(self, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
             return
-        sent = dict(context.invocation_metadata()).get("token", "")
+        sent = dict(context.invocation_metadata() or ()).get("token", "")
         if not hmac.compare_digest(str(sent), self.token):
-            context.abort(
+            raise _RefusedError(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "invalid rendezvous token: this node's token (--rdzv-conf token=..., or "
                 "$ELASTICRUN_RDZV_TOKEN) differs from the job's",
@@ -239,39 +273,37 @@ class _Service(
 
     def _range(self, r: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         keys = self.s.select(r.key, r.range_end)
-        kvs = [self.s.data[k].proto(k) for k in keys[: r.limit or None]]
+        kvs = [self.s.data[k].kv for k in keys[: r.limit or None]]
         return rpc_pb2.RangeResponse(header=self.s.header(), kvs=kvs, count=len(keys))
 
-    def Range(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name
-        self._check(context)
-        with self.s.lock:
-            if request.revision and request.revision != self.s.revision:
-                # It keeps no old versions: say so rather than answer with today's keys.
-                context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"the embedded rendezvous service reads only the current revision "
-                    f"({self.s.revision}), not {request.revision}",
-                )
-            return self._range(request)
+    @_answering
+    def Range(self, request: Any) -> Any:  # noqa: N802 - gRPC's name
+        if request.revision and request.revision != self.s.revision:
+            # It keeps no old versions: say so rather than answer with today's keys.
+            raise _RefusedError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"the embedded rendezvous service reads only the current revision "
+                f"({self.s.revision}), not {request.revision}",
+            )
+        return self._range(request)
 
     def _put(self, r: rpc_pb2.PutRequest) -> rpc_pb2.PutResponse:
         self.s.put(r.key, r.value, r.lease)
         return rpc_pb2.PutResponse(header=self.s.header())
 
-    def _check_lease(self, lease: int, context: Any) -> None:
+    def _check_lease(self, lease: int) -> None:
         try:
             self.s.check_lease(lease)
         except KeyError as e:  # before any change: a refused request leaves no revision
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+            raise _RefusedError(grpc.StatusCode.NOT_FOUND, str(e.args[0])) from None
 
-    def Put(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
-            self._check_lease(request.lease, context)
-            self.s.revision += 1
-            reply = self._put(request)
-            self.s.commit()
-            return reply
+    @_answering
+    def Put(self, request: Any) -> Any:  # noqa: N802
+        self._check_lease(request.lease)
+        self.s.revision += 1
+        reply = self._put(request)
+        self.s.commit()
+        return reply
 
     def _delete(self, r: rpc_pb2.DeleteRangeRequest) -> rpc_pb2.DeleteRangeResponse:
         keys = list(self.s.select(r.key, r.range_end))
@@ -279,117 +311,108 @@ class _Service(
             self.s.delete(k)
         return rpc_pb2.DeleteRangeResponse(header=self.s.header(), deleted=len(keys))
 
-    def DeleteRange(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
-            if self.s.select(request.key, request.range_end):
-                self.s.revision += 1
-            reply = self._delete(request)
-            self.s.commit()
-            return reply
+    @_answering
+    def DeleteRange(self, request: Any) -> Any:  # noqa: N802
+        if self.s.select(request.key, request.range_end):
+            self.s.revision += 1
+        reply = self._delete(request)
+        self.s.commit()
+        return reply
 
-    def Txn(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
-            ok = all(self.s.compare(c) for c in request.compare)
-            ops = request.success if ok else request.failure
-            for op in ops:
-                if op.WhichOneof("request") == "request_put":
-                    self._check_lease(op.request_put.lease, context)
-            if any(op.WhichOneof("request") != "request_range" for op in ops):
-                self.s.revision += 1
-            responses = []
-            for op in ops:
-                kind = op.WhichOneof("request")
-                if kind == "request_range":
-                    responses.append(
-                        rpc_pb2.ResponseOp(response_range=self._range(op.request_range))
-                    )
-                elif kind == "request_put":
-                    responses.append(rpc_pb2.ResponseOp(response_put=self._put(op.request_put)))
-                else:
-                    responses.append(
-                        rpc_pb2.ResponseOp(
-                            response_delete_range=self._delete(op.request_delete_range)
-                        )
-                    )
-            self.s.commit()
-            return rpc_pb2.TxnResponse(header=self.s.header(), succeeded=ok, responses=responses)
+    @_answering
+    def Txn(self, request: Any) -> Any:  # noqa: N802
+        ok = all(self.s.compare(c) for c in request.compare)
+        ops = request.success if ok else request.failure
+        for op in ops:
+            if op.WhichOneof("request") == "request_put":
+                self._check_lease(op.request_put.lease)
+        if any(op.WhichOneof("request") != "request_range" for op in ops):
+            self.s.revision += 1
+        responses = []
+        for op in ops:
+            kind = op.WhichOneof("request")
+            if kind == "request_range":
+                responses.append(rpc_pb2.ResponseOp(response_range=self._range(op.request_range)))
+            elif kind == "request_put":
+                responses.append(rpc_pb2.ResponseOp(response_put=self._put(op.request_put)))
+            else:
+                responses.append(
+                    rpc_pb2.ResponseOp(response_delete_range=self._delete(op.request_delete_range))
+                )
+        self.s.commit()
+        return rpc_pb2.TxnResponse(header=self.s.header(), succeeded=ok, responses=responses)
 
     # ---- leases --------------------------------------------------------------------------
 
-    def LeaseGrant(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
+    @_answering
+    def LeaseGrant(self, request: Any) -> Any:  # noqa: N802
         ttl = max(int(request.TTL), 1)
-        with self.s.lock:
-            lease_id = request.ID or int.from_bytes(os.urandom(7), "big") or 1
-            self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl)
-            return rpc_pb2.LeaseGrantResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
+        lease_id = request.ID or int.from_bytes(os.urandom(7), "big") or 1
+        self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl)
+        return rpc_pb2.LeaseGrantResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
 
-    def LeaseRevoke(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
-            if request.ID not in self.s.leases:
-                context.abort(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
-            self.s.revoke(request.ID)
-            return rpc_pb2.LeaseRevokeResponse(header=self.s.header())
+    @_answering
+    def LeaseRevoke(self, request: Any) -> Any:  # noqa: N802
+        if request.ID not in self.s.leases:
+            raise _RefusedError(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
+        self.s.revoke(request.ID)
+        return rpc_pb2.LeaseRevokeResponse(header=self.s.header())
 
-    def LeaseKeepAlive(self, request_iterator: Any, context: Any) -> Iterator[Any]:  # noqa: N802
-        self._check(context)
-        for request in request_iterator:
-            with self.s.lock:
-                lease = self.s.leases.get(request.ID)
-                ttl = 0
-                if lease is not None:
-                    lease.expires = time.monotonic() + lease.ttl
-                    ttl = lease.ttl
-                reply = rpc_pb2.LeaseKeepAliveResponse(
-                    header=self.s.header(), ID=request.ID, TTL=ttl
-                )
-            yield reply  # never under the lock: the client may be slow to read
-
-    def LeaseTimeToLive(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
+    async def LeaseKeepAlive(  # noqa: N802
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        try:
+            self._check(context)
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+        async for request in request_iterator:
             lease = self.s.leases.get(request.ID)
-            if lease is None:
-                return rpc_pb2.LeaseTimeToLiveResponse(
-                    header=self.s.header(), ID=request.ID, TTL=-1
-                )
-            left = max(0, int(lease.expires - time.monotonic()))
-            return rpc_pb2.LeaseTimeToLiveResponse(
-                header=self.s.header(), ID=request.ID, TTL=left, grantedTTL=lease.ttl
-            )
+            ttl = 0
+            if lease is not None:
+                lease.expires = time.monotonic() + lease.ttl
+                ttl = lease.ttl
+            yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=request.ID, TTL=ttl)
+
+    @_answering
+    def LeaseTimeToLive(self, request: Any) -> Any:  # noqa: N802
+        lease = self.s.leases.get(request.ID)
+        if lease is None:
+            return rpc_pb2.LeaseTimeToLiveResponse(header=self.s.header(), ID=request.ID, TTL=-1)
+        left = max(0, int(lease.expires - time.monotonic()))
+        return rpc_pb2.LeaseTimeToLiveResponse(
+            header=self.s.header(), ID=request.ID, TTL=left, grantedTTL=lease.ttl
+        )
 
     # ---- watch ---------------------------------------------------------------------------
 
-    def Watch(self, request_iterator: Any, context: Any) -> Iterator[Any]:  # noqa: N802
-        self._check(context)
-        out: queue.Queue[Any] = queue.Queue()
-        mine: list[_Watcher] = []
+    async def Watch(  # noqa: N802
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        try:
+            self._check(context)
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        mine: dict[int, _Watcher] = {}
 
-        def read_requests() -> None:
+        async def read_requests() -> None:
             try:
-                for request in request_iterator:
+                async for request in request_iterator:
                     kind = request.WhichOneof("request_union")
                     if kind == "create_request":
-                        out.put(("create", request.create_request))
+                        out.put_nowait(("create", request.create_request))
                     elif kind == "cancel_request":
-                        out.put(("cancel", request.cancel_request.watch_id))
-            except grpc.RpcError:
+                        out.put_nowait(("cancel", request.cancel_request.watch_id))
+            except (grpc.RpcError, asyncio.CancelledError):
                 pass
-            out.put(("end", None))
+            out.put_nowait(("end", None))
 
-        threading.Thread(target=read_requests, daemon=True).start()
+        reader = asyncio.ensure_future(read_requests())
         try:
-            while context.is_active():
-                try:
-                    item = out.get(timeout=1.0)
-                except queue.Empty:
-                    continue
-                kind, arg = item
+            while True:
+                kind, arg = await out.get()
                 if isinstance(kind, int):  # a watcher's events of one revision
-                    if any(w.watch_id == kind for w in mine):
+                    if kind in mine:
                         yield rpc_pb2.WatchResponse(
                             header=self.s.header(), watch_id=kind, events=arg
                         )
@@ -397,23 +420,17 @@ class _Service(
                 if kind == "end":
                     return
                 if kind == "cancel":
-                    with self.s.lock:
-                        self.s.remove_watchers([w for w in mine if w.watch_id == arg])
-                    mine[:] = [w for w in mine if w.watch_id != arg]
+                    gone = mine.pop(arg, None)
+                    if gone is not None:
+                        self.s.remove_watchers([gone])
                     yield rpc_pb2.WatchResponse(header=self.s.header(), watch_id=arg, canceled=True)
                     continue
                 create = arg
                 w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
                 start = create.start_revision
-                with self.s.lock:
-                    header = self.s.header()
-                    compacted = bool(start) and start <= self.s.compacted
-                    past: list[tuple[int, kv_pb2.Event]] = []
-                    if not compacted:
-                        past = self.s.since(start, w) if start else []
-                        self.s.add_watcher(w)
-                        mine.append(w)
-                if compacted:  # events from `start` on are gone: the client must re-read
+                header = self.s.header()
+                if start and start <= self.s.compacted:
+                    # The events from `start` on are gone: the client must read again.
                     yield rpc_pb2.WatchResponse(
                         header=header,
                         watch_id=w.watch_id,
@@ -422,57 +439,100 @@ class _Service(
                         compact_revision=self.s.compacted + 1,
                     )
                     continue
+                past = self.s.since(start, w) if start else []
+                self.s.add_watcher(w)  # what comes after `past` arrives through `out`
+                mine[w.watch_id] = w
                 yield rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True)
                 for _, group in itertools.groupby(past, key=lambda p: p[0]):
                     yield rpc_pb2.WatchResponse(
                         header=header, watch_id=w.watch_id, events=[ev for _, ev in group]
                     )
         finally:
-            with self.s.lock:
-                self.s.remove_watchers(mine)
+            reader.cancel()
+            self.s.remove_watchers(list(mine.values()))
 
-    def Status(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self._check(context)
-        with self.s.lock:
-            return rpc_pb2.StatusResponse(header=self.s.header(), version=VERSION)
+    @_answering
+    def Status(self, request: Any) -> Any:  # noqa: N802
+        return rpc_pb2.StatusResponse(header=self.s.header(), version=VERSION)
 
 
 class EmbeddedServer:
-    """The service, listening on host:port (raises OSError if the port is taken)."""
+    """The service, listening on host:port (raises OSError if the port is taken). It runs on
+    an event loop in a thread of its own: every stream is a coroutine, so a node costs the
+    hosting process no thread, and the store is touched only from that thread."""
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self.state = _State()
-        service = _Service(self.state, token)
-        self.server = grpc.server(
-            # A watch or keep-alive stream holds a thread for its life: room for a few thousand
-            # nodes' streams (threads start as needed).
-            futures.ThreadPoolExecutor(
-                max_workers=_MAX_STREAMS, thread_name_prefix="elasticrun-rdzv"
-            ),
-            options=[("grpc.so_reuseport", 0)],
+        self._service = _Service(self.state, token)
+        self._address = host_port(host, port)
+        self._loop = asyncio.new_event_loop()
+        self._server: grpc.aio.Server | None = None
+        started: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(started,), name="elasticrun-rdzv-service", daemon=True
         )
-        rpc_pb2_grpc.add_KVServicer_to_server(service, self.server)
-        rpc_pb2_grpc.add_LeaseServicer_to_server(service, self.server)
-        rpc_pb2_grpc.add_WatchServicer_to_server(service, self.server)
-        rpc_pb2_grpc.add_MaintenanceServicer_to_server(service, self.server)
-        address = host_port(host, port)
+        self._thread.start()
         try:
-            self.port = self.server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {address}: {e}") from None
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address} (in use?)")
-        self.server.start()
-        self._stop = threading.Event()
-        self._expirer = threading.Thread(target=self._expire, name="elasticrun-leases", daemon=True)
-        self._expirer.start()
+            self.port = started.result(timeout=_START_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            self._stop_loop()
+            raise OSError(
+                f"cannot listen on {self._address}: the service did not start in "
+                f"{_START_TIMEOUT:g} s"
+            ) from None
+        except OSError:
+            self._thread.join(timeout=5)
+            raise
 
-    def _expire(self) -> None:
-        while not self._stop.wait(0.1):
-            with self.state.lock:
-                self.state.expire(time.monotonic())
+    def _serve(self, started: concurrent.futures.Future[int]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(started))
+        except BaseException as e:  # the constructor raises it
+            if not started.done():
+                started.set_exception(e if isinstance(e, OSError) else OSError(str(e)))
+            self._loop.close()
+            return
+        expirer = self._loop.create_task(self._expire())
+        try:
+            self._loop.run_forever()
+        finally:
+            expirer.cancel()
+            with contextlib.suppress(BaseException):
+                self._loop.run_until_complete(asyncio.gather(expirer, return_exceptions=True))
+            self._loop.close()
+
+    async def _start(self, started: concurrent.futures.Future[int]) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        rpc_pb2_grpc.add_KVServicer_to_server(self._service, server)
+        rpc_pb2_grpc.add_LeaseServicer_to_server(self._service, server)
+        rpc_pb2_grpc.add_WatchServicer_to_server(self._service, server)
+        rpc_pb2_grpc.add_MaintenanceServicer_to_server(self._service, server)
+        try:
+            port = server.add_insecure_port(self._address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {self._address}: {e}") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {self._address} (in use?)")
+        await server.start()
+        self._server = server
+        started.set_result(port)
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            self.state.expire(time.monotonic())
+
+    def _stop_loop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # closed already
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
 
     def close(self, grace: float = 1.0) -> None:
-        self._stop.set()
-        self.server.stop(grace).wait(timeout=grace + 5)
-        self._expirer.join(timeout=5)
+        if not self._thread.is_alive():
+            return
+        if self._server is not None:
+            stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            with contextlib.suppress(Exception):
+                stopping.result(timeout=grace + 5)
+        self._stop_loop()

@@ -34,7 +34,14 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A server that ran out of a request's deadline before answering may reset the stream, which
+# the client sees as CANCELLED, not DEADLINE_EXCEEDED: retried alike (a cancellation of our
+# own is told apart by the cancel token).
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
 
 
 class _LeaseGoneError(StoreError):
@@ -147,6 +154,8 @@ class EtcdV3Store(Store):
                 code = e.code()
                 if code == grpc.StatusCode.CANCELLED and self.cancel.cancelled:
                     raise Cancelled(self.cancel.signum) from None
+                if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
+                    raise self._error(e) from None  # this store was closed under the call
                 if code == grpc.StatusCode.UNAUTHENTICATED and self._user and not reauthenticated:
                     self._authenticate()  # etcd's simple tokens expire
                     reauthenticated = True
@@ -570,7 +579,7 @@ class _EtcdWatch(Watch):
                     self._requests.put(None)
                     self._requests = queue.Queue()
                     continue
-                if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
+                if e.code() not in _RETRYABLE:
                     self.inbox.put(self._store._error(e))
                     return
                 now = time.monotonic()
