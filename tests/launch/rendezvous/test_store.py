@@ -242,6 +242,37 @@ def test_unreachable_store_is_a_clear_error():
     dead.close()
 
 
+def test_a_request_the_server_cancelled_is_retried():
+    """A server whose request's deadline ran out before it answered resets the stream, which
+    the client sees as CANCELLED: retried, as DEADLINE_EXCEEDED is."""
+    from concurrent import futures
+
+    import grpc
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+
+    calls = []
+
+    class KV(rpc_pb2_grpc.KVServicer):
+        def Range(self, request, context):  # noqa: N802 - gRPC's name
+            calls.append(request.key)
+            if len(calls) == 1:
+                context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+            return rpc_pb2.RangeResponse(header=rpc_pb2.ResponseHeader(revision=7))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rpc_pb2_grpc.add_KVServicer_to_server(KV(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    store = EtcdV3Store(f"127.0.0.1:{port}", "the test server", retry_for=5)
+    try:
+        assert store.get("/x") is None  # answered the second time
+        assert calls == [b"/x", b"/x"]
+    finally:
+        store.close()
+        server.stop(0)
+
+
 def _v3(embedded, **kw):
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
