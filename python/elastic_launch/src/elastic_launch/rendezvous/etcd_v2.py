@@ -27,6 +27,12 @@ from elastic_launch.rendezvous.store import (
 
 logger = logging.getLogger(__name__)
 
+# A long poll that hears nothing ends after this long and is asked again: every watch costs the
+# store a request per period while quiet (a thousand nodes' watches polled every second were a
+# thousand requests a second). close() does not wait for a pending poll: the thread ends
+# when it returns.
+_POLL_SECONDS = 10.0
+
 _NOT_V2 = (
     "does not serve the etcd v2 API (etcd 3.4 and 3.5 need --enable-v2; 3.6 removed it): use "
     "--rdzv-backend etcd, which speaks the v3 API, or start etcd with --enable-v2"
@@ -265,7 +271,11 @@ class _V2Watch(Watch):
             try:
                 result = self._store._call(
                     lambda c: c.read(
-                        base, wait=True, recursive=True, waitIndex=self._index, timeout=1.0
+                        base,
+                        wait=True,
+                        recursive=True,
+                        waitIndex=self._index,
+                        timeout=_POLL_SECONDS,
                     ),
                     client,
                 )
@@ -323,7 +333,7 @@ class _V2Watch(Watch):
     def close(self) -> None:
         self._closed.set()
         self.inbox.wake()
-        # The thread ends when its pending long poll returns (within a second); waiting for
-        # it would delay every caller by that much.
+        # The thread ends when its pending long poll returns (within _POLL_SECONDS); waiting
+        # for it would delay every caller by that much.
         with contextlib.suppress(Exception):
             self._client.http.clear()
