@@ -366,3 +366,27 @@ def test_a_v2_watch_whose_index_was_cleared_catches_up_from_a_read(store, reques
         assert [c.key for c in watch.next(30.0) or []] == [f"{base}/x/b"]
     finally:
         watch.close()
+
+
+def test_a_v2_write_etcd_could_not_commit_in_time_is_retried():
+    """etcd v2 answers a write its raft did not commit in time with "request timed out": a
+    busy store, retried as an unreachable one is, not a failure of the rendezvous."""
+    import etcd
+    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+
+    store = EtcdV2Store("127.0.0.1", free_port(), "etcd at nowhere", retry_for=5)
+    answers = [etcd.EtcdException("Raft Internal Error : etcdserver: request timed out"), "done"]
+
+    def request(client):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    try:
+        assert store._call(request) == "done"
+        answers[:] = [etcd.EtcdException("Raft Internal Error : something else")]
+        with pytest.raises(StoreError, match="something else"):
+            store._call(request)
+    finally:
+        store.close()

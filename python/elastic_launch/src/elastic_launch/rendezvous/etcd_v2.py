@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 # when it returns.
 _POLL_SECONDS = 10.0
 
+# etcd's answer when a write was not committed through raft in time (a busy cluster, or a slow
+# disk): retried as an unreachable store is, until retry_for.
+_OVERLOADED = "etcdserver: request timed out"
+
 _NOT_V2 = (
     "does not serve the etcd v2 API (etcd 3.4 and 3.5 need --enable-v2; 3.6 removed it): use "
     "--rdzv-backend etcd, which speaks the v3 API, or start etcd with --enable-v2"
@@ -130,7 +134,10 @@ class EtcdV2Store(Store):
                         f"{self.name} refused the request: {error}; check the "
                         "user and password in --rdzv-conf"
                     ) from None
-                raise StoreError(f"{self.name}: {error}") from None
+                # Its raft did not commit in time: busy, not down; retried as unreachable is.
+                if _OVERLOADED not in str(error) or time.monotonic() + delay > until:
+                    raise StoreError(f"{self.name}: {error}") from None
+                unanswered.failed(str(error))
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
