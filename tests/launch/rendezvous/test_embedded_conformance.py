@@ -126,3 +126,30 @@ def test_a_watch_from_the_past_replays_the_history(client):
         assert events[0].kv.mod_revision >= start
     finally:
         stop.set()
+
+
+def test_the_embedded_service_refuses_calls_and_streams_without_the_job_token():
+    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+
+    port = free_port()
+    server = EmbeddedServer("127.0.0.1", port, token="right")
+    c = Client(f"127.0.0.1:{port}")
+    try:
+        wrong = [("token", "wrong")]
+        with pytest.raises(grpc.RpcError) as unary:
+            c.kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=TIMEOUT, metadata=wrong)
+        watch = c.watch.Watch(iter([rpc_pb2.WatchRequest()]), timeout=TIMEOUT, metadata=wrong)
+        with pytest.raises(grpc.RpcError) as stream:
+            list(watch)
+        keep = c.lease.LeaseKeepAlive(iter([]), timeout=TIMEOUT)  # no token at all
+        with pytest.raises(grpc.RpcError) as keepalive:
+            list(keep)
+        for info in (unary, stream, keepalive):
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "invalid rendezvous token" in (info.value.details() or "")
+        right = [("token", "right")]
+        reply = c.kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=TIMEOUT, metadata=right)
+        assert reply.header.revision >= 1
+    finally:
+        c.channel.close()
+        server.close()

@@ -269,6 +269,13 @@ class _Service(
                 "$ELASTICRUN_RDZV_TOKEN) differs from the job's",
             )
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """A stream starts only with the job's token."""
+        try:
+            self._check(context)
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+
     # ---- KV ----------------------------------------------------------------------------------
 
     def _range(self, r: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
@@ -361,10 +368,7 @@ class _Service(
     async def LeaseKeepAlive(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        try:
-            self._check(context)
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
+        await self._admit(context)
         async for request in request_iterator:
             lease = self.s.leases.get(request.ID)
             ttl = 0
@@ -388,10 +392,7 @@ class _Service(
     async def Watch(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        try:
-            self._check(context)
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
+        await self._admit(context)
         out: asyncio.Queue[Any] = asyncio.Queue()
         mine: dict[int, _Watcher] = {}
 
