@@ -470,6 +470,7 @@ def _node_loss(run: Run, n: int, cap: float, metrics: str | None, sampler: Sampl
     with run._lock:
         seen_rounds = {evs[-1]["round"] for evs in run.done.values()}
         r1 = max(seen_rounds)
+    errors_before = len(run.errors)
     t_kill = time.monotonic()
     os.kill(victim.proc.pid, signal.SIGKILL)  # its lease is no longer renewed
     victim.proc.wait(timeout=10)
@@ -486,7 +487,7 @@ def _node_loss(run: Run, n: int, cap: float, metrics: str | None, sampler: Sampl
         out["loss_lease_lost"] = len([t for t in run.lost if t > t_kill])
     out["loss_ok"] = ok and again()
     out["loss_survivors_done"] = len({e["h"] for e in after})
-    out["loss_errors"] = [e["error"] for e in run.errors[:3]]
+    out["loss_errors"] = [e["error"] for e in run.errors[errors_before : errors_before + 3]]
     if changed:
         first_seen = min(changed)
         out["kill_to_detect"] = first_seen - t_kill

@@ -59,6 +59,19 @@ def test_get_put_create_cas_delete(store):
     assert store.requests > 0
 
 
+def test_an_ephemeral_create_that_finds_its_own_key_is_the_creator(store):
+    """A create whose answer was lost and that was retried finds the key it wrote: with this
+    very value (and this store's lease) it is this store's, and create says so."""
+    store.start_liveness(5.0)
+    key = f"/own/{time.monotonic_ns()}"
+    created = store.create(key, b"node-a", ephemeral=True)
+    assert created
+    assert store.create(key, b"node-a", ephemeral=True) == store.get(key).version
+    assert not store.create(key, b"node-b", ephemeral=True), "another value: another's key"
+    store.put(key + "-plain", b"v")
+    assert not store.create(key + "-plain", b"v"), "not ephemeral: create only if absent"
+
+
 def test_a_put_with_a_read_and_a_cas_with_other_writes(store):
     store.start_liveness(5.0)
     store.put("/pg/shard", b"members")
@@ -390,3 +403,15 @@ def test_a_v2_write_etcd_could_not_commit_in_time_is_retried():
             store._call(request)
     finally:
         store.close()
+
+
+def test_a_v3_create_of_the_same_value_under_another_lease_is_not_ours(embedded):
+    first, second = _v3(embedded), _v3(embedded)
+    try:
+        for s in (first, second):
+            s.start_liveness(5.0)
+        assert first.create("/same/key", b"x", ephemeral=True)
+        assert not second.create("/same/key", b"x", ephemeral=True)
+    finally:
+        first.close()
+        second.close()

@@ -406,9 +406,13 @@ class _Service(
                         out.put_nowait(("cancel", request.cancel_request.watch_id))
             except (grpc.RpcError, asyncio.CancelledError):
                 pass
-            out.put_nowait(("end", None))
+            finally:  # however the reading ends, the stream ends with it
+                out.put_nowait(("end", None))
 
         reader = asyncio.ensure_future(read_requests())
+        # Also when the call ends while this generator waits at a yield (its finally then
+        # runs only when the generator is collected); removing twice is harmless.
+        context.add_done_callback(lambda _: self.s.remove_watchers(list(mine.values())))
         try:
             while True:
                 kind, arg = await out.get()
@@ -476,7 +480,7 @@ class EmbeddedServer:
         try:
             self.port = started.result(timeout=_START_TIMEOUT)
         except concurrent.futures.TimeoutError:
-            self._stop_loop()
+            self.close(grace=0)
             raise OSError(
                 f"cannot listen on {self._address}: the service did not start in "
                 f"{_START_TIMEOUT:g} s"
@@ -494,13 +498,18 @@ class EmbeddedServer:
                 started.set_exception(e if isinstance(e, OSError) else OSError(str(e)))
             self._loop.close()
             return
-        expirer = self._loop.create_task(self._expire())
+        self._loop.create_task(self._expire())
         try:
             self._loop.run_forever()
         finally:
-            expirer.cancel()
+            # Whatever is left (the lease expirer, streams a slow stop left behind) is
+            # cancelled and awaited before the loop closes.
+            left = asyncio.all_tasks(self._loop)
+            for task in left:
+                task.cancel()
             with contextlib.suppress(BaseException):
-                self._loop.run_until_complete(asyncio.gather(expirer, return_exceptions=True))
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
     async def _start(self, started: concurrent.futures.Future[int]) -> None:

@@ -93,14 +93,17 @@ class EtcdV2Store(Store):
     def _client(self) -> Any:
         return self.etcd.Client(**{k: v for k, v in self._args.items() if v is not None})
 
-    def _call(self, fn: Any, client: Any = None) -> Any:
-        """One request, retried while etcd is unreachable (a restart), up to retry_for."""
+    def _call(self, fn: Any, client: Any = None, stop: threading.Event | None = None) -> Any:
+        """One request, retried while etcd is unreachable (a restart), up to retry_for; given
+        `stop` (a closed watch), no longer once it is set (Cancelled)."""
         e = self.etcd
         until = time.monotonic() + self.retry_for
         delay = 0.05
         unanswered = Unanswered(self.name, until)
         while True:
             self.cancel.check()
+            if stop is not None and stop.is_set():
+                raise Cancelled()
             unanswered.check()
             self._count()
             try:
@@ -187,7 +190,14 @@ class EtcdV2Store(Store):
         try:
             result = self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
         except self.etcd.EtcdAlreadyExist:
-            return 0
+            # A create whose answer was lost ("request timed out") and that was retried finds
+            # its own key: an ephemeral key holds its node's own name, so the same value is
+            # this node's write.
+            found = self.get(key) if ephemeral else None
+            if found is None or found.value != value:
+                return 0
+            self._keep_alive(key, ephemeral)
+            return found.version
         self._keep_alive(key, ephemeral)
         return int(result.modifiedIndex)
 
@@ -285,6 +295,7 @@ class _V2Watch(Watch):
                         timeout=_POLL_SECONDS,
                     ),
                     client,
+                    self._closed,
                 )
             except (e.EtcdWatchTimedOut, e.EtcdKeyNotFound):
                 continue
@@ -314,6 +325,8 @@ class _V2Watch(Watch):
                 if not self._closed.is_set():
                     self.inbox.put(StoreError(f"{self._store.name}: watch failed: {error}"))
                 return
+            if self._closed.is_set():
+                return  # a poll that outlived close(): its news belongs to no one now
             self._index = int(result.modifiedIndex) + 1
             if not result.key.startswith(self._prefix) and result.key != base:
                 continue
@@ -340,7 +353,8 @@ class _V2Watch(Watch):
     def close(self) -> None:
         self._closed.set()
         self.inbox.wake()
-        # The thread ends when its pending long poll returns (within _POLL_SECONDS); waiting
-        # for it would delay every caller by that much.
+        # The thread ends when its pending long poll returns (within _POLL_SECONDS; urllib3
+        # cannot cut a request in flight), quietly and without retrying; waiting for it would
+        # delay every caller by that much.
         with contextlib.suppress(Exception):
             self._client.http.clear()

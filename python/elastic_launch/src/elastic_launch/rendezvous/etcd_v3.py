@@ -36,7 +36,9 @@ _T = TypeVar("_T")
 
 # A server that ran out of a request's deadline before answering may reset the stream, which
 # the client sees as CANCELLED, not DEADLINE_EXCEEDED: retried alike (a cancellation of our
-# own is told apart by the cancel token).
+# own is told apart by the cancel token). Like a deadline, it may come after a write was
+# committed: a retried conditional write then reports it lost (0), and the rendezvous, which
+# reads the store again after every lost compare-and-swap, finds it there.
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -273,10 +275,29 @@ class EtcdV3Store(Store):
             result=rpc_pb2.Compare.EQUAL,
             create_revision=0,
         )
-        return self._with_lease(
-            ephemeral,
-            lambda lease: self._txn(compare, rpc_pb2.PutRequest(key=k, value=value, lease=lease)),
-        )
+
+        def create(lease: int) -> int:
+            # On failure the key is read in the same transaction: a create whose answer was
+            # lost (a deadline, a reset) and that was retried finds its own key, with this
+            # session's lease and its value, and is the creator still.
+            request = rpc_pb2.TxnRequest(
+                compare=[compare],
+                success=[
+                    rpc_pb2.RequestOp(
+                        request_put=rpc_pb2.PutRequest(key=k, value=value, lease=lease)
+                    )
+                ],
+                failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=k))],
+            )
+            response = self._call(self._kv.Txn, request)
+            if response.succeeded:
+                return int(response.header.revision)
+            found = response.responses[0].response_range.kvs if response.responses else []
+            if lease and found and found[0].lease == lease and found[0].value == value:
+                return int(found[0].mod_revision)
+            return 0
+
+        return self._with_lease(ephemeral, create)
 
     @staticmethod
     def _unchanged(k: bytes, version: int) -> rpc_pb2.Compare:

@@ -169,7 +169,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
-        """Write `key` only if it does not exist: its version, or 0 if it existed."""
+        """Write `key` only if it does not exist: its version, or 0 if it existed. An
+        ephemeral key that exists with this very value (and, where there are leases, this
+        store's lease) is this store's own write, whose answer was lost and retried: its
+        version, not 0."""
 
     @abc.abstractmethod
     def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
