@@ -37,30 +37,6 @@ VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd b
 
 
 @dataclass
-class _Entry:
-    """A key's current version, with its KeyValue message built once: ranges and events copy
-    it (three times cheaper than building one per read: a node's shard is 64 of them)."""
-
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-    kv: kv_pb2.KeyValue = field(init=False, repr=False)
-
-    def set_key(self, key: bytes) -> _Entry:
-        self.kv = kv_pb2.KeyValue(
-            key=key,
-            value=self.value,
-            create_revision=self.create_revision,
-            mod_revision=self.mod_revision,
-            version=self.version,
-            lease=self.lease,
-        )
-        return self
-
-
-@dataclass
 class _Lease:
     ttl: int
     expires: float
@@ -86,7 +62,9 @@ class _State:
     def __init__(self) -> None:
         self.revision = 1
         self.keys: list[bytes] = []  # sorted
-        self.data: dict[bytes, _Entry] = {}
+        # Each key's current version, as the message ranges and events copy (built once, when
+        # written: three times cheaper than one per read, and a node's shard is 64 of them).
+        self.data: dict[bytes, kv_pb2.KeyValue] = {}
         self.leases: dict[int, _Lease] = {}
         self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque(
             maxlen=_HISTORY
@@ -158,14 +136,18 @@ class _State:
             self.leases[old.lease].keys.discard(key)
         if old is None:
             bisect.insort(self.keys, key)
-            entry = _Entry(value, self.revision, self.revision, 1, lease).set_key(key)
-        else:
-            entry = _Entry(value, old.create_revision, self.revision, old.version + 1, lease)
-            entry.set_key(key)
+        entry = kv_pb2.KeyValue(
+            key=key,
+            value=value,
+            create_revision=old.create_revision if old is not None else self.revision,
+            mod_revision=self.revision,
+            version=old.version + 1 if old is not None else 1,
+            lease=lease,
+        )
         self.data[key] = entry
         if lease:
             self.leases[lease].keys.add(key)
-        self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry.kv))
+        self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry))
 
     def delete(self, key: bytes) -> None:
         entry = self.data.pop(key)
@@ -193,7 +175,7 @@ class _State:
                 rpc_pb2.Compare.MOD: ("mod_revision", "mod_revision"),
                 rpc_pb2.Compare.LEASE: ("lease", "lease"),
             }[target]
-            have = getattr(entry, attr[0]) if entry else 0
+            have = getattr(entry, attr[0]) if entry is not None else 0
             want = getattr(c, attr[1])
         result = c.result
         if result == rpc_pb2.Compare.EQUAL:
@@ -280,7 +262,7 @@ class _Service(
 
     def _range(self, r: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         keys = self.s.select(r.key, r.range_end)
-        kvs = [self.s.data[k].kv for k in keys[: r.limit or None]]
+        kvs = [self.s.data[k] for k in keys[: r.limit or None]]
         return rpc_pb2.RangeResponse(header=self.s.header(), kvs=kvs, count=len(keys))
 
     @_answering
@@ -410,8 +392,8 @@ class _Service(
                 out.put_nowait(("end", None))
 
         reader = asyncio.ensure_future(read_requests())
-        # Also when the call ends while this generator waits at a yield (its finally then
-        # runs only when the generator is collected); removing twice is harmless.
+        # When the call ends, however it ends: a generator cancelled while it waits at a yield
+        # runs its finally only when it is collected.
         context.add_done_callback(lambda _: self.s.remove_watchers(list(mine.values())))
         try:
             while True:
@@ -454,7 +436,6 @@ class _Service(
                     )
         finally:
             reader.cancel()
-            self.s.remove_watchers(list(mine.values()))
 
     @_answering
     def Status(self, request: Any) -> Any:  # noqa: N802

@@ -189,6 +189,7 @@ class EtcdV2Store(Store):
         ttl = self._ttl_for(ephemeral)
         try:
             result = self._call(lambda c: c.write(key, value.decode(), ttl=ttl, prevExist=False))
+            version = int(result.modifiedIndex)
         except self.etcd.EtcdAlreadyExist:
             # A create whose answer was lost ("request timed out") and that was retried finds
             # its own key: an ephemeral key holds its node's own name, so the same value is
@@ -196,10 +197,9 @@ class EtcdV2Store(Store):
             found = self.get(key) if ephemeral else None
             if found is None or found.value != value:
                 return 0
-            self._keep_alive(key, ephemeral)
-            return found.version
+            version = found.version
         self._keep_alive(key, ephemeral)
-        return int(result.modifiedIndex)
+        return version
 
     def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
         expiry = None if ttl is None else max(round(ttl), 1)

@@ -222,17 +222,9 @@ class EtcdV3Store(Store):
         return _kv(found[0]) if found else None
 
     def cas_with(self, key: str, value: bytes, version: int, puts: Mapping[str, bytes]) -> int:
-        others = [
-            rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=k.encode(), value=v))
-            for k, v in puts.items()
-        ]
+        others = [rpc_pb2.PutRequest(key=k.encode(), value=v) for k, v in puts.items()]
         put = rpc_pb2.PutRequest(key=key.encode(), value=value)
-        request = rpc_pb2.TxnRequest(
-            compare=[self._unchanged(key.encode(), version)],
-            success=[*others, rpc_pb2.RequestOp(request_put=put)],
-        )
-        response = self._call(self._kv.Txn, request)
-        return int(response.header.revision) if response.succeeded else 0
+        return self._txn(self._unchanged(key.encode(), version), *others, put)
 
     def _with_lease(self, ephemeral: bool, write: Callable[[int], _T]) -> _T:
         """`write(lease)`: with our lease for an ephemeral key (else none). A lease that
@@ -259,22 +251,17 @@ class EtcdV3Store(Store):
             self._grant()
         self._on_lost()
 
-    def _txn(self, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> int:
-        """The put if `compare` holds: the revision it made, or 0."""
+    def _txn(self, compare: rpc_pb2.Compare, *puts: rpc_pb2.PutRequest) -> int:
+        """The puts if `compare` holds: the revision they made, or 0."""
         request = rpc_pb2.TxnRequest(
-            compare=[compare], success=[rpc_pb2.RequestOp(request_put=put)]
+            compare=[compare], success=[rpc_pb2.RequestOp(request_put=p) for p in puts]
         )
         response = self._call(self._kv.Txn, request)
         return int(response.header.revision) if response.succeeded else 0
 
     def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
         k = key.encode()
-        compare = rpc_pb2.Compare(
-            key=k,
-            target=rpc_pb2.Compare.CREATE,
-            result=rpc_pb2.Compare.EQUAL,
-            create_revision=0,
-        )
+        compare = self._unchanged(k, 0)
 
         def create(lease: int) -> int:
             # On failure the key is read in the same transaction: a create whose answer was
