@@ -206,6 +206,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
         procs.append(other)
         job.wait_step(12, host, other)
         victims = job.workers()
+        assert len(victims) == 2, f"not both workers running at the fault: {victims}"
         os.kill(other.pid, signal.SIGKILL)  # the agent only: its worker must die with it
         other.wait(timeout=30)
         assert wait_for(lambda: len(job.workers()) < 2, 30), "the dead agent's worker lives"
@@ -215,8 +216,11 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
     finally:
         for p in procs:
             finish_quietly(p)
-    for code, _, err in results:
-        assert code == 0, err[-3000:]
+    said = "\n".join(
+        f"{name} exited {code}:\n{err[-3000:]}"
+        for name, (code, _, err) in zip(("the host", "the new agent"), results)
+    )
+    assert all(code == 0 for code, _, _ in results), said
     job.assert_recovered(reference, list(victims.values()))
 
 
