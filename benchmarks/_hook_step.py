@@ -12,7 +12,7 @@ import time
 
 import elastic_core
 import torch
-from elastic_launch import worker_main
+from elastic_launch.processes import worker_main
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
 model = torch.nn.Linear(16, 16)

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import elastic_core
+from elastic_launch.agent.workers import Finding, WorkerGroup
 from elastic_launch.api import LaunchConfig
-from elastic_launch.entrypoint import Entrypoint, Kind
-from elastic_launch.logs import LogLayout
+from elastic_launch.processes.entrypoint import Entrypoint, Kind
+from elastic_launch.processes.logs import LogLayout
+from elastic_launch.processes.spawn import FreshInterpreter, ZygoteFork
 from elastic_launch.rendezvous.api import RendezvousInfo
-from elastic_launch.spawn import FreshInterpreter, ZygoteFork
-from elastic_launch.workers import Finding, WorkerGroup
 
 HERE = Path(__file__).resolve().parent
 

@@ -18,9 +18,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _sample_cost(workers: int, children: int, rounds: int = 200) -> float:
-    """ms per elastic_launch.activity.sample() over `workers` sessions of 1 + `children`
+    """ms per elastic_launch.agent.activity.sample() over `workers` sessions of 1 + `children`
     processes each (a worker with its data-loader workers)."""
-    from elastic_launch.activity import sample
+    from elastic_launch.agent.activity import sample
 
     code = (
         "import os, time\n"

@@ -65,7 +65,11 @@ def _parent(pid: int) -> int:
 def _workers(procs: list[tuple[int, int, list[str]]], agent: int) -> list[int]:
     """The agent's workers: its children that run the script (--preload none), or the children
     of its zygote, forked with the zygote's command line."""
-    zygotes = {p for p, _, argv in procs if _parent(p) == agent and "elastic_launch.zygote" in argv}
+    zygotes = {
+        p
+        for p, _, argv in procs
+        if _parent(p) == agent and "elastic_launch.processes.zygote" in argv
+    }
     return [
         p
         for p, _, argv in procs

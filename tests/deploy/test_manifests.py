@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from elastic_launch import cli
-from elastic_launch.config import check_config
+from elastic_launch.launcher import cli
+from elastic_launch.launcher.config import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from elastic_launch.cli import build_parser, config_from_args
+from elastic_launch.launcher.cli import build_parser, config_from_args
 from launcher_util import run, worker_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.processes.spawn import Process, Spawner, SpawnRequest
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
     CloseReason,
@@ -22,7 +23,6 @@ from elastic_launch.rendezvous.api import (
     RendezvousInfo,
     RestartReason,
 )
-from elastic_launch.spawn import Process, Spawner, SpawnRequest
 
 # Far above pid_max's default: never a real process (signals to them are only recorded anyway).
 _PIDS = itertools.count(50_000_000)
@@ -47,7 +47,7 @@ class FakeProcess(Process):
         self.is_watched = True
 
     def signal(self, sig: int) -> None:
-        from elastic_launch import worker_main
+        from elastic_launch.processes import worker_main
 
         self.signals.append(sig)
         if sig == worker_main.STACK_SIGNAL and self.stack is not None:

@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from elastic_launch.api import ConfigError
-from elastic_launch.config import parse_endpoint
-from elastic_launch.net import host_port, is_local_host, local_address
+from elastic_launch.net import host_port, is_local_host, local_address, parse_endpoint
 from elastic_launch.rendezvous.api import RendezvousParameters
 from elastic_launch.rendezvous.registry import create_handler
 

@@ -8,6 +8,17 @@ Python API (torch's ``elastic_launch``, same semantics)::
 
 Workers can mark custom loops as making progress with ``elastic_core.beat()``; loops built on a
 ``torch.optim`` optimizer beat on every step without any change.
+
+The parts, top to bottom (each imports only those below it):
+
+- ``launcher``: the command line, the checking of settings, ``run()`` (owns a launch's resources)
+- ``agent``: the node's agent, its decisions, the worker group, hang and health
+- ``train_loop``: the classic torchelastic loop (runs in the workers)
+- ``rendezvous``: how nodes (and the loop's workers) agree on a round
+- ``processes``: spawning workers, the zygote, the worker's own side, the guardian
+- the foundation: ``api`` (interfaces, data classes, errors), ``cancel`` (deadlines and
+  cancellation), ``compat`` (torchrun's environment contract), ``errors`` (error files,
+  ``@record``), ``net``
 """
 
 from __future__ import annotations
@@ -69,8 +80,8 @@ _LAZY = {
 
 
 def launch(config: LaunchConfig, entrypoint: Any, *args: Any) -> dict[int, Any]:
-    """Launch `entrypoint` under `config`; see :func:`elastic_launch.launcher.launch`."""
-    from elastic_launch.launcher import launch as _launch
+    """Launch `entrypoint` under `config`; see :func:`elastic_launch.launcher.runner.launch`."""
+    from elastic_launch.launcher.runner import launch as _launch
 
     return _launch(config, entrypoint, *args)
 

@@ -1,6 +1,6 @@
 """``python -m elastic_launch``: the same as ``elasticrun``."""
 
-from elastic_launch.cli import console_main
+from elastic_launch.launcher.cli import console_main
 
 if __name__ == "__main__":
     console_main()

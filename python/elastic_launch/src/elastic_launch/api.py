@@ -27,6 +27,14 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
+def std_for(setting: Std | dict[int, Std], local_rank: int) -> Std:
+    """What `setting` (``--redirects``/``--tee``: one for all, or by local rank) gives
+    `local_rank`."""
+    if isinstance(setting, dict):
+        return setting.get(local_rank, Std.NONE)
+    return setting
+
+
 @dataclass
 class LaunchConfig:
     """How to launch and supervise one node's workers.

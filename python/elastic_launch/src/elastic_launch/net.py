@@ -1,6 +1,6 @@
 """Small network helpers, each in one place: free ports, this host's address, whether a name is
-this host, a host-wide lock without a file, and a presence port that tells whether an agent's
-process is still alive."""
+this host, a host-wide lock without a file, a presence port that tells whether an agent's
+process is still alive, and the parsing of ``host:port``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import selectors
 import socket
 import threading
 import time
+
+from elastic_launch.api import ConfigError
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -190,3 +192,30 @@ def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, str]
         for s in pending:
             s.close()
     return result
+
+
+def parse_endpoint(value: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` (or ``host`` when there is a default port)."""
+    text = value.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise ConfigError(f"{flag} '{value}': an IPv6 address needs a closing ']'")
+        host, rest = text[1:close], text[close + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{flag} '{value}' is not host:port")
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    elif text.count(":") > 1:
+        raise ConfigError(f"{flag} '{value}': write an IPv6 address in brackets, [::1]:29400")
+    if not host:
+        raise ConfigError(f"{flag} '{value}' has no host: write it like node0:29400")
+    if not port_text:
+        if default_port is None:
+            raise ConfigError(f"{flag} '{value}' has no port: write it like {host}:29400")
+        return host, default_port
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"{flag} '{value}': port '{port_text}' is not a number from 0 to 65535")
+    return host, int(port_text)

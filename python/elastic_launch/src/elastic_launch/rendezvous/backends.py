@@ -15,8 +15,7 @@ import logging
 import os
 
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.config import parse_endpoint
-from elastic_launch.net import HostLock, host_port, is_local_host, port_free
+from elastic_launch.net import HostLock, host_port, is_local_host, parse_endpoint, port_free
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousHandler,

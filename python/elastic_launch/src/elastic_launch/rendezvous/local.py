@@ -7,8 +7,7 @@ previous one, and two jobs on one host never collide).
 
 from __future__ import annotations
 
-from elastic_launch.config import parse_endpoint
-from elastic_launch.net import free_port
+from elastic_launch.net import free_port, parse_endpoint
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousInfo,

@@ -14,6 +14,10 @@ A script written for torchelastic 0.1 runs after changing its imports::
         return state
 
     final = train(coordinator, train_step, MyState(...))
+
+Owns: the loop (``loop``), its interfaces (``api``), the coordinator that re-forms the workers'
+process group (``coordinator``), checkpoints and metrics in 0.1's shapes.
+May import: ``rendezvous`` and the foundation; it runs in the workers, never in the agent.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from elastic_launch.rendezvous.api import (
     RunIdInUseError,
 )
 from elastic_launch.rendezvous.conf import positive_int
-from elastic_launch.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
+from elastic_launch.rendezvous.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
 from elastic_launch.train_loop.api import (
     Coordinator,
     NonRetryableException,

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from elastic_launch.team import EVENTS_FILE_ENV
+from elastic_launch.rendezvous.team import EVENTS_FILE_ENV
 
 GROUP = "torchelastic"
 

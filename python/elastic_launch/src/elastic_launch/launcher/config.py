@@ -1,0 +1,410 @@
+"""Parsing and checking of launcher settings. Every error quotes the bad value and says what to do.
+
+Shared by the command line (:mod:`elastic_launch.launcher.cli`) and the Python API, so that a
+value means the same thing in both.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+from collections.abc import Iterable
+
+from elastic_launch.agent.devices import usable_gpus
+from elastic_launch.api import ConfigError, LaunchConfig, Std
+from elastic_launch.net import parse_endpoint
+
+logger = logging.getLogger("elasticrun")
+
+
+def parse_nnodes(value: str, name: str = "--nnodes") -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` with 1 <= MIN <= MAX (at most :data:`MAX_NODES`)."""
+    parts = value.split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        lo, hi = (int(parts[0]), int(parts[-1]))
+    except ValueError:
+        raise ConfigError(
+            f"{name} '{value}' is not a node count: give N or MIN:MAX, for example 2 or 1:4"
+        ) from None
+    if lo < 1 or hi < lo or hi > MAX_NODES:
+        raise ConfigError(
+            f"{name} '{value}': need 1 <= MIN <= MAX <= {MAX_NODES} (got MIN={lo}, MAX={hi}); "
+            "for example 1:4"
+        )
+    return lo, hi
+
+
+MAX_NODES = 1_000_000  # beyond any cluster; a bound so a typo is an error, not a wait forever
+# Descriptors the agent holds per worker (its pidfd, two output pipes, two log files, the
+# process handle's) and for itself: what --nproc-per-node is checked against.
+FDS_PER_WORKER = 6
+FDS_OWN = 64
+
+
+def max_workers_per_node() -> tuple[int, str]:
+    """How many workers this node can run, and what sets the limit: the heartbeat table's
+    slots, the open-file limit, or the user's process limit."""
+    import resource
+
+    limits = [(4096, "the heartbeat table holds 4096 workers")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(
+            (
+                max(1, (soft - FDS_OWN) // FDS_PER_WORKER),
+                f"the open-file limit is {soft} (ulimit -n) and the launcher needs "
+                f"{FDS_PER_WORKER} per worker",
+            )
+        )
+    nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
+        limits.append((max(1, nproc // 2), f"the process limit is {nproc} (ulimit -u)"))
+    return min(limits)
+
+
+def number(
+    value: object,
+    name: str,
+    *,
+    integer: bool = False,
+    low: float = 0.0,
+    high: float = math.inf,
+    above: bool = False,
+    what: str = "seconds",
+) -> float:
+    """A finite number in ``[low, high]`` (``(low, high]`` when `above`), or a ConfigError that
+    quotes `value` under `name` (the flag, or the PET_ variable it came from)."""
+    text = str(value).strip()
+    try:
+        x = int(text) if integer else float(text)
+    except ValueError:
+        x = math.nan
+    too_low = x <= low if above else x < low
+    if math.isnan(x) or math.isinf(x) or too_low or x > high:
+        bound = f"more than {low:g}" if above else f"{low:g} or more"
+        if high != math.inf:
+            bound += f" and at most {high:g}"
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(f"{name} '{value}' is not valid: give {kind} of {what}, {bound}")
+    return x
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def parse_nproc_per_node(value: str, name: str = "--nproc-per-node") -> int:
+    """An integer from 1 to what the node can run, or ``cpu``, ``gpu``, ``auto`` (GPUs if
+    any, else CPUs)."""
+    text = value.strip().lower()
+    if text == "cpu":
+        return cpu_count()
+    if text in ("gpu", "cuda", "auto"):
+        n, note = usable_gpus()
+        if n == 0 and text == "auto":
+            if note:
+                logger.warning("%s '%s': %s; counting CPUs instead", name, value, note)
+            return cpu_count()
+        if n == 0:
+            found = note or "NVML reports none, or no NVIDIA driver is loaded"
+            raise ConfigError(f"{name} '{value}': no GPU found ({found}); give a number, or 'cpu'")
+        if note:
+            logger.warning("%s '%s': %s", name, value, note)
+        return n
+    if text == "xpu":
+        raise ConfigError(
+            f"{name} '{value}': Intel XPUs are not supported by elasticrun; give a number"
+        )
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(
+            f"{name} '{value}' is not valid: give a number > 0, or auto, cpu, gpu"
+        ) from None
+    if n < 1:
+        raise ConfigError(f"{name} '{value}': need at least 1 worker per node")
+    check_nproc(n, name)
+    return n
+
+
+def check_nproc(n: int, name: str = "nproc_per_node") -> None:
+    limit, why = max_workers_per_node()
+    if n > limit:
+        raise ConfigError(
+            f"{name} '{n}': this node can run at most {limit} workers ({why}); give a smaller "
+            "count, or raise the limit"
+        )
+
+
+_STD_ONE = re.compile(r"^[0-3]$")
+_STD_MAP = re.compile(r"^(\d+:[0-3],)*(\d+:[0-3])$")
+
+
+def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
+    """``--redirects``/``--tee``: ``0``-``3`` for every rank, or ``RANK:N,...`` per local rank
+    (1 = stdout, 2 = stderr, 3 = both)."""
+    text = value.strip()
+    if _STD_ONE.match(text):
+        return Std(int(text))
+    if _STD_MAP.match(text):
+        mapping: dict[int, Std] = {}
+        for item in text.split(","):
+            rank, std = item.split(":")
+            mapping[int(rank)] = Std(int(std))
+        return mapping
+    raise ConfigError(
+        f"{flag} '{value}' is not valid: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both) for "
+        f"every local rank, or LOCAL_RANK:N pairs such as 0:3,1:2"
+    )
+
+
+def parse_ranks_filter(value: str, name: str = "--local-ranks-filter") -> set[int] | None:
+    """``--local-ranks-filter``: comma-separated local ranks; empty means all."""
+    text = value.strip()
+    if not text:
+        return None
+    try:
+        ranks = {int(x) for x in text.split(",")}
+    except ValueError:
+        raise ConfigError(
+            f"{name} '{value}' is not valid: give comma-separated local ranks, for example 0,1,2"
+        ) from None
+    if any(r < 0 for r in ranks):
+        raise ConfigError(f"{name} '{value}': local ranks are 0 or more")
+    return ranks
+
+
+def parse_signals(value: str) -> list[signal.Signals]:
+    """``--signals-to-handle``: comma-separated names such as SIGTERM,SIGUSR1."""
+    out: list[signal.Signals] = []
+    for name in (x.strip() for x in value.split(",")):
+        if not name:
+            continue
+        try:
+            sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        except KeyError:
+            raise ConfigError(
+                f"--signals-to-handle '{value}': '{name}' is not a signal name; use names "
+                "such as SIGTERM,SIGINT,SIGHUP,SIGUSR1"
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise ConfigError(f"--signals-to-handle: {sig.name} cannot be handled or forwarded")
+        out.append(sig)
+    return out
+
+
+def parse_list(value: str) -> list[str]:
+    """Comma-separated values, with ``,,`` standing for a literal comma (torch's rule)."""
+    if not value:
+        return []
+    return [part.replace("\0", ",") for part in value.replace(",,", "\0").split(",") if part]
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``--rdzv-conf key=value,key=value``; values stay strings, each backend checks its keys."""
+    out: dict[str, str] = {}
+    text = value.strip()
+    if not text:
+        return out
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not key or not sep:
+            raise ConfigError(
+                f"--rdzv-conf '{value}': '{item}' is not key=value; write it like "
+                "join_timeout=600,last_call_timeout=30"
+            )
+        if not val:
+            raise ConfigError(f"--rdzv-conf '{value}': option '{key}' needs a value")
+        out[key] = val
+    return out
+
+
+def parse_bind(value: str, flag: str) -> tuple[str, int]:
+    """``PORT`` (on 127.0.0.1) or ``HOST:PORT`` for the servers the launcher runs."""
+    if value.isdigit():
+        port = int(value)
+        if port > 65535:
+            raise ConfigError(f"{flag} '{value}' is not a port number (0 to 65535)")
+        return "127.0.0.1", port
+    return parse_endpoint(value, flag)
+
+
+def parse_preload(values: Iterable[str]) -> list[str]:
+    """``--preload`` (comma-separated, repeatable): ``auto`` (the default: torch when the
+    script imports it), module names imported on top of it, or ``none`` alone (fresh
+    interpreters). Returns ``LaunchConfig.preload``: ``auto`` first unless ``none``."""
+    out: list[str] = []
+    off = False
+    for value in values:
+        for name in (x.strip() for x in value.split(",")):
+            if not name:
+                continue
+            if name.lower() in ("none", "off"):
+                off = True
+                continue
+            if name.lower() == "auto":
+                continue
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ConfigError(
+                    f"--preload '{value}': '{name}' is not a module name; give names such as "
+                    "torch,numpy, or auto, or none"
+                )
+            out.append(name)
+    if off and out:
+        raise ConfigError(
+            f"--preload none turns preloading off, but modules are named too ({','.join(out)}): "
+            "give either none or the modules"
+        )
+    return [] if off else ["auto", *out]
+
+
+MAX_SECONDS = 1e9  # the longest duration the core takes (about 31 years)
+
+
+def parse_hang_timeout(value: str, name: str = "--hang-timeout") -> float | None:
+    """``--hang-timeout``: seconds (> 0), ``auto`` (None), or ``0``/``off`` (disabled: inf)."""
+    text = value.strip().lower()
+    if text == "auto":
+        return None
+    if text in ("0", "off", "none"):
+        return float("inf")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= MAX_SECONDS:
+        raise ConfigError(
+            f"{name} '{value}' is not valid: give seconds (more than 0 and at most "
+            f"{MAX_SECONDS:g}; for example 300), 'auto' to learn it, or 'off'"
+        )
+    return seconds
+
+
+def random_id() -> str:
+    """A random UUID4 string, without importing uuid (~10 ms of launcher start-up)."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+# The ranges of LaunchConfig's numbers, shared by the command line and the Python API:
+# field -> (integer, low, high, above, what).
+RANGES: dict[str, tuple[bool, float, float, bool, str]] = {
+    "max_restarts": (True, 0, 1_000_000, False, "restarts"),
+    "monitor_interval": (False, 0, 60, True, "seconds"),
+    "node_rank": (True, 0, MAX_NODES - 1, False, "a node rank"),
+    "master_port": (True, 1, 65535, False, "a port"),
+    "shutdown_timeout": (False, 0, 86_400, False, "seconds"),
+    "hang_timeout_floor": (False, 0, MAX_SECONDS, True, "seconds"),
+    "hang_timeout_factor": (False, 0, 1_000_000, True, "times the step interval"),
+    "stack_dump_timeout": (False, 0, 3600, False, "seconds"),
+    "gpu_check_interval": (False, 0, 86_400, False, "seconds"),
+    "min_workers": (True, 1, 1 << 31, False, "a number of workers"),
+}
+
+
+def check_range(field_name: str, value: object, name: str | None = None) -> float:
+    """`value` for LaunchConfig's `field_name`, checked against :data:`RANGES`."""
+    integer, low, high, above, what = RANGES[field_name]
+    return number(
+        value, name or field_name, integer=integer, low=low, high=high, above=above, what=what
+    )
+
+
+def check_types(config: LaunchConfig) -> None:
+    """Every field has its declared type: a wrong one names the field and the type."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _is(value, hints[f.name]):
+            raise ConfigError(
+                f"LaunchConfig.{f.name} = {value!r} ({type(value).__name__}) is not valid: "
+                f"it takes {_type_name(hints[f.name])}"
+            )
+
+
+def _is(value: object, hint: object) -> bool:
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        if not isinstance(value, origin):
+            return False
+        args = typing.get_args(hint)
+        if origin is dict and args:
+            return all(_is(k, args[0]) and _is(v, args[1]) for k, v in value.items())
+        if args:
+            return all(_is(v, args[0]) for v in value)
+        return True
+    return isinstance(value, hint)  # type: ignore[arg-type]
+
+
+def _type_name(hint: object) -> str:
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(hint))
+        return f"{origin.__name__}[{args}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_config(config: LaunchConfig) -> None:
+    """Reject a bad LaunchConfig before anything starts: each error names the field."""
+    check_types(config)
+    parse_nnodes(f"{config.min_nodes}:{config.max_nodes}", "min_nodes:max_nodes")
+    if config.nproc_per_node < 1:
+        raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
+    check_nproc(config.nproc_per_node)
+    for name in RANGES:
+        value = getattr(config, name)
+        if value is not None:
+            check_range(name, value)
+    most = config.max_nodes * config.nproc_per_node
+    if config.min_workers is not None and config.min_workers > most:
+        raise ConfigError(
+            f"--min-workers {config.min_workers}: the job has at most {most} workers (--nnodes "
+            f"{config.min_nodes}:{config.max_nodes} x --nproc-per-node {config.nproc_per_node});"
+            f" give 1 to {most}"
+        )
+    if config.hang_timeout is not None and config.hang_timeout != math.inf:
+        parse_hang_timeout(repr(config.hang_timeout), "hang_timeout")
+    if config.start_method not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(
+            f"--start-method '{config.start_method}': choose spawn, fork or forkserver"
+        )
+    for name in config.preload:
+        if name in ("none", "off") or (
+            name != "auto" and not all(part.isidentifier() for part in name.split("."))
+        ):
+            raise ConfigError(
+                f"LaunchConfig.preload {config.preload!r}: {name!r} is not a module name; give "
+                "module names, 'auto' (torch when the entrypoint imports it; the default is "
+                "['auto']), or [] for fresh interpreters"
+            )
+    parse_signals(config.signals_to_handle)

@@ -1,0 +1,196 @@
+"""What the zygote imports (``--preload``), and when workers must not be forked from it.
+
+``--preload auto`` (the default) forks every Python worker from a zygote, and has the zygote
+import torch when the entrypoint imports torch (read from its source, never executed), and the
+classic train loop's modules when it runs the loop: a start or restart then costs a fork instead
+of a new interpreter and ``import torch``. Modules named with
+``--preload`` are imported on top; ``--preload none`` starts fresh interpreters.
+
+Forking gives a worker what a fresh interpreter would (the parity tests prove it) except where
+this module says otherwise: a program that is not Python (:func:`plan`), and a worker whose
+environment differs from the zygote's in a variable read when the interpreter or torch starts
+(:func:`import_time_mismatch`). The zygote itself reports threads and CUDA
+(:func:`elastic_launch.processes.zygote.fork_hazard`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from elastic_launch.processes.entrypoint import Entrypoint, Kind, main_path
+
+AUTO = "auto"
+NONE = "none"
+#: What --preload auto adds for an entrypoint that imports torch, or runs the classic train loop
+#: (whose workers meet in a rendezvous of their own, over gRPC).
+TORCH = "torch"
+TRAIN_LOOP = "elastic_launch.train_loop"
+LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd_v3"
+#: At most this many of the entrypoint's own files are read to find whether it imports torch.
+_MAX_SCANNED_FILES = 200
+#: Variables read when the interpreter, the C runtime or torch's libraries start (a forked worker
+#: keeps the zygote's values): by prefix, and by name.
+_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_")
+_IMPORT_TIME_NAMES = (
+    "GLIBC_TUNABLES",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+)
+#: What the launcher sets only for the workers, never read before the script runs.
+_PER_WORKER = ("PYTHON_EXEC",)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a launch starts its workers: forked from a zygote importing `modules`, or (`why_not`
+    set) fresh interpreters, and why."""
+
+    modules: list[str]
+    zygote: bool
+    why_not: str | None = None
+
+
+def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
+    """The zygote for `preload` (``LaunchConfig.preload``: module names, with ``auto`` for
+    the automatic choice; empty: none) and `entrypoint`."""
+    auto = AUTO in preload
+    named = [m for m in preload if m != AUTO]
+    if not preload:
+        return Plan([], zygote=False)
+    if not entrypoint.is_python:
+        what = "--preload auto" if not named else f"--preload {','.join(named)}"
+        return Plan(
+            [],
+            zygote=False,
+            why_not=f"{what}: '{entrypoint.target}' is not run by Python (a program, or "
+            "--no-python); its workers start as fresh processes",
+        )
+    modules = [m for m in auto_modules(entrypoint) if m not in named] if auto else []
+    return Plan(modules + named, zygote=True)
+
+
+def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None]:
+    """The entrypoint's own source files to read first, and the directory its sibling modules
+    are found in (None: follow nothing)."""
+    target = entrypoint.target
+    if entrypoint.kind == Kind.FUNCTION:
+        path = main_path(target) or _file_of(inspect.getmodule(target))
+        return ([path], os.path.dirname(path)) if path else ([], None)
+    if entrypoint.kind == Kind.MODULE:
+        name = str(target)
+        if name.split(".", maxsplit=1)[0] == TORCH:
+            return ["<torch>"], None
+        try:
+            spec = importlib.util.find_spec(name)  # Entrypoint.check found it the same way
+        except (ImportError, ValueError):
+            return [], None
+        origin = spec.origin if spec is not None else None
+        if not origin or not origin.endswith(".py"):
+            return [], None
+        top = origin
+        for _ in name.split(".")[1:]:
+            top = os.path.dirname(top)
+        return [origin], os.path.dirname(top)
+    path = str(target)
+    if os.path.isdir(path):
+        path = os.path.join(path, "__main__.py")
+    return [path], os.path.dirname(os.path.abspath(path))
+
+
+def _file_of(module: object) -> str | None:
+    path = getattr(module, "__file__", None)
+    return os.path.abspath(path) if path and path.endswith(".py") else None
+
+
+def _imported_names(path: str) -> Iterable[tuple[str, int]]:
+    """(module name, relative level) of every import statement in the file, wherever it is
+    (functions and ``if __name__ == "__main__"`` blocks included)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, 0
+        elif isinstance(node, ast.ImportFrom):
+            yield node.module or "", node.level
+            for alias in node.names:  # from pkg import module (or from . import module)
+                yield ".".join(filter(None, (node.module, alias.name))), node.level
+
+
+def imported_modules(entrypoint: Entrypoint) -> set[str]:
+    """The modules the entrypoint imports (absolute names): its source, and that of the
+    modules of its own directory it imports (followed to any depth, at most a few hundred
+    files), read but never run. What a module elsewhere imports for it is not seen."""
+    files, root = _source_files(entrypoint)
+    if files == ["<torch>"]:
+        return {str(entrypoint.target)}
+    found: set[str] = set()
+    seen: set[str] = set()
+    while files and len(seen) < _MAX_SCANNED_FILES:
+        path = files.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        here = os.path.dirname(path)
+        for name, level in _imported_names(path):
+            if level == 0 and name:
+                found.add(name)
+            base = here if level else root
+            for _ in range(max(level - 1, 0)):
+                base = os.path.dirname(base) if base else None
+            if base is None:
+                continue
+            parts = [p for p in name.split(".") if p]
+            stem = os.path.join(base, *parts)
+            for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
+                if parts and os.path.isfile(candidate):
+                    files.append(candidate)
+    return found
+
+
+def auto_modules(entrypoint: Entrypoint) -> list[str]:
+    """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch, and the
+    classic train loop with its rendezvous client (gRPC) when it runs the loop."""
+    names = imported_modules(entrypoint)
+    roots = {n.split(".", maxsplit=1)[0] for n in names}
+    modules = [TORCH] if TORCH in roots else []
+    if any(n == TRAIN_LOOP or n.startswith(TRAIN_LOOP + ".") for n in names):
+        modules += [TRAIN_LOOP, LOOP_RENDEZVOUS]
+    return modules
+
+
+def imports_torch(entrypoint: Entrypoint) -> bool:
+    """Whether the entrypoint imports torch (see :func:`imported_modules`)."""
+    return TORCH in auto_modules(entrypoint)
+
+
+def import_time_mismatch(
+    zygote_env: Mapping[str, str], worker_env: Mapping[str, str]
+) -> str | None:
+    """Why a worker with `worker_env` must not be forked from a zygote started with
+    `zygote_env`, or None: a variable read when the interpreter or a native library starts (a
+    forked worker would keep the zygote's value) differs between the two."""
+    keys = {
+        k
+        for k in zygote_env.keys() | worker_env.keys()
+        if (k.startswith(_IMPORT_TIME_PREFIXES) or k in _IMPORT_TIME_NAMES) and k not in _PER_WORKER
+    }
+    differ = sorted(k for k in keys if zygote_env.get(k) != worker_env.get(k))
+    if not differ:
+        return None
+    shown = ", ".join(
+        f"{k}={worker_env[k]!r}" if k in worker_env else f"{k} unset" for k in differ[:3]
+    )
+    return (
+        f"the workers' environment ({shown}) differs from the zygote's in what is read when "
+        "Python or torch starts"
+    )

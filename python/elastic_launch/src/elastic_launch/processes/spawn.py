@@ -1,0 +1,312 @@
+"""Starting one worker process: the :class:`Spawner` interface and its three implementations.
+
+- :class:`FreshInterpreter`: ``python -u -m elastic_launch.processes.worker_main ...`` (or the
+  binary).
+- :class:`ZygoteFork`: forked from the zygote, which has the ``--preload`` modules imported;
+  falls back to a fresh interpreter, saying why once, when the zygote cannot serve.
+- :class:`FunctionFork`: a Python function forked from the launcher itself
+  (``start_method="fork"``: closures work).
+
+Whoever is a worker's parent reaps it: Popen for fresh interpreters, the zygote for its children,
+the agent for its forks; :class:`Process` hides which. Every child becomes a worker through
+:mod:`elastic_launch.processes.worker_main`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import NEVER, CancelToken, Deadline
+from elastic_launch.processes.entrypoint import Entrypoint, main_path
+from elastic_launch.processes.preload import import_time_mismatch
+from elastic_launch.processes.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_forked
+
+if TYPE_CHECKING:
+    from elastic_launch.processes.guardian import Guardian
+    from elastic_launch.processes.zygote import Zygote
+
+logger = logging.getLogger(__name__)
+
+ZYGOTE_START_TIMEOUT = 300.0
+
+
+@dataclass
+class SpawnRequest:
+    """One worker to start. `argv` is :meth:`Entrypoint.worker_argv`'s; the streams are file
+    descriptors (the spawner's caller closes its copies afterwards), KEEP or DEVNULL."""
+
+    local_rank: int
+    argv: list[str]
+    env: dict[str, str]
+    stdout: int = KEEP
+    stderr: int = KEEP
+    call: FunctionCall | None = None  # a function entrypoint: (function, arguments, result)
+
+    def write_spec(self) -> None:
+        """A function for another process: pickled into the spec file its argv names
+        (``--function SPEC``). A fork of the launcher runs `call` from memory instead."""
+        if self.call is not None and self.argv[:1] == ["--function"]:
+            import pickle
+
+            spec = {"main": main_path(self.call[0]), "call": pickle.dumps(self.call)}
+            with open(self.argv[1], "wb") as f:
+                pickle.dump(spec, f)
+
+
+class Process(abc.ABC):
+    """A started worker process."""
+
+    pid: int
+    #: Whether the agent is its parent: then the agent reaps it (after ending what the worker
+    #: left in its process group); otherwise its parent does both and reports the status.
+    reaped_by_agent: bool = True
+
+    @abc.abstractmethod
+    def reap(self, timeout: float) -> tuple[int | None, int | None]:
+        """Wait at most `timeout` for the exit and collect it: (exit code, signal)."""
+
+    def watched(self) -> None:  # noqa: B027 - only the zygote's children need it
+        """The agent watches the process now (a parent that reaps may do so from now on)."""
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the process itself (gone already: nothing happens)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, sig)
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the process's whole group: everything the worker started (its group
+        id is its pid, held until the process is reaped). A stopped process acts on a signal
+        only once continued: SIGCONT follows (as a shell's kill does), so a SIGSTOPped worker
+        ends at its SIGTERM instead of sitting out the whole grace before SIGKILL."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+            if sig not in (signal.SIGKILL, signal.SIGCONT, signal.SIGSTOP):
+                os.killpg(self.pid, signal.SIGCONT)
+
+
+def _status(code: int) -> tuple[int | None, int | None]:
+    return (code, None) if code >= 0 else (None, -code)
+
+
+class PopenProcess(Process):
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    def reap(self, timeout: float) -> tuple[int | None, int | None]:
+        try:
+            return _status(self.popen.wait(timeout))
+        except subprocess.TimeoutExpired:
+            return None, None
+
+
+class ForkedProcess(Process):
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._status: tuple[int | None, int | None] | None = None
+
+    def reap(self, timeout: float) -> tuple[int | None, int | None]:
+        deadline = time.monotonic() + timeout
+        while self._status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self._status = (None, None)
+                break
+            if pid:
+                self._status = _status(os.waitstatus_to_exitcode(status))
+            elif time.monotonic() >= deadline:
+                return None, None
+            else:
+                time.sleep(0.001)
+        return self._status
+
+
+class Spawner(abc.ABC):
+    """Starts worker processes."""
+
+    #: Shown in events and /healthz: "fresh", "zygote" or "fork".
+    name: str = ""
+
+    @abc.abstractmethod
+    def spawn(self, request: SpawnRequest) -> Process:
+        """Start one worker; raises OSError (or RuntimeError) if it cannot."""
+
+    @property
+    def forks(self) -> bool:
+        """Whether the next spawn is a fork (for the events)."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - most spawners hold nothing
+        """Release what the spawner holds (the zygote)."""
+
+
+def _popen_stream(target: int) -> int | None:
+    if target == KEEP:
+        return None
+    if target == DEVNULL:
+        return subprocess.DEVNULL
+    return target
+
+
+class FreshInterpreter(Spawner):
+    name = "fresh"
+
+    def __init__(self, entrypoint: Entrypoint) -> None:
+        self.entrypoint = entrypoint
+
+    def spawn(self, request: SpawnRequest) -> Process:
+        request.write_spec()
+        popen = subprocess.Popen(
+            self.entrypoint.command(request.argv),
+            env=request.env,
+            stdout=_popen_stream(request.stdout),
+            stderr=_popen_stream(request.stderr),
+            start_new_session=True,
+        )
+        return PopenProcess(popen)
+
+
+class ZygoteProcess(Process):
+    reaped_by_agent = False
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    def reap(self, timeout: float) -> tuple[int | None, int | None]:
+        status = self.zygote.wait_status(self.pid, timeout)
+        if status is None:
+            return None, None
+        return _status(os.waitstatus_to_exitcode(status))
+
+    def watched(self) -> None:
+        self.zygote.acknowledge(self.pid)
+
+
+class ZygoteFork(Spawner):
+    """Forks from a zygote started at once (its imports overlap the rendezvous). Spawns wait
+    for it to be ready (no longer than a fresh interpreter would take: it has a head start);
+    when it failed, died or cannot take a request, workers start as fresh interpreters and the
+    reason is said once."""
+
+    name = "zygote"
+
+    def __init__(
+        self,
+        modules: list[str],
+        fallback: FreshInterpreter,
+        cancel: CancelToken = NEVER,
+        guardian: Guardian | None = None,
+    ) -> None:
+        from elastic_launch.processes.zygote import Zygote
+
+        self.fallback = fallback
+        self.cancel = cancel
+        self.guardian = guardian
+        self.zygote: Zygote | None = None
+        self.why_not: str | None = None  # why workers are not forked, once known
+        try:
+            self.zygote = Zygote(modules)
+        except OSError as e:
+            self._give_up(f"the --preload zygote cannot start ({e})")
+        else:
+            if guardian is not None:
+                guardian.watch_group(self.zygote.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.zygote.pid if self.zygote is not None else None
+
+    def _give_up(self, why: str) -> None:
+        if self.why_not is None:
+            logger.warning("%s; starting workers as fresh interpreters", why)
+            self.why_not = why
+        self.close()
+
+    def _ready_zygote(self) -> Zygote | None:
+        z = self.zygote
+        if z is None:
+            return None
+        deadline = Deadline(ZYGOTE_START_TIMEOUT)
+        while not z.wait_ready(deadline.left(0.1)):
+            if z.dead:
+                self._give_up("the --preload zygote exited while importing")
+                return None
+            if self.cancel.cancelled:
+                raise Cancelled(self.cancel.signum)
+            if deadline.passed:
+                self._give_up(
+                    f"the --preload zygote did not finish its imports in {ZYGOTE_START_TIMEOUT:g} s"
+                )
+                return None
+        for name, error in z.failed.items():
+            logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
+        z.failed = {}
+        if z.unsafe:
+            self._give_up(f"--preload: {z.unsafe}")
+            return None
+        return z
+
+    @property
+    def forks(self) -> bool:
+        return self.zygote is not None
+
+    def spawn(self, request: SpawnRequest) -> Process:
+        from elastic_launch.processes.zygote import ZygoteUnavailableError
+
+        z = self._ready_zygote()
+        if z is not None:
+            mismatch = import_time_mismatch(z.env, request.env)
+            if mismatch:
+                self._give_up(f"--preload: {mismatch}")
+                z = None
+        if z is not None:
+            request.write_spec()
+            try:
+                title = self.fallback.entrypoint.command(request.argv)  # as a fresh one shows
+                pid = z.spawn(request.argv, request.env, request.stdout, request.stderr, title)
+                return ZygoteProcess(z, pid)
+            except ZygoteUnavailableError as e:
+                self._give_up(str(e))
+            except OSError as e:  # e.g. an environment too big for one message
+                logger.warning("forking from the zygote failed (%s); starting a fresh one", e)
+        return self.fallback.spawn(request)
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            if self.guardian is not None:
+                self.guardian.forget_group(self.zygote.pid)
+            self.zygote = None
+
+
+class FunctionFork(Spawner):
+    """``start_method="fork"``: the child is a copy of the launcher."""
+
+    name = "fork"
+
+    @property
+    def forks(self) -> bool:
+        return True
+
+    def spawn(self, request: SpawnRequest) -> Process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child never returns from here
+            with contextlib.suppress(BaseException):
+                handover = Handover(env=request.env, stdout=request.stdout, stderr=request.stderr)
+                run_forked(handover, request.argv, request.call, run_exit_handlers=False)
+            os._exit(1)
+        return ForkedProcess(pid)

@@ -1,0 +1,333 @@
+"""The zygote: a process with modules already imported that forks new workers (``--preload``).
+
+A restart then costs a fork instead of a new interpreter and ``import torch``. The agent starts
+the zygote once, talks to it over a Unix socketpair (one JSON message per datagram, standard
+streams passed as file descriptors), and learns each worker's exit status from it, since the
+zygote is their parent. A forked worker becomes a worker through
+:func:`elastic_launch.processes.worker_main.run_forked`, the same path as every other worker.
+
+Protocol (agent -> zygote): ``spawn {id, argv, env, cwd, stdout, stderr}`` with the stream
+descriptors attached; ``watched {pid}`` once the agent watches a child (from then on the zygote
+may reap it: until then its zombie keeps the pid, so the agent's pidfd always finds the right
+process). Zygote -> agent: ``ready {seconds, failed}`` once its imports are done; ``spawned
+{id, pid}``; ``exited {pid, status}``. End of file on either side ends the other.
+
+Run by the agent as ``python -m elastic_launch.processes.zygote FD MODULE...``.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from elastic_launch.compat import python_executable
+from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
+from elastic_launch.processes.worker_main import Handover, run_forked
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE = 1 << 20
+_SPAWN_ANSWER_TIMEOUT = 30.0
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """One message (JSON), with file descriptors attached."""
+    data = json.dumps(message).encode()
+    if len(data) > _MAX_MESSAGE:
+        raise OSError(f"a zygote message of {len(data)} bytes is over {_MAX_MESSAGE}")
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next message and its descriptors; (None, []) at end of file."""
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_LEN(16 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data:
+        return None, list(fds)
+    return json.loads(data), list(fds)
+
+
+# ---- the zygote process ----------------------------------------------------------------------
+
+
+def _fork_worker(
+    sock: socket.socket,
+    sel: selectors.BaseSelector,
+    wakeup: tuple[int, int],
+    request: dict[str, Any],
+    fds: list[int],
+) -> None:
+    """In the forked child: drop the zygote's own descriptors, then the one worker path."""
+    sel.close()
+    sock.close()
+    for fd in wakeup:
+        os.close(fd)
+    it = iter(fds)
+    streams = [next(it) if kind == 0 else kind for kind in (request["stdout"], request["stderr"])]
+    handover = Handover(
+        env=request["env"],
+        stdout=streams[0],
+        stderr=streams[1],
+        cwd=request["cwd"],
+        parent_pid=os.getppid(),  # the zygote: it must die with it
+        title=request.get("title"),
+    )
+    run_forked(handover, request["argv"])
+
+
+def fork_hazard() -> str | None:
+    """Why forking workers from this process would give them less than a fresh interpreter,
+    or None. Python threads started at import are not in a forked child (a module that relies
+    on them would be broken there), and CUDA cannot be used in a child forked after it was
+    initialised. (Native thread pools that handle fork themselves, as OpenBLAS's, are fine.)"""
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return (
+            f"the preloaded modules started {len(others)} thread(s) ({', '.join(others[:3])}), "
+            "which forked workers would not have"
+        )
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "the preloaded modules initialised CUDA, which forked workers cannot use"
+    return None
+
+
+def serve(fd: int, modules: list[str]) -> None:
+    """The zygote's main loop: import `modules`, then fork a worker per request."""
+    sock = socket.socket(fileno=fd)
+    modules = [m for m in modules if m.strip()]  # the blank one is room for workers' titles
+    set_title(
+        [sys.executable, "-u", "-m", "elastic_launch.processes.zygote", str(fd), *modules]
+    )  # ps
+    import elastic_core
+
+    elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the agent ends us (end of file, or SIGKILL)
+    start = time.monotonic()
+    failed = {}
+    for name in modules:
+        try:
+            __import__(name)
+        except BaseException as e:  # reported to the agent, which then spawns normally
+            failed[name] = f"{type(e).__name__}: {e}"
+    from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
+
+    ready = {"op": "ready", "seconds": time.monotonic() - start, "failed": failed}
+    send(sock, ready | {"unsafe": fork_hazard()})
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    os.set_blocking(wakeup_r, False)
+    signal.set_wakeup_fd(wakeup_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, "sock")
+    sel.register(wakeup_r, selectors.EVENT_READ, "child")
+    children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
+
+    def reap_if_exited(pid: int) -> None:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # what it left in its group (the pgid is held)
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            children.pop(pid, None)
+            return
+        children.pop(pid, None)
+        send(sock, {"op": "exited", "pid": pid, "status": status})
+
+    while True:
+        for key, _ in sel.select():
+            if key.data == "child":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wakeup_r, 4096)
+                for pid, watched in list(children.items()):
+                    if watched:
+                        reap_if_exited(pid)
+                continue
+            request, fds = recv(sock)
+            if request is None:  # the agent is gone: so are we
+                os._exit(0)
+            if request.get("op") == "watched":
+                if request["pid"] in children:
+                    children[request["pid"]] = True
+                    reap_if_exited(request["pid"])
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _fork_worker(sock, sel, (wakeup_r, wakeup_w), request, fds)
+            for f in fds:
+                os.close(f)
+            children[pid] = False
+            send(sock, {"op": "spawned", "id": request["id"], "pid": pid})
+
+
+# ---- the agent's side ------------------------------------------------------------------------
+
+
+class ZygoteUnavailableError(RuntimeError):
+    """The zygote is not ready, failed, or is gone; the caller starts a fresh interpreter."""
+
+
+class Zygote:
+    """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
+    torch) overlap the rendezvous."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules = modules
+        #: The environment it started with: what a forked worker keeps of it is read at start.
+        self.env = dict(os.environ)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = parent
+        # The interpreter fresh workers would run ($PYTHON_EXEC, as torchrun honours it).
+        command = [python_executable(sys.executable), "-u", "-m", __name__, str(child.fileno())]
+        try:
+            self._proc = subprocess.Popen(
+                [*command, *modules, room_argument()],
+                pass_fds=[child.fileno()],
+                start_new_session=True,
+                env={**self.env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())},
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+        self._cond = threading.Condition()
+        self._ready = False
+        self._dead = False
+        self._statuses: dict[int, int] = {}
+        self._spawned: dict[int, int] = {}
+        self._next_id = 0
+        self.startup_seconds: float | None = None
+        self.failed: dict[str, str] = {}
+        self.unsafe: str | None = None  # why forking from it would be wrong (fork_hazard)
+        self._reader = threading.Thread(target=self._read, name="elasticrun-zygote", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message, fds = recv(self._sock)
+            except OSError:
+                message, fds = None, []
+            for f in fds:
+                os.close(f)
+            with self._cond:
+                if message is None:
+                    self._dead = True
+                    self._cond.notify_all()
+                    return
+                op = message.get("op")
+                if op == "ready":
+                    self._ready = True
+                    self.startup_seconds = message["seconds"]
+                    self.failed = message["failed"]
+                    self.unsafe = message.get("unsafe")
+                elif op == "spawned":
+                    self._spawned[message["id"]] = message["pid"]
+                elif op == "exited":
+                    self._statuses[message["pid"]] = message["status"]
+                self._cond.notify_all()
+
+    @property
+    def ready(self) -> bool:
+        with self._cond:
+            return self._ready and not self._dead
+
+    @property
+    def dead(self) -> bool:
+        with self._cond:
+            return self._dead
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the imports; True once ready (False: not yet, or dead)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._dead, max(timeout, 0.0))
+            return self._ready and not self._dead
+
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        title: list[str] | None = None,
+    ) -> int:
+        """Fork a worker running ``worker_main.run_target(argv)``; the streams are descriptors,
+        KEEP or DEVNULL; `title` is the command line it shows (``ps``). Returns its pid."""
+        fds = [t for t in (stdout, stderr) if t >= 0]
+        kinds = [0 if t >= 0 else t for t in (stdout, stderr)]
+        with self._cond:
+            if self._dead:
+                raise ZygoteUnavailableError("the zygote has exited")
+            request_id = self._next_id
+            self._next_id += 1
+        request = {
+            "id": request_id,
+            "argv": argv,
+            "env": env,
+            "cwd": os.getcwd(),
+            "stdout": kinds[0],
+            "stderr": kinds[1],
+            "title": title,
+        }
+        try:
+            send(self._sock, request, fds)
+        except OSError as e:
+            raise ZygoteUnavailableError(f"the zygote cannot take the request: {e}") from None
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: request_id in self._spawned or self._dead, _SPAWN_ANSWER_TIMEOUT
+            ):
+                raise ZygoteUnavailableError(
+                    f"the zygote did not answer a spawn request within {_SPAWN_ANSWER_TIMEOUT:g} s"
+                )
+            if request_id not in self._spawned:
+                raise ZygoteUnavailableError("the zygote has exited")
+            return self._spawned.pop(request_id)
+
+    def acknowledge(self, pid: int) -> None:
+        """The agent watches `pid` now: the zygote may reap it when it exits."""
+        with contextlib.suppress(OSError):
+            send(self._sock, {"op": "watched", "pid": pid})
+
+    def wait_status(self, pid: int, timeout: float) -> int | None:
+        """A child's wait status, once the zygote reaped it (None: not within `timeout`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._statuses or self._dead, timeout)
+            return self._statuses.pop(pid, None)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,171 @@
+"""The command line's checks, in process: every out-of-range number, contradiction and bad
+PET_ variable is a usage error that quotes the value and names where it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+
+import pytest
+from elastic_launch.api import ConfigError, LaunchConfig
+from elastic_launch.launcher import cli
+from elastic_launch.launcher.config import check_config
+
+
+def config_of(*flags: str) -> LaunchConfig:
+    args = cli.build_parser().parse_args([*flags, "train.py"])
+    return cli.config_from_args(args)[0]
+
+
+@pytest.fixture(autouse=True)
+def _no_pet(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("PET_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--monitor-interval", "inf"], "--monitor-interval 'inf' is not valid"),
+        (["--monitor-interval", "nan"], "--monitor-interval 'nan' is not valid"),
+        (["--monitor-interval", "-1"], "--monitor-interval '-1' is not valid"),
+        (["--monitor-interval", "600"], "at most 60"),
+        (["--hang-timeout", "1e10"], "--hang-timeout '1e10' is not valid"),
+        (["--hang-timeout", "inf"], "--hang-timeout 'inf' is not valid"),
+        (["--hang-timeout", "nan"], "--hang-timeout 'nan' is not valid"),
+        (["--hang-timeout-floor", "inf"], "--hang-timeout-floor 'inf' is not valid"),
+        (["--hang-timeout-factor", "0"], "--hang-timeout-factor '0' is not valid"),
+        (["--shutdown-timeout", "-5"], "--shutdown-timeout '-5' is not valid"),
+        (["--shutdown-timeout", "nan"], "--shutdown-timeout 'nan' is not valid"),
+        (["--gpu-check-interval", "inf"], "--gpu-check-interval 'inf' is not valid"),
+        (["--max-restarts", "1.5"], "--max-restarts '1.5' is not valid: give a whole number"),
+        (["--max-restarts", "-1"], "--max-restarts '-1' is not valid"),
+        (["--master-port", "99999"], "--master-port '99999' is not valid"),
+        (["--master-port", "0"], "--master-port '0' is not valid"),
+        (["--node-rank", "-1"], "--node-rank '-1' is not valid"),
+        (["--nproc-per-node", "4097"], "this node can run at most"),
+        (["--nnodes", "2000000"], "--nnodes '2000000'"),
+        (["--standalone", "--nnodes", "2"], "--standalone runs one node, but --nnodes '2'"),
+        (["--standalone", "--nnodes", "1:2"], "asks for up to 2"),
+        (["--min-workers", "0"], "--min-workers '0' is not valid"),
+        (["--min-workers", "two"], "--min-workers 'two' is not valid"),
+        (["--preload", "none,numpy"], "--preload none turns preloading off, but modules are"),
+        (["--preload", "torch", "--preload", "off"], "named too (torch)"),
+        (["--preload", "torch,2d"], "--preload 'torch,2d': '2d' is not a module name"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_quoting_it(flags, message):
+    with pytest.raises(ConfigError) as e:
+        config_of(*flags)
+    assert message in str(e.value)
+
+
+def test_the_nproc_limit_names_what_sets_it(monkeypatch):
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))
+    with pytest.raises(ConfigError) as e:
+        config_of("--nproc-per-node", "200")
+    assert "at most 160 workers" in str(e.value) and "ulimit -n" in str(e.value)
+    assert config_of("--nproc-per-node", "160").nproc_per_node == 160
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("PET_NNODES", "0", "PET_NNODES '0'"),
+        ("PET_NPROC_PER_NODE", "many", "PET_NPROC_PER_NODE 'many' is not valid"),
+        ("PET_MAX_RESTARTS", "x", "PET_MAX_RESTARTS 'x' is not valid"),
+        ("PET_MONITOR_INTERVAL", "inf", "PET_MONITOR_INTERVAL 'inf' is not valid"),
+        ("PET_MASTER_PORT", "99999", "PET_MASTER_PORT '99999' is not valid"),
+        ("PET_HANG_TIMEOUT", "-1", "PET_HANG_TIMEOUT '-1' is not valid"),
+        ("PET_REDIRECTS", "9", "PET_REDIRECTS '9' is not valid"),
+    ],
+)
+def test_a_bad_pet_variable_is_named(monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as e:
+        config_of()
+    assert message in str(e.value)
+
+
+def test_a_flag_given_overrides_and_is_named_over_its_variable(monkeypatch):
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    assert config_of().max_restarts == 2
+    with pytest.raises(ConfigError, match="--max-restarts '-3'"):
+        config_of("--max-restarts", "-3")
+
+
+def test_main_exits_2_and_starts_nothing(capsys):
+    assert cli.main(["--monitor-interval", "inf", "train.py"]) == 2
+    assert "elasticrun: error: --monitor-interval 'inf' is not valid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "nproc_per_node",
+            "2",
+            "LaunchConfig.nproc_per_node = '2' (str) is not valid: it takes int",
+        ),
+        ("max_restarts", 1.5, "LaunchConfig.max_restarts = 1.5 (float) is not valid: it takes int"),
+        ("monitor_interval", "0.1", "it takes float"),
+        ("hang_timeout", "auto", "it takes float or None"),
+        ("preload", "torch", "it takes list[str]"),
+        ("rdzv_configs", {"a": 1}, "it takes dict[str, str]"),
+        ("virtual_local_rank", 1, "it takes bool"),
+    ],
+)
+def test_a_launch_config_of_the_wrong_type_names_the_field(field, value, message):
+    config = dataclasses.replace(LaunchConfig(), **{field: value})
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("monitor_interval", float("inf"), "monitor_interval 'inf' is not valid"),
+        ("hang_timeout", 1e10, "hang_timeout '10000000000.0' is not valid"),
+        ("master_port", 70000, "master_port '70000' is not valid"),
+        ("nproc_per_node", 5000, "nproc_per_node '5000': this node can run at most"),
+        ("preload", ["none"], "LaunchConfig.preload ['none']: 'none' is not a module name"),
+    ],
+)
+def test_a_launch_config_out_of_range_names_the_field(field, value, message):
+    with pytest.raises(ConfigError) as e:
+        check_config(dataclasses.replace(LaunchConfig(), **{field: value}))
+    assert message in str(e.value)
+
+
+def test_min_workers_beyond_the_jobs_workers_names_both():
+    config = config_of("--nnodes", "1:2", "--nproc-per-node", "2", "--min-workers", "5")
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert "--min-workers 5: the job has at most 4 workers" in str(e.value)
+    check_config(dataclasses.replace(config, min_workers=4))
+
+
+def test_preload_is_auto_unless_turned_off():
+    assert LaunchConfig().preload == ["auto"] == config_of().preload
+    assert config_of("--preload", "numpy").preload == ["auto", "numpy"]
+    assert config_of("--preload", "none").preload == []
+    check_config(dataclasses.replace(LaunchConfig(), preload=["json", "auto"]))
+
+
+def test_a_default_launch_config_is_valid():
+    check_config(LaunchConfig())
+    check_config(LaunchConfig(hang_timeout=float("inf"), master_port=29500, max_restarts=3))
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_names_all_three_packages(capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args([flag])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("elasticrun-launch", "elasticrun-core", "elasticrun-sampler", "C ABI"):
+        assert name in out

@@ -1,0 +1,103 @@
+"""The guardian cleans up after a launcher that dies without cleaning up itself (SIGKILL), and
+does nothing after one that says it is done."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from elastic_launch.processes.guardian import _sessions_of
+
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from elastic_launch.processes.guardian import Guardian
+    g = Guardian()
+    # A worker in its own session, which starts a process of its own.
+    worker = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\\n"
+         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\\n"
+         "time.sleep(60)"],
+        start_new_session=True,
+    )
+    g.watch_group(worker.pid)
+    for path in sys.argv[1:]:
+        g.remove_path(path)
+    print(g.pid, worker.pid, flush=True)
+    if os.environ.get("DONE"):
+        worker.kill(); worker.wait()
+        g.done()
+        print("done", flush=True)
+    time.sleep(60)
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait(what, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.02)
+    return what()
+
+
+def start(paths: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *paths],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout is not None
+    guardian, worker = (int(x) for x in proc.stdout.readline().split())
+    return proc, guardian, worker
+
+
+def test_a_killed_launcher_leaves_nothing_behind(tmp_path):
+    leftover = tmp_path / "heartbeat"
+    leftover.write_text("x")
+    tree = tmp_path / "logs"
+    (tree / "attempt_0").mkdir(parents=True)
+    proc, guardian, worker = start([str(leftover), str(tree)])
+    try:
+        assert wait(lambda: len(_sessions_of({worker})) == 2, 30), "the worker's child never ran"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        assert wait(lambda: not _sessions_of({worker}), 2.0), "processes outlived the launcher"
+        assert wait(lambda: not leftover.exists() and not tree.exists(), 2.0)
+        assert wait(lambda: not alive(guardian), 2.0), "the guardian stays no longer"
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        for pid in _sessions_of({worker}):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.stdout.close()
+
+
+def test_a_launcher_that_is_done_is_left_alone(tmp_path):
+    kept = tmp_path / "kept"
+    kept.write_text("x")
+    proc, guardian, _ = start([str(kept)], {"DONE": "1"})
+    try:
+        assert proc.stdout.readline().strip() == "done"
+        assert wait(lambda: not alive(guardian), 5.0), "done: the guardian exits"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        time.sleep(0.2)
+        assert kept.exists()
+    finally:
+        proc.kill()
+        proc.stdout.close()

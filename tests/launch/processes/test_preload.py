@@ -1,0 +1,129 @@
+"""--preload auto: what the zygote imports, read from the entrypoint's source, and when workers
+are not forked (a program that is not Python; an environment read at start that differs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from elastic_launch.processes.entrypoint import Entrypoint, Kind
+from elastic_launch.processes.preload import import_time_mismatch, imports_torch, plan
+
+
+def script(path: Path, text: str) -> Entrypoint:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return Entrypoint(Kind.SCRIPT, str(path))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import torch\n",
+        "import torch.distributed as dist\n",
+        "from torch import nn\n",
+        "def main():\n    import torch\n",
+        "if __name__ == '__main__':\n    from torch.nn.parallel import DistributedDataParallel\n",
+        "import os, torch\n",
+    ],
+)
+def test_a_script_that_imports_torch_gets_it_preloaded(tmp_path, text):
+    ep = script(tmp_path / "train.py", text)
+    assert imports_torch(ep)
+    assert plan(["auto"], ep).modules == ["torch"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import os\nprint('torch')\n",
+        "import torchvision_like\n",  # a name that starts with torch is not torch
+        "# import torch\n",
+        "this is not python (\n",
+        "import importlib\nimportlib.import_module('torch')\n",  # not seen: no import statement
+    ],
+)
+def test_a_script_without_torch_gets_a_zygote_without_it(tmp_path, text):
+    ep = script(tmp_path / "train.py", text)
+    assert not imports_torch(ep)
+    chosen = plan(["auto"], ep)
+    assert chosen.zygote and chosen.modules == [] and chosen.why_not is None
+
+
+def test_torch_imported_by_the_scripts_own_modules_is_found(tmp_path):
+    script(tmp_path / "lib" / "__init__.py", "")
+    script(tmp_path / "lib" / "model.py", "from . import layers\n")
+    script(tmp_path / "lib" / "layers.py", "import torch.nn\n")
+    script(tmp_path / "helpers.py", "from lib.model import Net\n")
+    ep = script(tmp_path / "train.py", "import helpers\n")
+    assert imports_torch(ep)
+    # a cycle ends
+    script(tmp_path / "a.py", "import b\n")
+    script(tmp_path / "b.py", "import a\n")
+    assert not imports_torch(script(tmp_path / "c.py", "import a\n"))
+
+
+def test_a_module_entrypoint_and_a_directory_are_read(tmp_path, monkeypatch):
+    script(tmp_path / "pkg" / "__init__.py", "")
+    script(tmp_path / "pkg" / "train.py", "from pkg import model\n")
+    script(tmp_path / "pkg" / "model.py", "from torch import nn\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert imports_torch(Entrypoint(Kind.MODULE, "pkg.train"))
+    assert imports_torch(Entrypoint(Kind.MODULE, "torch.distributed.run"))
+    assert not imports_torch(Entrypoint(Kind.MODULE, "json.tool"))
+    script(tmp_path / "app" / "__main__.py", "import torch\n")
+    assert imports_torch(Entrypoint(Kind.SCRIPT, str(tmp_path / "app")))
+
+
+def test_a_function_entrypoint_is_read_from_its_module(tmp_path, monkeypatch):
+    script(tmp_path / "fn_with_torch.py", "def train():\n    import torch\n")  # not run here
+    script(tmp_path / "fn_without.py", "def train():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fn_with_torch
+    import fn_without
+
+    assert imports_torch(Entrypoint(Kind.FUNCTION, fn_with_torch.train))
+    assert not imports_torch(Entrypoint(Kind.FUNCTION, fn_without.train))
+    assert not imports_torch(Entrypoint(Kind.FUNCTION, len))  # a builtin: nothing to read
+
+
+def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):
+    ep = script(tmp_path / "loop.py", "import torch\nfrom elastic_launch.train_loop import train\n")
+    assert plan(["auto"], ep).modules == [
+        "torch",
+        "elastic_launch.train_loop",
+        "elastic_launch.rendezvous.etcd_v3",
+    ]
+    ep = script(tmp_path / "other.py", "import elastic_launch\nimport elastic_sampler\n")
+    assert plan(["auto"], ep).modules == []
+
+
+def test_named_modules_come_on_top_and_none_means_fresh(tmp_path):
+    ep = script(tmp_path / "train.py", "import torch\n")
+    assert plan(["auto", "numpy"], ep).modules == ["torch", "numpy"]
+    assert plan(["auto", "torch"], ep).modules == ["torch"]
+    assert plan(["json"], ep).modules == ["json"]  # the API without auto: exactly these
+    off = plan([], ep)
+    assert not off.zygote and off.why_not is None
+
+
+def test_a_program_that_is_not_python_says_why(tmp_path):
+    binary = Entrypoint(Kind.BINARY, "/bin/echo", ["hi"])
+    chosen = plan(["auto"], binary)
+    assert not chosen.zygote
+    assert chosen.why_not is not None
+    assert "--preload auto: '/bin/echo' is not run by Python" in chosen.why_not
+    assert "--preload numpy:" in (plan(["auto", "numpy"], binary).why_not or "")
+
+
+def test_an_environment_read_at_start_that_differs_is_named():
+    zygote = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/a"}
+    same = {**zygote, "RANK": "3", "MASTER_PORT": "1234", "PYTHON_EXEC": "python3"}
+    assert import_time_mismatch(zygote, same) is None
+    why = import_time_mismatch(zygote, {**same, "OMP_NUM_THREADS": "4"})
+    assert why is not None and "OMP_NUM_THREADS='4'" in why
+    why = import_time_mismatch(zygote, {k: v for k, v in same.items() if k != "PYTHONPATH"})
+    assert why is not None and "PYTHONPATH unset" in why
+    assert import_time_mismatch(zygote, {**same, "LD_PRELOAD": "x.so"}) is not None
+    assert import_time_mismatch(zygote, {**same, "TORCH_LOGS": "+dynamo"}) is not None
+    assert import_time_mismatch(zygote, {**same, "NCCL_DEBUG": "INFO"}) is None  # read later

@@ -1,0 +1,147 @@
+"""The zygote: its message protocol, and a real zygote (no modules to import, so it is ready in
+milliseconds) forking workers that become workers like any other."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import pytest
+from elastic_launch.processes.spawn import FreshInterpreter, SpawnRequest, ZygoteFork
+from elastic_launch.processes.worker_main import DEVNULL, KEEP
+from elastic_launch.processes.zygote import Zygote, ZygoteUnavailableError, recv, send
+
+SCRIPT = """
+import json, os, signal, sys
+with open(sys.argv[1], "w") as f:
+    json.dump({"pid": os.getpid(), "sid": os.getsid(0), "argv": sys.argv, "cwd": os.getcwd(),
+               "env": os.environ.get("PROBE"), "parent": os.environ.get("ELASTICRUN_PARENT_PID"),
+               "name": __name__, "sigterm": int(signal.getsignal(signal.SIGTERM))}, f)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_messages_carry_file_descriptors(tmp_path):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        send(a, {"op": "spawn", "id": 3}, [fd])
+        message, fds = recv(b)
+        assert message == {"op": "spawn", "id": 3} and len(fds) == 1
+        os.write(fds[0], b"through the socket")
+        os.close(fds[0])
+        assert path.read_bytes() == b"through the socket"
+        a.close()
+        assert recv(b) == (None, []), "end of file: the other side is gone"
+    finally:
+        os.close(fd)
+        b.close()
+
+
+def test_a_message_over_the_limit_is_refused_before_sending():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b, pytest.raises(OSError, match="is over"):
+        send(a, {"env": "x" * (2 << 20)})
+
+
+@pytest.fixture
+def zygote():
+    z = Zygote([])
+    assert z.wait_ready(30), "the zygote never got ready"
+    yield z
+    z.close()
+
+
+def test_a_forked_worker_is_a_worker(zygote, tmp_path, monkeypatch):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    monkeypatch.chdir(tmp_path)
+    log = os.open(tmp_path / "stdout.log", os.O_WRONLY | os.O_CREAT)
+    env = {**os.environ, "PROBE": "yes"}
+    pid = zygote.spawn(["--", str(script), str(out), "7"], env, log, DEVNULL)
+    os.close(log)
+    zygote.acknowledge(pid)
+    status = zygote.wait_status(pid, 30)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 7
+    seen = json.loads(out.read_text())
+    assert seen["pid"] == pid and seen["sid"] == pid, "its own session"
+    assert seen["argv"] == [str(script), str(out), "7"] and seen["name"] == "__main__"
+    assert seen["env"] == "yes" and seen["cwd"] == str(tmp_path)
+    assert seen["parent"] == str(zygote.pid), "it dies with the zygote"
+    assert seen["sigterm"] == int(signal.SIG_DFL)
+
+
+def test_a_dead_zygote_is_unavailable(zygote):
+    os.kill(zygote.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not zygote.dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ZygoteUnavailableError, match="exited"):
+        zygote.spawn(["--", "x.py"], dict(os.environ), KEEP, KEEP)
+
+
+def test_the_spawner_falls_back_to_fresh_interpreters_and_says_why(tmp_path, caplog):
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork([], FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    try:
+        assert spawner.forks and spawner.zygote is not None
+        os.kill(spawner.zygote.pid, signal.SIGKILL)
+        spawner.zygote._proc.wait(10)
+        out = tmp_path / "out.json"
+        request = SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
+        process = spawner.spawn(request)
+        assert process.reap(30) == (0, None)
+        assert json.loads(out.read_text())["pid"] == process.pid
+        assert not spawner.forks
+        assert "fresh interpreters" in caplog.text
+    finally:
+        spawner.close()
+
+
+def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_path, caplog):
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    spawner = ZygoteFork(
+        ["no_such_module_here"], FreshInterpreter(Entrypoint(Kind.SCRIPT, sys.executable))
+    )
+    try:
+        script = tmp_path / "probe.py"
+        script.write_text(SCRIPT)
+        out = tmp_path / "out.json"
+        process = spawner.spawn(
+            SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
+        )
+        assert process.reaped_by_agent is False, "forked from the zygote"
+        process.watched()
+        assert process.reap(30) == (0, None)
+        assert "importing 'no_such_module_here' failed" in caplog.text
+    finally:
+        spawner.close()
+
+
+def test_a_worker_environment_read_at_start_that_differs_is_not_forked(tmp_path, caplog):
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork([], FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    try:
+        out = tmp_path / "out.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "7", "PROBE": "fresh"}
+        process = spawner.spawn(SpawnRequest(0, ["--", str(script), str(out), "0"], env))
+        assert process.reaped_by_agent is True, "a fresh interpreter, not a fork"
+        assert process.reap(30) == (0, None)
+        assert json.loads(out.read_text())["env"] == "fresh"
+        assert not spawner.forks
+        assert "OMP_NUM_THREADS='7'" in caplog.text and "fresh interpreters" in caplog.text
+    finally:
+        spawner.close()
