@@ -10,10 +10,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from elastic_launch.api import Cancelled
+from elastic_launch.api import Cancelled, RestartBudget
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.processes.spawn import Process, Spawner, SpawnRequest
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -195,13 +194,12 @@ class FakeRendezvous(RendezvousHandler):
         if self._closed is not None:
             raise RendezvousClosedError(f"closed: {self._closed}", self._closed)
         if reason == RestartReason.FAILURE:
-            spent = rnd.spend_restart(self.restarts, self.max_restarts)
+            budget = RestartBudget(self.restarts, self.max_restarts)
+            spent = budget.spend()
             if spent is None:
-                self._closed = JobClosed(
-                    CloseReason.FAILED, rnd.exhausted_detail(self.max_restarts, failure)
-                )
+                self._closed = JobClosed(CloseReason.FAILED, budget.exhausted(failure))
                 raise RendezvousClosedError(f"closed: {self._closed}", self._closed)
-            self.restarts = spent
+            self.restarts = spent.spent
         self._round += 1
         return RendezvousInfo(
             round=self._round,

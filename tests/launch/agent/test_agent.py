@@ -418,7 +418,7 @@ def test_a_hung_train_loop_worker_waiting_in_a_collective_is_judged_after_its_pe
         'distributed_c10d.py", line 3252 in all_reduce\n  File "train.py", line 9 in step\n'
     )
     n.watchdog.hang(first[0])  # the victim is found first
-    n.wait_for(lambda: bool(n.agent._spared))
+    n.wait_for(lambda: any(w.spared_until_ns for w in n.group.workers))
     n.watchdog.hang(first[1])  # the culprit: no stack (it is stopped)
     n.wait_for(lambda: len(n.spawner.spawned) == 3)
     assert n.spawner.spawned[2].request.local_rank == 1, "the culprit is replaced first"

@@ -114,7 +114,8 @@ def test_stop_all_signals_then_kills_after_the_grace_period(parts):
         stubborn = spawner.spawned[0]
         stubborn.exits_on = {signal.SIGKILL}  # ignores SIGTERM
         stopped = group.stop_all(signal.SIGTERM, grace=0.2)
-        assert {w.local_rank for w in stopped} == {0, 1, 2}
+        assert {w.local_rank for w in stopped.stopped} == {0, 1, 2}
+        assert stopped.ended == []
         # SIGCONT after SIGTERM: a stopped worker acts on it too
         assert stubborn.group_signals[:3] == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
         assert spawner.spawned[1].group_signals[0] == signal.SIGTERM
@@ -147,7 +148,7 @@ def test_a_hung_worker_stays_failed_when_stopped(parts):
         assert event is not None and event.finding == Finding.HUNG
         group.mark_failed(event.worker)
         stopped = group.stop_all(signal.SIGTERM, grace=0.2)
-        assert {w.local_rank for w in stopped} == {0, 2}
+        assert {w.local_rank for w in stopped.stopped} == {0, 2}
         assert group.get(1).state == WorkerState.FAILED
 
 
@@ -157,7 +158,8 @@ def test_a_worker_that_ended_on_its_own_before_the_stop_keeps_its_own_status(par
         group.start_all(INFO, attempt=0, restarts=0)
         watchdog.exit_process(spawner.spawned[2], code=7)  # queued: nobody polled it yet
         stopped = group.stop_all(signal.SIGTERM, grace=0.2)
-        assert {w.local_rank for w in stopped} == {0, 1}
+        assert {w.local_rank for w in stopped.stopped} == {0, 1}
+        assert [w.local_rank for w in stopped.ended] == [2], "it failed on its own"
         own = group.get(2)
         assert own.state == WorkerState.FAILED and own.exit_code == 7
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from elastic_launch.api import RestartBudget
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import CloseReason, JobClosed, RestartReason
 from elastic_launch.rendezvous.round import PROTOCOL, Member, RoundState, Status
@@ -119,8 +120,9 @@ def test_the_failure_past_the_budget_closes_the_job_with_what_failed():
     assert closed.closed == JobClosed(
         CloseReason.FAILED, "restarts exhausted (2); rank 3 exit code 1"
     )
-    assert rnd.spend_restart(0, 0) is None
-    assert rnd.spend_restart(1, 3) == 2
+    assert RestartBudget(0, 0).spend() is None
+    assert RestartBudget(1, 3).spend() == RestartBudget(2, 3)
+    assert RestartBudget(3, 3).exhausted() == "restarts exhausted (3)"
 
 
 def test_a_running_round_makes_room_only_when_there_is_some():

@@ -154,6 +154,24 @@ class WorkerState(str, enum.Enum):
     STOPPED = "stopped"  # stopped by the launcher
 
 
+@dataclass(frozen=True)
+class RestartBudget:
+    """The job's restarts: a group restart and a train-loop worker's replacement alike spend
+    one, here and nowhere else (``--max-restarts``)."""
+
+    spent: int
+    limit: int
+
+    def spend(self) -> RestartBudget | None:
+        """The budget after one more restart, or None when none is left."""
+        return RestartBudget(self.spent + 1, self.limit) if self.spent < self.limit else None
+
+    def exhausted(self, failure: str = "") -> str:
+        """Why the job fails when :meth:`spend` finds nothing left (`failure`: what failed)."""
+        detail = f"restarts exhausted ({self.limit})"
+        return f"{detail}; {failure}" if failure else detail
+
+
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure | None:
     """The first failure, workers the launcher stopped left out: what the summary leads with."""
     own = [f for f in failures if f.kind != FailureKind.STOPPED]

@@ -1,6 +1,11 @@
 """The elastic agent: one per node. A small loop over three steps::
 
-    rendezvous -> attempt (start the workers, watch them) -> finish (stop, then restart or end)
+    rendezvous -> attempt (start the workers, watch them) -> end the attempt (restart or end)
+
+Whatever happens while the workers run (an exit, a hang, a GPU fault, a membership change, a
+signal) becomes a :class:`~elastic_launch.agent.decide.Snapshot`, and the pure
+:func:`~elastic_launch.agent.decide.decide` says what to do; the agent only carries it out, with
+one call on the worker group.
 
 The agent owns no resource: the launcher opens them (log directory, heartbeat table, watchdog,
 spawner, rendezvous handler, servers) and hands them over; the worker group owns the workers.
@@ -12,9 +17,7 @@ and the failure summary show the same names. The agent never imports torch.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import os
 import signal
 import socket
 import time
@@ -22,21 +25,23 @@ from typing import Any
 
 import elastic_core
 
+from elastic_launch.agent.decide import Action, Decision, Happening, Snapshot, decide
 from elastic_launch.agent.events import Events
-from elastic_launch.agent.hang import Beat, HangMonitor
+from elastic_launch.agent.failures import FailureLog
+from elastic_launch.agent.hang import HangMonitor
+from elastic_launch.agent.observe import Happened, Observer
 from elastic_launch.agent.summary import describe
-from elastic_launch.agent.workers import Finding, SpawnError, Worker, WorkerEvent, WorkerGroup
+from elastic_launch.agent.worker import SpawnError, Worker
+from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
     AgentState,
     FailureKind,
     LaunchConfig,
+    RestartBudget,
     RunResult,
     WorkerFailure,
-    WorkerState,
-    root_cause,
 )
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.errors import read_error_file
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -46,20 +51,9 @@ from elastic_launch.rendezvous.api import (
     RendezvousInfo,
     RestartReason,
 )
-from elastic_launch.rendezvous.team import FATAL, RUNNING, TeamService
+from elastic_launch.rendezvous.team import TeamService
 
 logger = logging.getLogger(__name__)
-
-
-class Outcome(enum.Enum):
-    """How an attempt ended."""
-
-    SUCCEEDED = "succeeded"  # every worker exited with 0
-    FAILED = "failed"  # a worker failed (exit, signal, hang, GPU, could not start)
-    MEMBERSHIP = "membership"  # nodes came or went
-    CANCELLED = "cancelled"  # a signal to the launcher
-    UNUSABLE = "unusable"  # a GPU needs a reset: this node cannot go on
-    FATAL = "fatal"  # a train-loop worker failed for good, or its replacements ran out
 
 
 class ElasticAgent:
@@ -96,18 +90,16 @@ class ElasticAgent:
         self.attempt = -1
         self.restarts = 0  # the job's restarts (its rendezvous counts them) + replacements
         self.replacements = 0  # train-loop workers replaced alone on this node
-        self.failures: list[WorkerFailure] = []
+        self.failures = FailureLog(events, self.host)
         self.hangs = hangs or HangMonitor(
             config.hang_timeout, config.hang_timeout_floor, config.hang_timeout_factor
         )
         self._detected_ns: int | None = None  # when the last attempt's end was seen
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
-        self._fatal = ""  # why the job ends at once (Outcome.FATAL)
-        # Train-loop workers found hung while waiting in a collective: local rank -> (pid, its
-        # last beat then, when it is judged after all).
-        self._spared: dict[int, tuple[int, int, int]] = {}
-        self._spare_ns = 0  # how long they are spared
+        self.observer = Observer(
+            config, group, rendezvous, cancel, self.hangs, self.failures, gpu, self.host
+        )
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -127,25 +119,6 @@ class ElasticAgent:
 
     def health(self) -> dict[str, Any]:
         """What ``/healthz`` serves."""
-        now = elastic_core.now_ns()
-        beats = self.group.beats()
-        workers = []
-        for w in self.group.workers:
-            b = beats.get(w.local_rank)
-            workers.append(
-                {
-                    "rank": w.rank,
-                    "local_rank": w.local_rank,
-                    "pid": w.pid,
-                    "state": w.state.value,
-                    "running": not w.exited,
-                    "exit_code": w.exit_code,
-                    "step": b.step if b else None,
-                    "seconds_since_beat": (now - b.last_beat_ns) / 1e9
-                    if b and b.last_beat_ns
-                    else None,
-                }
-            )
         counters = self.rdzv.counters()
         return {
             "state": self._state.value,
@@ -158,7 +131,7 @@ class ElasticAgent:
             "hang_timeout": _finite(self.hangs.limit()),
             "hang_detection": "auto" if self.hangs.auto else "fixed",
             "rendezvous": {"phase": counters.phase, "rounds": counters.rounds},
-            "workers": workers,
+            "workers": self.group.health(),
         }
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -179,8 +152,8 @@ class ElasticAgent:
             info = self._rendezvous(reason, failure)
             if isinstance(info, RunResult):
                 return info
-            outcome = self._resume(info) if self._kept else self._attempt(info)
-            step = self._finish(outcome)
+            decision = self._resume(info) if self._kept else self._attempt(info)
+            step = self._end_attempt(decision)
             if isinstance(step, RunResult):
                 return step
             reason, failure = step
@@ -192,14 +165,11 @@ class ElasticAgent:
             info = self.rdzv.next_rendezvous(reason, cancel=self.cancel, failure=failure)
         except RendezvousClosedError as e:
             return self._closed(e.closed)
-        except RendezvousError as e:
+        except Exception as e:
             if self.cancel.cancelled:
                 return self._stopped()
-            self._transition(AgentState.FAILED, reason=str(e))
-            raise
-        except Exception:
-            if self.cancel.cancelled:
-                return self._stopped()
+            if isinstance(e, RendezvousError):
+                self._transition(AgentState.FAILED, reason=str(e))
             raise
         counters = self.rdzv.counters()
         self.events.emit(
@@ -216,42 +186,32 @@ class ElasticAgent:
             return info  # the same workers go on: neither an attempt nor a restart
         self.attempt += 1
         self.restarts = info.restart_count + self.replacements
-        if reason == RestartReason.FAILURE:
-            logger.warning(
-                "restarting the workers (restart %d of %d) after: %s",
-                self.restarts,
-                self.config.max_restarts,
-                failure,
-            )
-        elif reason == RestartReason.MEMBERSHIP:
-            logger.warning(
-                "restarting the workers: the job now has %d node(s), %d worker(s); this node "
-                "is group rank %d",
-                info.group_world_size,
-                info.world_size,
-                info.group_rank,
-            )
+        _log_restart(reason, failure, info, self.restarts, self.config.max_restarts)
         return info
 
-    def _attempt(self, info: RendezvousInfo) -> Outcome:
-        """Start this node's workers for round `info` and watch them until the attempt ends."""
-        self.failures = []
+    def _attempt(self, info: RendezvousInfo) -> Decision:
+        """Start this node's workers for round `info` and watch them until a decision ends the
+        attempt."""
+        self.failures.new_attempt(self.attempt)
         self.hangs.new_attempt()
         self.group.set_hang_timeout(self.hangs.watchdog_timeout())
         self._transition(AgentState.STARTING, round=info.round)
         t0 = elastic_core.now_ns()
-        if self._gpus_unusable(info):
-            return Outcome.UNUSABLE
+        unusable = self.observer.unusable_gpu(info, self.attempt)
+        if unusable is not None:
+            return self._decide(unusable)
         try:
             self.group.start_all(info, self.attempt, self.restarts)
         except SpawnError as e:
-            if self.cancel.cancelled:
-                return Outcome.CANCELLED
-            self._spawn_failed(e, info.rank_offset + e.local_rank)
-            return Outcome.FAILED
+            rank = info.rank_offset + e.local_rank
+            spawn = Happened(Happening.SPAWN_FAILED, detail=str(e), rank=rank)
+            return self._decide(dataclasses.replace(spawn, local_rank=e.local_rank))
+        self._started(info, t0)
+        self._transition(AgentState.RUNNING)
+        return self._watch()
+
+    def _started(self, info: RendezvousInfo, t0: int) -> None:
         started = elastic_core.now_ns()
-        # Asked after the spawns: a zygote found unready or unsafe by the first one is gone.
-        forked = self.group.spawner.forks
         self.events.emit(
             "group_started",
             self.attempt,
@@ -261,7 +221,8 @@ class ElasticAgent:
             group_rank=info.group_rank,
             restarts=self.restarts,
             spawn_seconds=(started - t0) / 1e9,
-            forked=forked,
+            # Asked after the spawns: a zygote found unready or unsafe by the first one is gone.
+            forked=self.group.spawner.forks,
             spawner=self.group.spawner.name,
         )
         if self._detected_ns is not None:
@@ -272,43 +233,84 @@ class ElasticAgent:
                 reason=self._restart_reason.value,
                 recovery_seconds=(started - self._detected_ns) / 1e9,
             )
-        self._transition(AgentState.RUNNING)
-        return self._monitor()
 
-    def _resume(self, info: RendezvousInfo) -> Outcome:
+    def _resume(self, info: RendezvousInfo) -> Decision:
         """A new round of the nodes while this node's train-loop workers keep running: they
         re-form their own group (:mod:`elastic_launch.rendezvous.team`); replacements join
         this round."""
         self._kept = False
         self.group.follow(info)
         self._transition(AgentState.RUNNING, round=info.round, kept=len(self.group.alive()))
-        return self._monitor()
+        return self._watch()
 
-    def _in_train_loop(self) -> bool:
-        """Whether this node's workers run the train loop (one said so: the script is the
-        same for all), so that a dead one is replaced alone."""
-        return any(w.train_loop() in (RUNNING, FATAL) for w in self.group.workers)
+    def _watch(self) -> Decision:
+        """Decide on each happening until a decision ends the attempt; carry out the others
+        (ignore, spare, replace one) while the workers run."""
+        ready = False
+        while True:
+            happened = self.observer.next()
+            if happened is not None:
+                decision = self._decide(happened)
+                if decision.action.ends_attempt:
+                    return decision
+                ended = self._carry_out(decision, happened)
+                if ended is not None:
+                    return ended
+            if self.team is not None and self.team.pending and self.group.in_train_loop():
+                self.team.ensure()  # a worker runs the loop: it waits for its rendezvous
+            if not ready and self.group.all_beating():
+                ready = True
+                first = min(w.started_ns for w in self.group.workers)
+                self.events.emit(
+                    "group_ready", self.attempt, seconds=(elastic_core.now_ns() - first) / 1e9
+                )
 
-    def _replace(self, w: Worker, failure: WorkerFailure) -> Outcome | None:
+    # ---- deciding --------------------------------------------------------------------------------
+
+    def _decide(self, h: Happened) -> Decision:
+        """Decide on `h`, and record the failure the decision acts on."""
+        decision = decide(self.observer.snapshot(h, self._budget()))
+        if decision.failure is not None and h.failure is not None:
+            if h.worker is not None:
+                self.group.mark_failed(h.worker)
+            self.failures.record(dataclasses.replace(h.failure, kind=decision.failure))
+        return decision
+
+    def _budget(self) -> RestartBudget:
+        return RestartBudget(self.restarts, self.config.max_restarts)
+
+    # ---- carrying out --------------------------------------------------------------------------
+
+    def _carry_out(self, decision: Decision, h: Happened) -> Decision | None:
+        """Carry out a decision that leaves the attempt running; a decision that ends it after
+        all (a replacement that could not start) is returned."""
+        w = h.worker
+        if decision.action == Action.SPARE and w is not None:
+            seconds = self.observer.spare_seconds(w)
+            self.group.spare(w.local_rank, seconds)
+            logger.warning(
+                "rank %d is stuck in a collective: it waits for a peer, which is judged first; "
+                "it is replaced only if it is still stuck in %.0f s",
+                w.rank,
+                seconds,
+            )
+        elif decision.action == Action.REPLACE_ONE and w is not None:
+            assert decision.budget is not None
+            assert h.failure is not None
+            return self._replace(w, h.failure, decision.budget)
+        return None
+
+    def _replace(self, w: Worker, failure: WorkerFailure, budget: RestartBudget) -> Decision | None:
         """A train-loop worker died: start one in its place and leave the others running
         (they roll back and re-form without it, or with its replacement)."""
-        if w.train_loop() == FATAL:
-            self._fatal = f"rank {w.rank} {describe(failure)}"
-            return Outcome.FATAL
-        if self.restarts >= self.config.max_restarts:
-            self._fatal = (
-                f"restarts exhausted ({self.config.max_restarts}); rank {w.rank} "
-                f"{describe(failure)}"
-            )
-            return Outcome.FATAL
-        self.restarts += 1
+        self.restarts = budget.spent
         self.replacements += 1
         logger.warning(
             "replacing rank %d alone (restart %d of %d) after: rank %d %s; the other workers "
             "keep running the train loop",
             w.rank,
             self.restarts,
-            self.config.max_restarts,
+            budget.limit,
             w.rank,
             describe(failure),
         )
@@ -316,13 +318,8 @@ class ElasticAgent:
         try:
             new = self.group.replace(w.local_rank)
         except SpawnError as e:
-            self._spawn_failed(e, w.rank)
-            self._fatal = f"a replacement for rank {w.rank} could not start: {e}"
-            return Outcome.FATAL
-        # Those spared while waiting for a peer get a full period from now, when that peer
-        # (if it was this one) is gone and their collective fails.
-        for local_rank, (pid, last, _) in list(self._spared.items()):
-            self._spared[local_rank] = (pid, last, elastic_core.now_ns() + self._spare_ns)
+            spawn = Happened(Happening.SPAWN_FAILED, detail=str(e), rank=w.rank, replacing=True)
+            return self._decide(dataclasses.replace(spawn, local_rank=w.local_rank))
         self.events.emit(
             "worker_replaced",
             self.attempt,
@@ -336,156 +333,54 @@ class ElasticAgent:
         )
         return None
 
-    def _spare(self, w: Worker, stack: str) -> bool:
-        """A train-loop worker found hung inside a collective waits for a peer: the peer is
-        judged first (here or on its node), and its death ends the wait. This one gets one more
-        hang period; still stuck after it (:meth:`_check_spared`), it is replaced too."""
-        if not _waits_on_peers(stack):
-            return False
-        beat = self.group.beats().get(w.local_rank)
-        limit = self.hangs.limit()
-        if beat is not None and beat.timeout_ms:
-            limit = beat.timeout_ms / 1000
-        if limit == float("inf"):
-            return False
-        last = beat.last_beat_ns if beat is not None else 0
-        self._spare_ns = int(limit * 1e9)
-        self._spared[w.local_rank] = (w.pid, last, elastic_core.now_ns() + self._spare_ns)
-        logger.warning(
-            "rank %d is stuck in a collective: it waits for a peer, which is judged first; it "
-            "is replaced only if it is still stuck in %.0f s",
-            w.rank,
-            limit,
-        )
-        return True
-
-    def _check_spared(self) -> Outcome | None:
-        """Spared workers that beat again are well; those still stuck are replaced."""
-        if not self._spared:
-            return None
-        beats = self.group.beats()
-        now = elastic_core.now_ns()
-        for local_rank, (pid, last, deadline) in list(self._spared.items()):
-            w = self.group.get(local_rank)
-            beat = beats.get(local_rank)
-            if w is None or w.pid != pid or w.exited or (beat and beat.last_beat_ns != last):
-                del self._spared[local_rank]
-                continue
-            if now < deadline:
-                continue
-            del self._spared[local_rank]
-            self.group.mark_failed(w)
-            detail = "still stuck in a collective one hang period after its first finding"
-            failure = self._record_failure(
-                w, FailureKind.HUNG, WorkerEvent(Finding.HUNG, w, now, detail)
-            )
-            return self._replace(w, failure)
-        return None
-
-    def _monitor(self) -> Outcome:
-        ready = False
-        while True:
-            if self.cancel.cancelled:
-                return Outcome.CANCELLED
-            if self.rdzv.membership_changed():
-                return Outcome.MEMBERSHIP
-            event = self.group.next_event(self.config.monitor_interval)
-            if event is not None and event.finding == Finding.HUNG:
-                slot = self.group.beats().get(event.worker.local_rank)
-                own = slot.timeout_ms / 1000 if slot is not None else 0.0
-                advice = self.hangs.advice(own)
-                event = dataclasses.replace(event, detail=f"{event.detail}; {advice}")
-            if event is not None:
-                outcome = self._on_event(event)
-                if outcome is not None:
-                    return outcome
-            outcome = self._check_hangs() or self._check_spared()
-            if outcome is not None:
-                return outcome
-            if self.team is not None and self.team.pending and self._in_train_loop():
-                self.team.ensure()  # a worker runs the loop: it waits for its rendezvous
-            if not ready and self.group.all_beating():
-                ready = True
-                first = min(w.started_ns for w in self.group.workers)
-                self.events.emit(
-                    "group_ready", self.attempt, seconds=(elastic_core.now_ns() - first) / 1e9
-                )
-
-    def _on_event(self, event: WorkerEvent) -> Outcome | None:
-        w = event.worker
-        if event.finding == Finding.EXITED:
-            if w.exit_code == 0:
-                return Outcome.SUCCEEDED if self.group.succeeded else None
-            failure = self._record_failure(w, _exit_kind(w), event)
-            if self._in_train_loop():  # w among them: a fatal one ends the job
-                return self._replace(w, failure)
-            return Outcome.FAILED
-        if event.finding == Finding.HUNG:
-            if w.local_rank in self._spared:
-                return None  # spared already: _check_spared judges it
-            in_loop = self._in_train_loop()
-            # In the loop only this worker is judged: only its stack is asked for.
-            only = {w.local_rank} if in_loop else None
-            stacks = self.group.dump_stacks(self.config.stack_dump_timeout, only)
-            stack = stacks.get(w.local_rank, "(no Python stack: the worker did not answer)")
-            if in_loop and self._spare(w, stack):
-                return None
-            self.group.mark_failed(w)
-            failure = self._record_failure(w, FailureKind.HUNG, event)
-            failure.stack = stack
-            if in_loop:
-                return self._replace(w, failure)
-            return Outcome.FAILED
-        self.group.mark_failed(w)  # its GPU: the node's round is redone (a reset may be due)
-        self._record_failure(w, FailureKind.GPU, event)
-        return Outcome.FAILED
-
-    def _finish(self, outcome: Outcome) -> RunResult | tuple[RestartReason, str]:
-        """End the attempt: the job's result, or why and how to go on."""
-        if outcome == Outcome.SUCCEEDED:
-            self.group.close()
-            values = self.group.return_values()
+    def _end_attempt(self, decision: Decision) -> RunResult | tuple[RestartReason, str]:
+        """Carry out a decision that ends the attempt: the job's result, or why to go on."""
+        action = decision.action
+        if action == Action.SUCCEED:
+            values = self.group.finish()
             self.rdzv.mark_done()
             self._transition(AgentState.SUCCEEDED)
             return self._result(AgentState.SUCCEEDED, values)
-        if outcome == Outcome.CANCELLED:
+        if action == Action.STOP:
             return self._stopped()
-        if outcome == Outcome.FATAL:
-            self.rdzv.set_closed(CloseReason.FAILED, self._fatal)
-            self._stop_workers(signal.SIGTERM)
-            return self._failed(f"the job failed: {self._fatal}")
-        if outcome == Outcome.MEMBERSHIP and self._in_train_loop():
-            # Nodes came or went: the nodes' round is redone, the train loop's workers keep
-            # running and re-form their group by themselves.
+        if action == Action.FAIL_JOB:
+            self.rdzv.set_closed(CloseReason.FAILED, decision.detail)
+            if self.group.alive():
+                self._stop_workers(signal.SIGTERM)
+            return self._failed(f"the job failed: {decision.detail}")
+        if action == Action.LEAVE_ROUND:
+            # The nodes' round is redone; the train loop's workers keep running and re-form
+            # their group by themselves.
             self._kept = True
-            self.events.emit(
-                "membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting()
-            )
-            self._restart_reason = RestartReason.MEMBERSHIP
-            return RestartReason.MEMBERSHIP, ""
-        if outcome == Outcome.UNUSABLE:
-            detail = f"an unusable GPU on {self.host}: {self._root_line()}"
-            self.rdzv.set_closed(CloseReason.FAILED, detail)
-            return self._failed(f"the job failed: {detail}")
+            return self._membership()
+        return self._restart(decision)
+
+    def _restart(self, decision: Decision) -> RunResult | tuple[RestartReason, str]:
+        """RESTART_GROUP: stop every worker, then ask for a new round. A failure whose cause is
+        a member gone from the round is a membership change (``lost_members``)."""
         self._detected_ns = elastic_core.now_ns()
-        if outcome == Outcome.FAILED:
-            own = root_cause(self.failures)
-            if own is not None:
-                self._detected_ns = own.time_ns
-        self._transition(AgentState.RESTARTING, outcome=outcome.value)
+        if decision.reason == RestartReason.FAILURE:
+            self._detected_ns = self.failures.root_time_ns() or self._detected_ns
+        assert decision.reason is not None
+        self._transition(AgentState.RESTARTING, reason=decision.reason.value)
         self._stop_workers(signal.SIGTERM)
         if self.cancel.cancelled:
             return self._stopped()
-        if outcome == Outcome.FAILED:
-            lost = self.rdzv.lost_members(self.cancel)
-            if not lost:
-                self._restart_reason = RestartReason.FAILURE
-                return RestartReason.FAILURE, self._root_line()
+        failed = decision.reason == RestartReason.FAILURE
+        lost = self.rdzv.lost_members(self.cancel) if failed else []
+        if lost:
             logger.warning(
                 "node(s) %s left the job (their agent is gone): a membership change, not a "
                 "failure of this node's workers",
                 ", ".join(lost),
             )
+            decision = decide(Snapshot(Happening.PEERS_LOST, self._budget()))
+        if decision.reason == RestartReason.FAILURE:
+            self._restart_reason = RestartReason.FAILURE
+            return RestartReason.FAILURE, self.failures.root_line()
+        return self._membership()
+
+    def _membership(self) -> tuple[RestartReason, str]:
         self.events.emit("membership_changed", self.attempt, waiting=self.rdzv.num_nodes_waiting())
         self._restart_reason = RestartReason.MEMBERSHIP
         return RestartReason.MEMBERSHIP, ""
@@ -518,33 +413,18 @@ class ElasticAgent:
 
     def _stop_workers(self, sig: int) -> None:
         t0 = elastic_core.now_ns()
-        running = {w.local_rank for w in self.group.alive() if w.state == WorkerState.RUNNING}
-        stopped = self.group.stop_all(sig, self.config.shutdown_timeout, self.cancel)
-        failed = {f.local_rank for f in self.failures}
-        for w in stopped:
-            if w.local_rank in failed:
-                continue
-            sent = signal.Signals(sig).name
-            how = f"{sent}, then SIGKILL" if w.signal == signal.SIGKILL else sent
-            self.failures.append(
-                self._failure(
-                    FailureKind.STOPPED,
-                    w.rank,
-                    w.local_rank,
-                    w.pid,
-                    exit_code=w.exit_code,
-                    signal=w.signal,
-                    detail=how,
-                )
-            )
-        # A worker that ended on its own just before the stop (its exit was still queued)
-        # reports its own status, not "stopped by elasticrun".
-        for w in self.group.workers:
-            own = w.local_rank in running and w.state == WorkerState.FAILED
-            if own and w.local_rank not in failed:
+        report = self.group.stop_all(sig, self.config.shutdown_timeout, self.cancel)
+        recorded = self.failures.ranks
+        for w in report.stopped:
+            if w.local_rank not in recorded:
+                self.failures.stopped(w, sig)
+        # A worker that ended on its own just before the stop reports its own status, not
+        # "stopped by elasticrun".
+        for w in report.ended:
+            if w.local_rank not in recorded:
                 seen = w.exited_ns or elastic_core.now_ns()
-                self._record_failure(w, _exit_kind(w), WorkerEvent(Finding.EXITED, w, seen, ""))
-        self.group.close()
+                kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
+                self.failures.record(self.failures.of_worker(w, kind, seen, ""))
         self.events.emit(
             "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9
         )
@@ -555,155 +435,31 @@ class ElasticAgent:
         return RunResult(
             state=state,
             return_values=values or {},
-            failures=list(self.failures),
+            failures=list(self.failures.all),
             attempts=self.attempt + 1,
             restarts=self.restarts,
             signal=signal,
             log_dir=self.log_dir,
         )
 
-    # ---- failures ------------------------------------------------------------------------------
 
-    def _root_line(self) -> str:
-        f = root_cause(self.failures)
-        return f"rank {f.rank} {describe(f)}" if f is not None else "unknown failure"
-
-    def _failure(
-        self,
-        kind: FailureKind,
-        rank: int,
-        local_rank: int,
-        pid: int = 0,
-        time_ns: int | None = None,
-        **details: Any,
-    ) -> WorkerFailure:
-        """A failure of this attempt on this host, seen at `time_ns` (default: now)."""
-        now = elastic_core.now_ns()
-        seen = now if time_ns is None else time_ns
-        return WorkerFailure(
-            kind=kind,
-            rank=rank,
-            local_rank=local_rank,
-            pid=pid,
-            attempt=self.attempt,
-            host=self.host,
-            time_ns=seen,
-            wall_time=time.time() - (now - seen) / 1e9,
-            **details,
+def _log_restart(
+    reason: RestartReason, failure: str, info: RendezvousInfo, restarts: int, limit: int
+) -> None:
+    if reason == RestartReason.FAILURE:
+        logger.warning(
+            "restarting the workers (restart %d of %d) after: %s", restarts, limit, failure
         )
-
-    def _record_failure(self, w: Worker, kind: FailureKind, event: WorkerEvent) -> WorkerFailure:
-        failure = self._failure(
-            kind,
-            w.rank,
-            w.local_rank,
-            w.pid,
-            event.time_ns,
-            exit_code=w.exit_code,
-            signal=w.signal,
-            detail=event.detail,
-            error_file=w.error_file if os.path.exists(w.error_file) else "",
-            stdout_log=w.stdout_log,
-            stderr_log=w.stderr_log,
+    elif reason == RestartReason.MEMBERSHIP:
+        logger.warning(
+            "restarting the workers: the job now has %d node(s), %d worker(s); this node "
+            "is group rank %d",
+            info.group_world_size,
+            info.world_size,
+            info.group_rank,
         )
-        data = read_error_file(w.error_file)
-        if data is not None:
-            failure.message = data.message
-            failure.traceback = data.traceback
-            failure.failed_at_ns = data.monotonic_ns
-        if kind == FailureKind.HUNG:
-            beat = self.group.beats().get(w.local_rank)
-            failure.failed_at_ns = beat.last_beat_ns if beat else None
-        detection = (
-            max(0.0, (event.time_ns - failure.failed_at_ns) / 1e9) if failure.failed_at_ns else None
-        )
-        self.failures.append(failure)
-        self.events.emit(
-            "worker_failed",
-            self.attempt,
-            rank=w.rank,
-            local_rank=w.local_rank,
-            kind=kind.value,
-            exit_code=w.exit_code,
-            signal=w.signal,
-            detection_seconds=detection,
-            detail=failure.detail,
-        )
-        return failure
-
-    def _spawn_failed(self, error: SpawnError, rank: int) -> None:
-        self.failures.append(
-            self._failure(
-                FailureKind.SPAWN,
-                rank,
-                error.local_rank,
-                detail=str(error),
-            )
-        )
-        self.events.emit(
-            "worker_failed",
-            self.attempt,
-            local_rank=error.local_rank,
-            kind=FailureKind.SPAWN.value,
-            detail=str(error),
-        )
-
-    def _gpus_unusable(self, info: RendezvousInfo) -> bool:
-        """Before (re)starting: a GPU a worker would use is unhealthy (a lost GPU or a
-        critical XID needs a reset); starting on it again cannot succeed."""
-        if self.gpu is None:
-            return False
-        reports = {r.device: r for r in self.gpu.check_all(timeout=5.0)}
-        for local_rank in range(self.config.nproc_per_node):
-            device = self.group.gpu_of(local_rank)
-            report = reports.get(device) if device is not None else None
-            if report is None or report.state != elastic_core.GpuState.UNHEALTHY:
-                continue
-            self.failures.append(
-                self._failure(
-                    FailureKind.GPU,
-                    info.rank_offset + local_rank,
-                    local_rank,
-                    detail=f"before starting attempt {self.attempt}: {report.detail}",
-                )
-            )
-            return True
-        return False
-
-    def _check_hangs(self) -> Outcome | None:
-        """Under ``--hang-timeout auto``, judge the workers' progress (hang.py)."""
-        if not self.hangs.auto:
-            return None
-        beats = {
-            lr: Beat(
-                b.step,
-                b.last_beat_ns,
-                b.timeout_ms / 1000,
-                beating=b.state == elastic_core.SlotState.BEATING,
-            )
-            for lr, b in self.group.beats().items()
-        }
-        now = elastic_core.now_ns()
-        live = [(w.local_rank, w.pid) for w in self.group.alive()]
-        for hung in self.hangs.check(live, beats, now):
-            w = self.group.get(hung.local_rank)
-            if w is not None and hung.local_rank not in self._spared:
-                detail = f"{hung.detail}; {self.hangs.advice(0)}"
-                return self._on_event(WorkerEvent(Finding.HUNG, w, now, detail))
-        return None
-
-
-def _waits_on_peers(stack: str) -> bool:
-    """Whether a worker's Python stack is inside a torch.distributed call (a collective or a
-    store wait): blocked by a peer rather than stuck on its own."""
-    return "torch/distributed/" in stack
 
 
 def _finite(x: float) -> float | None:
     """JSON has no infinity: an unlimited value is null."""
     return None if x == float("inf") else x
-
-
-def _exit_kind(w: Worker) -> FailureKind:
-    """How a worker that ended on its own failed: by a signal, or with an exit code."""
-    return FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE

@@ -21,8 +21,11 @@ the absence of any progress.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import elastic_core
 
 from elastic_launch.agent.activity import Activity, sample
 
@@ -81,6 +84,20 @@ class Beat:
     last_beat_ns: int  # 0: never beaten
     own_timeout: float  # seconds the worker set for itself (0: none)
     beating: bool = True  # False once the worker detached (it is finishing)
+
+
+def beats_of(slots: Mapping[int, Any]) -> dict[int, Beat]:
+    """The heartbeat slots of the live workers (``elastic_core.SlotInfo`` by local rank), as
+    :meth:`HangMonitor.check` reads them."""
+    return {
+        lr: Beat(
+            b.step,
+            b.last_beat_ns,
+            b.timeout_ms / 1000,
+            beating=b.state == elastic_core.SlotState.BEATING,
+        )
+        for lr, b in slots.items()
+    }
 
 
 @dataclass

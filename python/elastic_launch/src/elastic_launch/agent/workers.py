@@ -13,7 +13,6 @@ deaths, hangs and GPU faults.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import pickle
@@ -21,20 +20,21 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import elastic_core
 
 from elastic_launch import compat
 from elastic_launch.agent import devices
-from elastic_launch.api import LaunchConfig, Std, WorkerState, std_for
+from elastic_launch.agent.decide import Loop
+from elastic_launch.agent.startup import Startup
+from elastic_launch.agent.worker import Finding, SpawnError, Stopped, Watcher, Worker, WorkerEvent
+from elastic_launch.api import LaunchConfig, WorkerState
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.processes import worker_main
-from elastic_launch.processes.entrypoint import Entrypoint, Kind
-from elastic_launch.processes.logs import LogLayout, OutputPump, console_streams
-from elastic_launch.processes.spawn import Process, Spawner, SpawnRequest
-from elastic_launch.rendezvous import team
+from elastic_launch.processes.entrypoint import Entrypoint
+from elastic_launch.processes.logs import LogLayout
+from elastic_launch.processes.spawn import Spawner
 from elastic_launch.rendezvous.api import RendezvousInfo
 
 if TYPE_CHECKING:
@@ -44,89 +44,6 @@ logger = logging.getLogger(__name__)
 
 KILL_WAIT = 10.0  # after SIGKILL, how long to wait for the kernel to report the exits
 REAP_WAIT = 5.0
-
-
-class Watcher(Protocol):
-    """What the group needs of a watchdog (``elastic_core.Watchdog`` has it)."""
-
-    def watch(
-        self,
-        worker: int,
-        pid: int,
-        table: elastic_core.HeartbeatTable | None = None,
-        slot: int | None = None,
-        hang_timeout: float = 0.0,
-        gpu: int | None = None,
-    ) -> None: ...
-
-    def unwatch(self, worker: int) -> bool: ...
-
-    def set_hang_timeout(self, worker: int, seconds: float) -> bool: ...
-
-    def poll(self, timeout: float | None = None) -> Any: ...
-
-
-@dataclass
-class Worker:
-    """One worker process of the current attempt (read-only outside the group)."""
-
-    local_rank: int
-    rank: int
-    process: Process
-    started_ns: int
-    rank_dir: str
-    error_file: str
-    stack_file: str
-    stdout_log: str | None
-    stderr_log: str | None
-    result_file: str | None = None
-    loop_file: str = ""  # where it says it runs the train loop (team.LOOP_FILE_ENV)
-    generation: int = 0  # 0, then 1, 2... for replacements within the attempt
-    state: WorkerState = WorkerState.RUNNING
-    exited: bool = False  # the process is gone (and reaped)
-    exit_code: int | None = None
-    signal: int | None = None
-    exited_ns: int | None = None  # when its exit was seen (CLOCK_MONOTONIC)
-    _files: list[IO[bytes]] = field(default_factory=list, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def train_loop(self) -> str | None:
-        """What the worker said of the train loop: None (it does not run it), team.RUNNING,
-        or team.FATAL (it failed for good)."""
-        try:
-            with open(self.loop_file) as f:
-                return f.read().strip() or None
-        except OSError:
-            return None
-
-
-class Finding(str, enum.Enum):
-    """What the watchdog found about a worker."""
-
-    EXITED = "exited"
-    HUNG = "hung"
-    GPU = "gpu"
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    """A finding about a live worker of this attempt (stale ones never reach the agent)."""
-
-    finding: Finding
-    worker: Worker
-    time_ns: int
-    detail: str
-
-
-class SpawnError(RuntimeError):
-    """A worker could not be started; `local_rank` says which."""
-
-    def __init__(self, local_rank: int, error: BaseException) -> None:
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.local_rank = local_rank
 
 
 class WorkerGroup:
@@ -149,23 +66,18 @@ class WorkerGroup:
     ) -> None:
         self.config = config
         self.entrypoint = entrypoint
-        self.run_id = run_id
-        self.layout = layout
         self.table = table
         self.watchdog = watchdog
         self.spawner = spawner
         self.gpu_count = gpu_count
         self.guardian = guardian
-        self.extra_env = dict(extra_env or {})
         self.host = host or socket.gethostname()
+        self.startup = Startup(
+            config, entrypoint, run_id, layout, table.path, extra_env or {}, self.host
+        )
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
-        self._pump = OutputPump()
-        self._filtered: dict[str, IO[bytes]] = {}
-        self._info: RendezvousInfo | None = None
         self._hang_timeout = 0.0  # the watchdog's heartbeat limit for every worker (0: off)
-        self._attempt = -1
-        self._restarts = 0
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -195,6 +107,28 @@ class WorkerGroup:
                 out[w.local_rank] = self.table.read(w.local_rank)
         return out
 
+    def health(self) -> list[dict[str, Any]]:
+        """Each worker as ``/healthz`` shows it."""
+        now = elastic_core.now_ns()
+        beats = self.beats()
+        out = []
+        for w in self.workers:
+            b = beats.get(w.local_rank)
+            quiet = (now - b.last_beat_ns) / 1e9 if b and b.last_beat_ns else None
+            out.append(
+                {
+                    "rank": w.rank,
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "state": w.state.value,
+                    "running": not w.exited,
+                    "exit_code": w.exit_code,
+                    "step": b.step if b else None,
+                    "seconds_since_beat": quiet,
+                }
+            )
+        return out
+
     def all_beating(self) -> bool:
         beats = self.beats()
         return (
@@ -206,15 +140,19 @@ class WorkerGroup:
     def gpu_of(self, local_rank: int) -> int | None:
         return devices.nvml_index(local_rank, self.gpu_count)
 
+    def in_train_loop(self) -> bool:
+        """Whether the workers run the train loop (one said so: the script is the same for
+        all), so that a dead one is replaced alone."""
+        return any(w.train_loop() != Loop.NONE for w in self.workers)
+
     # ---- starting ----------------------------------------------------------------------------
 
     def start_all(self, info: RendezvousInfo, attempt: int, restarts: int) -> None:
         """Start every worker of `attempt`. On a spawn failure, raises :class:`SpawnError`
         with the workers started so far left running (the caller stops them)."""
         self.close()
-        self._info, self._attempt, self._restarts = info, attempt, restarts
+        self.startup.begin(info, attempt, restarts)
         self._workers, self._retired = {}, []
-        os.makedirs(self.layout.attempt_dir(attempt), exist_ok=True)
         self.table.reset()
         for local_rank in range(self.config.nproc_per_node):
             self._start(local_rank, generation=0)
@@ -222,7 +160,7 @@ class WorkerGroup:
     def follow(self, info: RendezvousInfo) -> None:
         """A new round of the nodes while the workers keep running (the train loop forms
         its own groups): replacements start in it, and the workers' ranks are its own."""
-        self._info = info
+        self.startup.follow(info)
         for w in self._workers.values():
             w.rank = info.rank_offset + w.local_rank
 
@@ -231,7 +169,7 @@ class WorkerGroup:
         and start a new one in its place, with the same rank, environment and round; the
         other workers are not touched."""
         old = self._workers.get(local_rank)
-        if old is None or self._info is None:
+        if old is None:
             raise KeyError(f"no worker with local rank {local_rank} in this attempt")
         if not old.exited:
             self._stop(
@@ -240,26 +178,42 @@ class WorkerGroup:
         self._release(old)
         self._retired.append(old)
         self.table.reset_slot(local_rank)
-        return self._start(local_rank, generation=old.generation + 1)
+        new = self._start(local_rank, generation=old.generation + 1)
+        # Those spared while waiting for a peer get a full period from now, when that peer
+        # (if it was this one) is gone and their collective fails.
+        now = elastic_core.now_ns()
+        for w in self._workers.values():
+            if w.spared_until_ns is not None:
+                w.spared_until_ns = now + w.spare_ns
+        return new
+
+    def spare(self, local_rank: int, seconds: float) -> None:
+        """Worker `local_rank` is hung inside a collective: it waits for a peer, which is judged
+        first. It is judged again in `seconds` (:meth:`still_stuck`) unless it beats."""
+        w = self._workers[local_rank]
+        beat = self.beats().get(local_rank)
+        w.spared_beat_ns = beat.last_beat_ns if beat is not None else 0
+        w.spare_ns = int(seconds * 1e9)
+        w.spared_until_ns = elastic_core.now_ns() + w.spare_ns
+
+    def still_stuck(self) -> Worker | None:
+        """A spared worker whose period ran out without a beat (it is spared no more). Those
+        that beat again are forgiven."""
+        beats = self.beats()
+        now = elastic_core.now_ns()
+        for w in self.alive():
+            if w.spared_until_ns is None:
+                continue
+            beat = beats.get(w.local_rank)
+            if beat is not None and beat.last_beat_ns != w.spared_beat_ns:
+                w.spared_until_ns = None
+            elif now >= w.spared_until_ns:
+                w.spared_until_ns = None
+                return w
+        return None
 
     def _start(self, local_rank: int, generation: int) -> Worker:
-        assert self._info is not None
-        w = self._new_worker(local_rank, generation)
-        try:
-            request = SpawnRequest(
-                local_rank, self._argv(w), self._env(w), *self._streams(w), call=self._call(w)
-            )
-            try:
-                w.process = self.spawner.spawn(request)
-            finally:
-                for fd in (request.stdout, request.stderr):
-                    if fd >= 0:
-                        os.close(fd)  # a log file or a tee pipe: the worker has its own copy
-        except Exception as e:
-            for f in w._files:
-                f.close()
-            raise SpawnError(local_rank, e) from e
-        w.started_ns = elastic_core.now_ns()
+        w = self.startup.start(local_rank, generation, self.spawner)
         self._workers[local_rank] = w
         if self.guardian is not None:
             self.guardian.watch_group(w.pid)
@@ -273,122 +227,6 @@ class WorkerGroup:
         )
         w.process.watched()
         return w
-
-    def _new_worker(self, local_rank: int, generation: int) -> Worker:
-        """A worker's record and file paths, before anything is opened or started."""
-        assert self._info is not None
-        c = self.config
-        rank_dir = self.layout.rank_dir(self._attempt, local_rank, generation)
-        logs = []
-        for which, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
-            kept = (std_for(c.tee, local_rank) | std_for(c.redirects, local_rank)) & which
-            logs.append(
-                os.path.join(rank_dir, f"{name}.log") if kept and self.layout.keep_logs else None
-            )
-        return Worker(
-            local_rank=local_rank,
-            rank=self._info.rank_offset + local_rank,
-            process=None,  # type: ignore[arg-type]  # set once started
-            started_ns=0,
-            rank_dir=rank_dir,
-            error_file=os.path.join(rank_dir, "error.json"),
-            loop_file=os.path.join(rank_dir, "train_loop"),
-            stack_file=os.path.join(rank_dir, "stack.txt"),
-            stdout_log=logs[0],
-            stderr_log=logs[1],
-            result_file=os.path.join(rank_dir, "return.pkl")
-            if self.entrypoint.kind == Kind.FUNCTION
-            else None,
-            generation=generation,
-        )
-
-    def _env(self, w: Worker) -> dict[str, str]:
-        assert self._info is not None
-        c, info = self.config, self._info
-        env = dict(os.environ)
-        env.update(self.extra_env)
-        env.update(
-            compat.worker_env(
-                local_rank=w.local_rank,
-                rank=w.rank,
-                group_rank=info.group_rank,
-                role=c.role,
-                local_world_size=c.nproc_per_node,
-                world_size=info.world_size,
-                group_world_size=info.group_world_size,
-                master_addr=info.master_addr,
-                master_port=info.master_port,
-                restarts=self._restarts,
-                max_restarts=c.max_restarts,
-                run_id=self.run_id,
-                signals_to_handle=c.signals_to_handle,
-                error_file=w.error_file,
-            )
-        )
-        env.update(
-            {
-                elastic_core.HEARTBEAT_FILE_ENV: self.table.path,
-                elastic_core.HEARTBEAT_SLOT_ENV: str(w.local_rank),
-                worker_main.STACK_FILE_ENV: w.stack_file,
-                worker_main.PARENT_ENV: str(os.getpid()),
-                "ELASTICRUN_ATTEMPT": str(self._attempt),
-                "ELASTICRUN_ROUND": str(info.round),
-                "ELASTICRUN_REPLACEMENT": str(w.generation),
-                team.LOOP_FILE_ENV: w.loop_file,
-                # SIGTERM -> SIGKILL: what a worker has to finish (elastic_sampler's saves).
-                "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
-            }
-        )
-        if c.virtual_local_rank:
-            env.update(devices.single_device_env(w.local_rank))
-            env["LOCAL_RANK"] = "0"
-        return env
-
-    def _argv(self, w: Worker) -> list[str]:
-        spec = w.result_file + ".spec" if w.result_file is not None else None
-        return self.entrypoint.worker_argv(w.local_rank, spec)
-
-    def _call(self, w: Worker) -> worker_main.FunctionCall | None:
-        if self.entrypoint.kind != Kind.FUNCTION:
-            return None
-        assert w.result_file is not None
-        assert callable(self.entrypoint.target)
-        return (self.entrypoint.target, self.entrypoint.fn_args, w.result_file)
-
-    # ---- output ------------------------------------------------------------------------------
-
-    def _streams(self, w: Worker) -> tuple[int, int]:
-        """Where the worker's stdout and stderr go: file descriptors (a log file, or a pipe to
-        the tee pump) the caller closes once the worker has them, KEEP or DEVNULL."""
-        c = self.config
-        shown = c.local_ranks_filter is None or w.local_rank in c.local_ranks_filter
-        out_console, err_console = console_streams()
-        prefix = compat.log_line_prefix(c.role, w.rank, w.local_rank, self.host)
-        targets: list[int] = []
-        for which, path, console, filters, name in (
-            (Std.OUT, w.stdout_log, out_console, c.duplicate_stdout_filters, "stdout"),
-            (Std.ERR, w.stderr_log, err_console, c.duplicate_stderr_filters, "stderr"),
-        ):
-            tee = bool(std_for(c.tee, w.local_rank) & which)
-            if path is not None and tee:
-                log = open(path, "ab")  # noqa: SIM115 - closed with the worker
-                w._files.append(log)
-                r, fd = os.pipe()
-                filtered = self._filtered_file(name) if filters else None
-                self._pump.add(r, log, console if shown else None, prefix, filtered, filters)
-                targets.append(fd)
-            elif path is not None:
-                targets.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
-            else:
-                targets.append(worker_main.KEEP if shown else worker_main.DEVNULL)
-        return targets[0], targets[1]
-
-    def _filtered_file(self, name: str) -> IO[bytes]:
-        f = self._filtered.get(name)
-        if f is None:
-            path = os.path.join(self.layout.attempt_dir(self._attempt), f"filtered_{name}.log")
-            f = self._filtered[name] = open(path, "ab")  # noqa: SIM115 - closed by close()
-        return f
 
     # ---- watching ------------------------------------------------------------------------------
 
@@ -440,22 +278,30 @@ class WorkerGroup:
 
     # ---- stopping ------------------------------------------------------------------------------
 
-    def stop_all(self, sig: int, grace: float, cancel: CancelToken = NEVER) -> list[Worker]:
-        """The stop sequence: `sig` to every live worker's process group, up to `grace`
-        seconds (cut short by a forced cancellation), then SIGKILL. Returns the workers that
-        were running and were stopped (their state is STOPPED). A worker whose exit was seen
-        before the signal went out (its event was still queued) ended on its own: it keeps its
-        own state (SUCCEEDED or FAILED) and is not among them."""
+    def stop_all(self, sig: int, grace: float, cancel: CancelToken = NEVER) -> Stopped:
+        """End the attempt: `sig` to every live worker's process group, up to `grace`
+        seconds (cut short by a forced cancellation), then SIGKILL; then :meth:`close`. The
+        workers that were running and were stopped are STOPPED. One whose exit was seen before
+        the signal went out (its event was still queued) ended on its own: it keeps its own
+        state, and is among :attr:`Stopped.ended` if it failed."""
         running = [w for w in self.alive() if w.state == WorkerState.RUNNING]
         sent_ns = elastic_core.now_ns()
         self._stop(self.alive(), sig, grace, cancel)
-        stopped = []
+        stopped, ended = [], []
         for w in running:
             if w.exited_ns is not None and w.exited_ns < sent_ns:
+                if w.state == WorkerState.FAILED:
+                    ended.append(w)
                 continue
             w.state = WorkerState.STOPPED
             stopped.append(w)
-        return stopped
+        self.close()
+        return Stopped(stopped, ended)
+
+    def finish(self) -> dict[int, Any]:
+        """Every worker succeeded: :meth:`close`, and the return values by global rank."""
+        self.close()
+        return self.return_values()
 
     def _stop(
         self, targets: list[Worker], sig: int, grace: float, cancel: CancelToken = NEVER
@@ -516,13 +362,9 @@ class WorkerGroup:
                     w.state = WorkerState.STOPPED
                 self._mark_exited(w)
             self.watchdog.unwatch(w.local_rank)
-        if not self._pump.wait_drained(timeout=5.0):
-            self._pump.drop_all()  # a grandchild still holds a pipe: stop reading it
+        self.startup.close()
         for w in self._workers.values():
             self._release(w)
-        for f in self._filtered.values():
-            f.close()
-        self._filtered = {}
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -603,3 +445,6 @@ def _read_from(path: str, offset: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+__all__ = ["Finding", "SpawnError", "Stopped", "Watcher", "Worker", "WorkerEvent", "WorkerGroup"]

@@ -1,13 +1,14 @@
 """Backends whose membership never changes: one node (``embedded`` with ``--nnodes 1``, and
 ``--standalone``) and ``static``. Each round is answered at once; the restart budget is counted
-on this node (there is no shared store), by :func:`.round.spend_restart` like everywhere else."""
+on this node (there is no shared store), by :class:`~elastic_launch.api.RestartBudget` like
+everywhere else."""
 
 from __future__ import annotations
 
 import abc
 
+from elastic_launch.api import RestartBudget
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -47,14 +48,13 @@ class FixedRendezvous(RendezvousHandler):
                 self._closed,
             )
         if reason == RestartReason.FAILURE:
-            spent = rnd.spend_restart(self._restarts, self._params.max_restarts)
+            budget = RestartBudget(self._restarts, self._params.max_restarts)
+            spent = budget.spend()
             if spent is None:
-                self.set_closed(
-                    CloseReason.FAILED, rnd.exhausted_detail(self._params.max_restarts, failure)
-                )
+                self.set_closed(CloseReason.FAILED, budget.exhausted(failure))
                 assert self._closed is not None
                 raise RendezvousClosedError(f"the job is over: {self._closed}", self._closed)
-            self._restarts = spent
+            self._restarts = spent.spent
         self._round += 1
         return self._round_info(self._round)
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from elastic_launch.api import RestartBudget
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -348,16 +349,6 @@ def abandon(state: RoundState) -> RoundState:
 # ---- final --------------------------------------------------------------------------------------
 
 
-def spend_restart(restarts: int, max_restarts: int) -> int | None:
-    """The restart budget: the count after one more failure, or None if none is left."""
-    return restarts + 1 if restarts < max_restarts else None
-
-
-def exhausted_detail(max_restarts: int, failure: str) -> str:
-    detail = f"restarts exhausted ({max_restarts})"
-    return f"{detail}; {failure}" if failure else detail
-
-
 def reopen(
     state: RoundState,
     reason: RestartReason,
@@ -370,10 +361,11 @@ def reopen(
     member whose leaving ends the round, so that the others can say who it was."""
     restarts = state.restarts
     if reason == RestartReason.FAILURE:
-        spent = spend_restart(restarts, max_restarts)
+        budget = RestartBudget(restarts, max_restarts)
+        spent = budget.spend()
         if spent is None:
-            return close(state, CloseReason.FAILED, exhausted_detail(max_restarts, failure))
-        restarts = spent
+            return close(state, CloseReason.FAILED, budget.exhausted(failure))
+        restarts = spent.spent
     return replace(
         state,
         version=state.version + 1,

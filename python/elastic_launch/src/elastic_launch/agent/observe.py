@@ -1,0 +1,189 @@
+"""What happened, as the agent sees it: the next happening of a running attempt, and the
+:class:`~elastic_launch.agent.decide.Snapshot` a decision reads.
+
+This is where the agent reads the world (the watchdog's events, the hang monitor, the heartbeat
+slots, a worker's loop file and stacks, NVML before a start); the decision itself reads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import elastic_core
+
+from elastic_launch.agent.decide import Happening, Loop, Snapshot
+from elastic_launch.agent.failures import FailureLog
+from elastic_launch.agent.hang import HangMonitor, beats_of
+from elastic_launch.agent.summary import describe
+from elastic_launch.agent.worker import Finding, Worker, WorkerEvent
+from elastic_launch.agent.workers import WorkerGroup
+from elastic_launch.api import FailureKind, LaunchConfig, RestartBudget, WorkerFailure
+from elastic_launch.cancel import CancelToken
+from elastic_launch.rendezvous.api import RendezvousHandler, RendezvousInfo
+
+#: The failure a happening is, for its record and the job's message (FAILED: by its status).
+_KINDS = {
+    Happening.HUNG: FailureKind.HUNG,
+    Happening.STILL_STUCK: FailureKind.HUNG,
+    Happening.GPU_FAULT: FailureKind.GPU,
+    Happening.GPU_UNUSABLE: FailureKind.GPU,
+    Happening.SPAWN_FAILED: FailureKind.SPAWN,
+}
+NO_STACK = "(no Python stack: the worker did not answer)"
+
+
+@dataclass
+class Happened:
+    """Something that happened: the inputs of one decision."""
+
+    happening: Happening
+    worker: Worker | None = None
+    time_ns: int = 0
+    detail: str = ""
+    rank: int = -1  # without a worker (a spawn failure, an unusable GPU)
+    local_rank: int = -1
+    replacing: bool = False  # SPAWN_FAILED: a replacement's
+    stack: str = ""  # HUNG: the worker's Python stacks
+    failure: WorkerFailure | None = None  # what it is as a failure, set by the snapshot
+
+
+class Observer:
+    """Reads what happens to one node's workers (see the module's docstring)."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        group: WorkerGroup,
+        rendezvous: RendezvousHandler,
+        cancel: CancelToken,
+        hangs: HangMonitor,
+        failures: FailureLog,
+        gpu: elastic_core.GpuHealth | None,
+        host: str,
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.rdzv = rendezvous
+        self.cancel = cancel
+        self.hangs = hangs
+        self.failures = failures
+        self.gpu = gpu
+        self.host = host
+
+    # ---- what happened ---------------------------------------------------------------------
+
+    def next(self) -> Happened | None:
+        """The next thing to decide on, if any comes within the monitor interval."""
+        if self.cancel.cancelled:
+            return Happened(Happening.SIGNAL)
+        if self.rdzv.membership_changed():
+            return Happened(Happening.MEMBERSHIP)
+        event = self.group.next_event(self.config.monitor_interval)
+        if event is not None:
+            return self._of_event(event)
+        hung = self._hung_under_auto()
+        if hung is not None:
+            return hung
+        w = self.group.still_stuck()
+        if w is not None:
+            detail = "still stuck in a collective one hang period after its first finding"
+            return Happened(Happening.STILL_STUCK, w, elastic_core.now_ns(), detail)
+        return None
+
+    def _of_event(self, event: WorkerEvent) -> Happened:
+        w = event.worker
+        if event.finding == Finding.EXITED:
+            happening = Happening.EXITED_OK if w.exit_code == 0 else Happening.FAILED
+            return Happened(happening, w, event.time_ns, event.detail)
+        if event.finding == Finding.GPU:
+            return Happened(Happening.GPU_FAULT, w, event.time_ns, event.detail)
+        slot = self.group.beats().get(w.local_rank)
+        own = slot.timeout_ms / 1000 if slot is not None else 0.0
+        detail = f"{event.detail}; {self.hangs.advice(own)}"
+        return Happened(Happening.HUNG, w, event.time_ns, detail)
+
+    def _hung_under_auto(self) -> Happened | None:
+        """Under ``--hang-timeout auto``, the worker the hang monitor judges hung."""
+        if not self.hangs.auto:
+            return None
+        now = elastic_core.now_ns()
+        live = [(w.local_rank, w.pid) for w in self.group.alive()]
+        for hung in self.hangs.check(live, beats_of(self.group.beats()), now):
+            w = self.group.get(hung.local_rank)
+            if w is not None and w.spared_until_ns is None:
+                detail = f"{hung.detail}; {self.hangs.advice(0)}"
+                return Happened(Happening.HUNG, w, now, detail)
+        return None
+
+    def unusable_gpu(self, info: RendezvousInfo, attempt: int) -> Happened | None:
+        """Before a start: a GPU a worker would use is unhealthy (a lost GPU or a critical XID
+        needs a reset); starting on it again cannot succeed."""
+        if self.gpu is None:
+            return None
+        reports = {r.device: r for r in self.gpu.check_all(timeout=5.0)}
+        for local_rank in range(self.config.nproc_per_node):
+            device = self.group.gpu_of(local_rank)
+            report = reports.get(device) if device is not None else None
+            if report is not None and report.state == elastic_core.GpuState.UNHEALTHY:
+                detail = f"before starting attempt {attempt}: {report.detail}"
+                rank = info.rank_offset + local_rank
+                return Happened(Happening.GPU_UNUSABLE, None, 0, detail, rank, local_rank)
+        return None
+
+    # ---- the snapshot ------------------------------------------------------------------------
+
+    def snapshot(self, h: Happened, budget: RestartBudget) -> Snapshot:
+        """What the decision on `h` reads. A hung worker is asked for its stacks (in the train
+        loop only it: the others run on), and `h.failure` is built (not recorded)."""
+        w = h.worker
+        in_loop = self.group.in_train_loop()
+        if h.happening == Happening.HUNG and w is not None and w.spared_until_ns is None:
+            only = {w.local_rank} if in_loop else None
+            stacks = self.group.dump_stacks(self.config.stack_dump_timeout, only)
+            h.stack = stacks.get(w.local_rank, NO_STACK)
+        h.failure = self._failure_of(h)
+        return Snapshot(
+            h.happening,
+            budget,
+            failure=self._failure_text(h),
+            signalled=w is not None and w.signal is not None,
+            loop=w.train_loop() if w is not None else Loop.NONE,
+            node_in_loop=in_loop,
+            all_succeeded=self.group.succeeded,
+            spared=w is not None and w.spared_until_ns is not None,
+            waits_on_peer="torch/distributed/" in h.stack,
+            spare_seconds=self.spare_seconds(w) if w is not None else float("inf"),
+            replacing=h.replacing,
+        )
+
+    def spare_seconds(self, w: Worker) -> float:
+        """How long a spared worker waits for its peer: its own limit, or the agent's."""
+        beat = self.group.beats().get(w.local_rank)
+        if beat is not None and beat.timeout_ms:
+            return beat.timeout_ms / 1000
+        return self.hangs.limit()
+
+    def _failure_of(self, h: Happened) -> WorkerFailure | None:
+        kind = _KINDS.get(h.happening)
+        w = h.worker
+        if h.happening == Happening.FAILED and w is not None:
+            kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
+        if kind is None:
+            return None
+        if w is None:
+            return self.failures.new(kind, h.rank, h.local_rank, detail=h.detail)
+        beat = self.group.beats().get(w.local_rank)
+        last = beat.last_beat_ns if beat is not None else None
+        failure = self.failures.of_worker(w, kind, h.time_ns, h.detail, last)
+        failure.stack = h.stack
+        return failure
+
+    def _failure_text(self, h: Happened) -> str:
+        """The failure in words, for the job's message should the decision end it."""
+        if h.happening == Happening.SPAWN_FAILED and h.replacing:
+            return f"a replacement for rank {h.rank} could not start: {h.detail}"
+        f = h.failure
+        line = f"rank {f.rank} {describe(f)}" if f is not None else ""
+        if h.happening == Happening.GPU_UNUSABLE:
+            return f"an unusable GPU on {self.host}: {line}"
+        return line
