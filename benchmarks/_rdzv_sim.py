@@ -67,7 +67,7 @@ def snapshot() -> dict[str, Any]:
 
 
 def _key_class(key: str) -> str:
-    """What a key or prefix is, in the rendezvous' layout (elastic.py's docstring)."""
+    """What a key or prefix is, in the rendezvous' layout (job.py's docstring)."""
     if key.endswith("/state"):
         return "state"
     for part in ("/join/", "/confirm/", "/waiting/", "/done/", "/note/"):
@@ -300,7 +300,7 @@ def _instrument_v2() -> None:
 
 def _instrument_store() -> None:
     """The rendezvous' own requests (Store methods), by kind and key, with what came back."""
-    from elastic_launch.rendezvous import elastic, session, store
+    from elastic_launch.rendezvous import job, session, store
     from elastic_launch.rendezvous.round import Member, RoundState
 
     classes: list[Any] = []
@@ -395,7 +395,7 @@ def _instrument_store() -> None:
     session.Session._lease_lost = lease_lost  # type: ignore[method-assign]
 
     # When a round becomes final: the leader's successful commit of the FINAL state.
-    commit = elastic.ElasticRendezvous._commit
+    commit = job.Job.commit
 
     def committed(self: Any, state: Any, version: int) -> int:
         written = commit(self, state, version)
@@ -409,7 +409,7 @@ def _instrument_store() -> None:
             )
         return written
 
-    elastic.ElasticRendezvous._commit = committed  # type: ignore[method-assign]
+    job.Job.commit = committed  # type: ignore[method-assign]
 
 
 def _instrument_server() -> None:

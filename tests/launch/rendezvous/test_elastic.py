@@ -223,7 +223,7 @@ def test_a_node_that_does_not_lead_reads_the_same_whatever_the_number_of_nodes(e
             others = [h.store.keys_read for h in members if h is not leader[0]]
             reads[n] = (max(others), leader[0].store.keys_read)
             assert all(
-                len(kv.value) < 300 for kv in members[0].store.range(members[0]._state_key)[0]
+                len(kv.value) < 300 for kv in members[0].store.range(members[0].job.keys.state)[0]
             )
         finally:
             for h in members:
@@ -258,7 +258,7 @@ def test_a_node_left_out_of_a_full_round_takes_its_confirmation_back(endpoint, r
         assert sorted(i.group_rank for i in infos) == [0, 1]
         left_out = next(h for h, f in zip(members, futures) if not f.done())
         wait_for(lambda: left_out._phase == "spare", "the node left out never waited as a spare")
-        confirms = members[0].store.range(f"{members[0]._m}/v1/confirm/")[0]
+        confirms = members[0].store.range(f"{members[0].job.keys.m}v1/confirm/")[0]
         assert sorted(kv.key.rsplit("/", 1)[1] for kv in confirms) == sorted(
             h.node for h in members if h is not left_out
         )
@@ -340,7 +340,7 @@ def test_a_node_that_finished_first_waits_for_the_job_to_close(endpoint, request
         form_round(members)
         first, last = members
         assert not first.mark_done(), "the other member still runs"
-        last.store.put(f"{last._m}/done/{last.node}", b"1")  # mid-way through mark_done
+        last.store.put(f"{last.job.keys.m}done/{last.node}", b"1")  # mid-way through mark_done
         assert not first.wait_for_others(1.0), "it left before the job was closed"
         assert last.mark_done(), "the last to finish closes the job"
         assert first.wait_for_others(10.0)
@@ -359,8 +359,8 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
         assert not members[0].mark_done()
         assert members[1].mark_done(), "the last to finish closes the job"
         assert members[1].closed().reason == CloseReason.SUCCEEDED
-        kvs, _ = members[0].store.range(members[0].prefix + "/")
-        assert [kv.key for kv in kvs] == [members[0]._state_key], "only the state is left"
+        kvs, _ = members[0].store.range(members[0].job.keys.everything)
+        assert [kv.key for kv in kvs] == [members[0].job.keys.state], "only the state is left"
     finally:
         for h in members:
             h.shutdown()
@@ -383,7 +383,7 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
 def _state_lease(h: ElasticRendezvous) -> int:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
-    reply = h.store._call(h.store._kv.Range, rpc_pb2.RangeRequest(key=h._state_key.encode()))
+    reply = h.store._call(h.store._kv.Range, rpc_pb2.RangeRequest(key=h.job.keys.state.encode()))
     return int(reply.kvs[0].lease)
 
 
@@ -441,7 +441,7 @@ def test_a_node_of_another_version_is_refused_naming_both(endpoint, request):
     pool = ThreadPoolExecutor(1)
     try:
         waiting = pool.submit(first.next_rendezvous, cancel=token)
-        wait_for(lambda: first.store.get(first._state_key) is not None, "no state")
+        wait_for(lambda: first.store.get(first.job.keys.state) is not None, "no state")
         with pytest.raises(RendezvousVersionError) as info:
             other.next_rendezvous()
         assert "9.9.9" in str(info.value) and first.release in str(info.value)
@@ -461,7 +461,7 @@ def test_a_cancelled_wait_ends_at_once_and_the_node_leaves_the_round(endpoint, r
     pool = ThreadPoolExecutor(1)
     try:
         waiting = pool.submit(alone.next_rendezvous, cancel=token)
-        join_prefix = f"{alone._m}/v1/join/"
+        join_prefix = f"{alone.job.keys.m}v1/join/"
         wait_for(lambda: alone.store.range(join_prefix)[0], "it never joined")
         t0 = time.monotonic()
         token.cancel(15)
@@ -661,6 +661,7 @@ def test_survivors_coming_back_one_by_one_cost_the_leader_few_reads(endpoint, re
     a survivor comes back: its reads of the previous round's N join keys must not be one per
     survivor (N reads of N keys), only when those awaited have halved, then singly."""
     from elastic_launch.rendezvous.round import Member, RoundState, Status
+    from elastic_launch.rendezvous.view import JoinView
 
     run_id = f"awaited-{request.node.callspec.id}-{time.monotonic_ns()}"
     (leader,) = handlers(endpoint, 1, run_id, [RequestCountingStore])
@@ -670,7 +671,7 @@ def test_survivors_coming_back_one_by_one_cost_the_leader_few_reads(endpoint, re
         survivors = nodes[:150]  # the other 50 died: their join keys expired
         for node in survivors:
             member = Member("127.0.0.1", 1, 1, presence=alive.getsockname()[1])
-            leader.store.put(f"{leader._m}/v1/join/{node}", member.to_json())
+            leader.store.put(f"{leader.job.keys.m}v1/join/{node}", member.to_json())
         state = RoundState(
             2, Status.JOINABLE, ran=1, prev_ranks={n: i for i, n in enumerate(nodes)}
         )
@@ -679,7 +680,9 @@ def test_survivors_coming_back_one_by_one_cost_the_leader_few_reads(endpoint, re
         answers = []
         for node in survivors:
             joined[node] = len(joined)
-            answers.append(leader._rest_gone(state, joined, set()))
+            answers.append(
+                leader.waits._rest_gone(state, JoinView(state, 0, "n000", joined=joined))
+            )
         assert answers == [False] * 149 + [True], "not all back, or back and not seen"
         join_reads = [p for p in leader.store.ranges if p.endswith("/v1/join/")]
         assert len(join_reads) <= 8, f"{len(join_reads)} reads of the previous round's keys"
