@@ -65,3 +65,23 @@ def test_prometheus_counts_replaced_workers_and_their_recovery():
         events.close()
     assert "elasticrun_workers_replaced_total 1.0" in text
     assert "elasticrun_recovery_seconds_count 1.0" in text
+
+
+def test_the_agent_and_the_train_loop_write_one_record_format(tmp_path, monkeypatch):
+    """Both writers of the events file go through elastic_launch.eventlog: the same fields in
+    the same order, one line each."""
+    from elastic_launch.train_loop import metrics
+
+    path = tmp_path / "ev.jsonl"
+    events = Events("run9", [JsonLinesHandler(str(path))])
+    events.emit("group_started", 2, workers=2)
+    monkeypatch.setenv("ELASTICRUN_EVENTS_FILE", str(path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run9")
+    monkeypatch.setenv("ELASTICRUN_ATTEMPT", "2")
+    metrics.event("train_loop_round", round=4)
+    events.close()
+    agent, loop = (json.loads(line) for line in path.read_text().splitlines())
+    head = ["event", "time", "run_id", "attempt", "pid"]
+    assert list(agent)[:5] == head and list(loop)[:5] == head
+    assert (agent["run_id"], agent["attempt"]) == (loop["run_id"], loop["attempt"]) == ("run9", 2)
+    assert loop["event"] == "train_loop_round" and loop["round"] == 4

@@ -3,9 +3,22 @@ does not take."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
 import pytest
 from elastic_launch.rendezvous import RendezvousConfigError
-from elastic_launch.rendezvous.conf import KEYS, keys_for, parse_conf
+from elastic_launch.rendezvous.conf import (
+    KEYS,
+    URL_KEYS,
+    WORKER_KEYS,
+    RendezvousConf,
+    help_text,
+    keys_for,
+    markdown,
+    parse_conf,
+)
 
 
 def test_defaults_and_torch_names():
@@ -63,3 +76,51 @@ def test_every_key_is_documented_and_taken_by_some_backend():
         assert key.help and key.backends, key.name
     assert keys_for("static") == ["rank"]
     assert "token" in keys_for("embedded") and "token" not in keys_for("etcd")
+
+
+SRC = Path(__file__).resolve().parents[3] / "python" / "elastic_launch" / "src" / "elastic_launch"
+REPO = SRC.parents[3]
+
+
+def test_no_default_is_written_twice():
+    """A key's default is in KEYS alone: RendezvousConf has none of its own, no help text
+    repeats one, and no other module pairs a key's name with its default."""
+    assert all(f.default is MISSING for f in fields(RendezvousConf)), "defaults come from KEYS"
+    assert RendezvousConf.defaults().join_timeout == next(
+        k.default for k in KEYS if k.name == "join_timeout"
+    )
+    for key in KEYS:
+        assert not re.search(r"\d", key.help), f"{key.name}: its help names a number"
+    numeric = [k for k in KEYS if isinstance(k.default, (int, float)) and not k.alias]
+    for path in SRC.rglob("*.py"):
+        if path.name == "conf.py" or "etcdpb" in path.parts:
+            continue
+        text = path.read_text()
+        for key in numeric:
+            value = rf"""["']?{key.default:g}(?:\.0+)?(?![\d.])"""
+            pattern = rf"""\b{key.name}["']?\s*(?::[\w .|\[\]]+?=|[:=])\s*{value}"""
+            assert not re.search(pattern, text), f"{path.name} writes {key.name}'s default again"
+
+
+def test_the_docs_table_is_the_one_in_the_code():
+    doc = (REPO / "docs" / "rendezvous.md").read_text()
+    start = doc.index("<!-- generated: rendezvous keys -->\n") + len(
+        "<!-- generated: rendezvous keys -->\n"
+    )
+    end = doc.index("<!-- end generated -->")
+    assert doc[start:end] == markdown(), (
+        "regenerate it: python -c 'from elastic_launch.rendezvous import conf; print(conf.markdown())'"
+    )
+
+
+def test_help_names_every_key_with_its_default():
+    text = help_text()
+    for key in KEYS:
+        assert key.name in text
+    assert "join_timeout=600" in text and "last_call_timeout=3" in text
+
+
+def test_the_workers_and_the_url_read_the_same_table():
+    assert WORKER_KEYS == {k.name for k in KEYS if k.workers}
+    assert "token" in WORKER_KEYS and "join_timeout" not in WORKER_KEYS, "the agents' own"
+    assert set(URL_KEYS) == {"timeout", "last_call_timeout", "protocol", "cacert", "cert", "key"}

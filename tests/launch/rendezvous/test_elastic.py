@@ -27,7 +27,7 @@ from elastic_launch.rendezvous.elastic import ElasticRendezvous
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
 # MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
-CONF = RendezvousConf(
+CONF = RendezvousConf.defaults(
     join_timeout=30.0,
     last_call_timeout=10.0,
     heartbeat_timeout=5.0,

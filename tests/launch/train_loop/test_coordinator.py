@@ -18,6 +18,7 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
     RunIdInUseError,
 )
+from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.team import (
     FATAL,
     LOOP_FILE_ENV,
@@ -47,12 +48,12 @@ def test_the_classic_url_names_backend_endpoint_run_and_range():
     assert p.config == {"last_call_timeout": "5"}
     assert parse_init_method("etcd-v2://h:1/r?min_workers=3").max_nodes == 3
     tls = parse_init_method("etcd://h:1/r?min_workers=1&protocol=https&cacert=/ca&timeout=9")
-    assert tls.config == {
-        "last_call_timeout": "30",
-        "join_timeout": "9",
-        "protocol": "https",
-        "cacert": "/ca",
-    }
+    assert tls.config == {"timeout": "9", "protocol": "https", "cacert": "/ca"}
+    conf = parse_conf(tls.backend, tls.config)
+    assert conf.join_timeout == 9.0, "torch's and 0.1's name for join_timeout"
+    assert conf.last_call_timeout == RendezvousConf.defaults().last_call_timeout, "one default"
+    plain = parse_init_method("embedded://h:1/r?min_workers=1&protocol=https")
+    assert plain.config == {}, "TLS is etcd's: the embedded service takes none of it"
 
 
 @pytest.mark.parametrize(

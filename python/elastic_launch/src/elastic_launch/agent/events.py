@@ -14,13 +14,12 @@ all running), ``group_ready`` (seconds to every worker's first beat), ``job_succ
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elastic_launch import eventlog
 from elastic_launch.api import ConfigError
 from elastic_launch.net import host_port
 
@@ -36,16 +35,8 @@ class AgentEvent:
     time: float = field(default_factory=time.time)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "event": self.name,
-                "time": self.time,
-                "run_id": self.run_id,
-                "attempt": self.attempt,
-                **self.data,
-            },
-            default=str,
-        )
+        """The event as the events file records it (:mod:`elastic_launch.eventlog`)."""
+        return eventlog.record(self.name, self.run_id, self.attempt, self.data, self.time)
 
 
 class EventHandler(Protocol):
@@ -72,18 +63,16 @@ class ConsoleHandler:
 
 
 class JsonLinesHandler:
-    """Appends one JSON object per event to a file, flushed at once (safe to tail)."""
+    """Appends one record per event to the events file (safe to tail)."""
 
     def __init__(self, path: str) -> None:
         try:
-            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+            self._file = eventlog.EventsFile(path)
         except OSError as e:
             raise ConfigError(f"--events-file '{path}' cannot be opened: {e.strerror}") from None
-        self._lock = threading.Lock()
 
     def emit(self, event: AgentEvent) -> None:
-        with self._lock:
-            self._file.write(event.to_json() + "\n")
+        self._file.write(event.name, event.run_id, event.attempt, event.data, event.time)
 
     def close(self) -> None:
         self._file.close()

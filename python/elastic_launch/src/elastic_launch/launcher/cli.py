@@ -31,6 +31,7 @@ from elastic_launch.launcher.config import (
     parse_std,
     random_id,
 )
+from elastic_launch.rendezvous import conf as rdzv_conf
 
 logger = logging.getLogger("elasticrun")
 
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(g, "rdzv-endpoint", default="", help="rendezvous endpoint, HOST:PORT")
     _add(g, "rdzv-id", default="none", help="the job's id (run id)")
-    _add(g, "rdzv-conf", default="", help="rendezvous options, KEY=VALUE,...")
+    _add(g, "rdzv-conf", default="", help=rdzv_conf.help_text())
     _add(
         g,
         "standalone",

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from elastic_launch.agent.devices import usable_gpus
 from elastic_launch.api import ConfigError, LaunchConfig, Std
@@ -217,7 +218,7 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
         if not key or not sep:
             raise ConfigError(
                 f"--rdzv-conf '{value}': '{item}' is not key=value; write it like "
-                "join_timeout=600,last_call_timeout=30"
+                "join_timeout=900,read_timeout=20"
             )
         if not val:
             raise ConfigError(f"--rdzv-conf '{value}': option '{key}' needs a value")
@@ -295,28 +296,50 @@ def random_id() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-# The ranges of LaunchConfig's numbers, shared by the command line and the Python API:
-# field -> (integer, low, high, above, what).
-RANGES: dict[str, tuple[bool, float, float, bool, str]] = {
-    "max_restarts": (True, 0, 1_000_000, False, "restarts"),
-    "monitor_interval": (False, 0, 60, True, "seconds"),
-    "node_rank": (True, 0, MAX_NODES - 1, False, "a node rank"),
-    "master_port": (True, 1, 65535, False, "a port"),
-    "shutdown_timeout": (False, 0, 86_400, False, "seconds"),
-    "hang_timeout_floor": (False, 0, MAX_SECONDS, True, "seconds"),
-    "hang_timeout_factor": (False, 0, 1_000_000, True, "times the step interval"),
-    "stack_dump_timeout": (False, 0, 3600, False, "seconds"),
-    "gpu_check_interval": (False, 0, 86_400, False, "seconds"),
-    "min_workers": (True, 1, 1 << 31, False, "a number of workers"),
+@dataclass(frozen=True)
+class Range:
+    """The valid values of one of LaunchConfig's numbers, shared by the command line and the
+    Python API (the flag's name and its PET_ variable come from the field's)."""
+
+    field: str
+    low: float
+    high: float
+    what: str  # the unit, for the error: "seconds", "a port"...
+    integer: bool = False
+    above: bool = False  # low itself is not valid
+
+    def check(self, value: object, name: str | None = None) -> float:
+        return number(
+            value,
+            name or self.field,
+            integer=self.integer,
+            low=self.low,
+            high=self.high,
+            above=self.above,
+            what=self.what,
+        )
+
+
+RANGES: dict[str, Range] = {
+    r.field: r
+    for r in (
+        Range("max_restarts", 0, 1_000_000, "restarts", integer=True),
+        Range("monitor_interval", 0, 60, "seconds", above=True),
+        Range("node_rank", 0, MAX_NODES - 1, "a node rank", integer=True),
+        Range("master_port", 1, 65535, "a port", integer=True),
+        Range("shutdown_timeout", 0, 86_400, "seconds"),
+        Range("hang_timeout_floor", 0, MAX_SECONDS, "seconds", above=True),
+        Range("hang_timeout_factor", 0, 1_000_000, "times the step interval", above=True),
+        Range("stack_dump_timeout", 0, 3600, "seconds"),
+        Range("gpu_check_interval", 0, 86_400, "seconds"),
+        Range("min_workers", 1, 1 << 31, "a number of workers", integer=True),
+    )
 }
 
 
 def check_range(field_name: str, value: object, name: str | None = None) -> float:
     """`value` for LaunchConfig's `field_name`, checked against :data:`RANGES`."""
-    integer, low, high, above, what = RANGES[field_name]
-    return number(
-        value, name or field_name, integer=integer, low=low, high=high, above=above, what=what
-    )
+    return RANGES[field_name].check(value, name)
 
 
 def check_types(config: LaunchConfig) -> None:

@@ -32,6 +32,7 @@ from elastic_launch.api import (
     WorkerFailedError,
 )
 from elastic_launch.cancel import CancelToken, SignalRelay
+from elastic_launch.eventlog import EVENTS_FILE_ENV
 from elastic_launch.launcher.config import check_config, parse_bind, parse_signals, random_id
 from elastic_launch.processes import preload
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
@@ -39,7 +40,7 @@ from elastic_launch.processes.guardian import Guardian
 from elastic_launch.processes.logs import LogLayout
 from elastic_launch.processes.spawn import FreshInterpreter, FunctionFork, Spawner, ZygoteFork
 from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
-from elastic_launch.rendezvous.team import EVENTS_FILE_ENV, TEAM_ENV, serve_team
+from elastic_launch.rendezvous.team import TEAM_ENV, serve_team
 
 logger = logging.getLogger(__name__)
 

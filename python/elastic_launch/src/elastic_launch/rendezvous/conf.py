@@ -49,66 +49,135 @@ def _protocol(raw: str) -> str:
     return raw
 
 
+_ALIAS = object()  # an alias's default: the key it names has it
+
+
 @dataclass(frozen=True)
 class Key:
+    """One key: the only place its type, default and meaning are written. ``--rdzv-conf``,
+    the train loop's workers (``workers``: taken over from the agents' by :mod:`.team`) and
+    the classic rendezvous URL (``url``) all read this table; so do ``--help`` and the docs."""
+
     name: str
-    parse: Callable[[str], Any]
+    parse: Callable[[str], Any]  # its type: text -> value, or ValueError saying what to give
+    default: Any
     backends: frozenset[str]
     help: str
     field: str = ""  # the RendezvousConf field it sets (default: its name)
+    workers: bool = False
+    url: bool = False
+
+    @property
+    def target(self) -> str:
+        return self.field or self.name
+
+    @property
+    def alias(self) -> bool:
+        return self.default is _ALIAS
 
 
 KEYS: tuple[Key, ...] = (
-    Key("join_timeout", positive_seconds, ELASTIC, "seconds to gather MIN nodes (600)"),
-    Key("timeout", positive_seconds, ELASTIC, "torch's name for join_timeout", "join_timeout"),
-    Key("last_call_timeout", positive_seconds, ELASTIC, "after MIN joined, for more (3)"),
-    Key("close_timeout", positive_seconds, ELASTIC, "for a frozen round's members to confirm (30)"),
+    Key("join_timeout", positive_seconds, 600.0, ELASTIC, "seconds to gather MIN nodes"),
+    Key("timeout", positive_seconds, _ALIAS, ELASTIC, "torch's name", "join_timeout", url=True),
     Key(
-        "heartbeat_timeout", positive_seconds, ELASTIC, "lease TTL: a dead node is seen within (5)"
+        "last_call_timeout", positive_seconds, 3.0, ELASTIC, "after MIN joined, for more", url=True
     ),
-    Key("keep_alive_interval", positive_seconds, ELASTIC, "torch's: heartbeat = this x attempts"),
-    Key("keep_alive_max_attempt", positive_int, ELASTIC, "torch's: see keep_alive_interval (3)"),
-    Key("read_timeout", positive_seconds, ELASTIC, "seconds one store request may take (10)"),
+    Key("close_timeout", positive_seconds, 30.0, ELASTIC, "for a frozen round to be confirmed"),
+    Key(
+        "heartbeat_timeout",
+        positive_seconds,
+        5.0,
+        ELASTIC,
+        "lease TTL: a dead node is seen within",
+        workers=True,
+    ),
+    Key(
+        "keep_alive_interval",
+        positive_seconds,
+        None,
+        ELASTIC,
+        "torch's: TTL = this x attempts",
+        workers=True,
+    ),
+    Key(
+        "keep_alive_max_attempt",
+        positive_int,
+        3,
+        ELASTIC,
+        "torch's: see keep_alive_interval",
+        workers=True,
+    ),
+    Key(
+        "read_timeout",
+        positive_seconds,
+        10.0,
+        ELASTIC,
+        "seconds one store request may take",
+        workers=True,
+    ),
     Key(
         "reconnect_timeout",
         positive_seconds,
+        30.0,
         ELASTIC,
-        "how long a running job waits for a store that went away (30)",
+        "how long a running job waits for a store that went away",
+        workers=True,
     ),
-    Key("is_host", as_bool, frozenset({EMBEDDED}), "host the embedded service here (true) or not"),
-    Key("token", str, frozenset({EMBEDDED}), "shared secret of the embedded service"),
-    Key("protocol", _protocol, _ETCDS, "http or https"),
-    Key("cacert", str, _ETCDS, "CA certificate file (TLS)"),
-    Key("cert", str, _ETCDS, "client certificate file (TLS)"),
-    Key("key", str, _ETCDS, "client key file (TLS)"),
-    Key("user", str, _ETCDS, "etcd user"),
-    Key("username", str, _ETCDS, "alias of user", "user"),
-    Key("password", str, _ETCDS, "etcd password"),
-    Key("rank", int, frozenset({STATIC}), "this node's rank (as --node-rank)", "node_rank"),
+    Key("is_host", as_bool, None, frozenset({EMBEDDED}), "host the embedded service here or not"),
+    Key(
+        "token",
+        str,
+        None,
+        frozenset({EMBEDDED}),
+        "shared secret of the embedded service",
+        workers=True,
+    ),
+    Key("protocol", _protocol, None, _ETCDS, "http or https", workers=True, url=True),
+    Key("cacert", str, None, _ETCDS, "CA certificate file (TLS)", workers=True, url=True),
+    Key("cert", str, None, _ETCDS, "client certificate file (TLS)", workers=True, url=True),
+    Key("key", str, None, _ETCDS, "client key file (TLS)", workers=True, url=True),
+    Key("user", str, None, _ETCDS, "etcd user", workers=True),
+    Key("username", str, _ALIAS, _ETCDS, "alias", "user", workers=True),
+    Key("password", str, None, _ETCDS, "etcd password", workers=True),
+    Key("rank", int, None, frozenset({STATIC}), "this node's rank (as --node-rank)", "node_rank"),
 )
+def default_of(name: str) -> Any:
+    """The default of key `name` (for code that runs without a RendezvousConf)."""
+    return next(k.default for k in KEYS if k.name == name)
+
+
+#: The keys the train loop's workers take over from the agents' --rdzv-conf.
+WORKER_KEYS = frozenset(k.name for k in KEYS if k.workers)
+#: The keys the classic rendezvous URL takes (besides min_workers, max_workers, etcd_prefix).
+URL_KEYS = {k.name: k for k in KEYS if k.url}
 
 
 @dataclass(frozen=True)
 class RendezvousConf:
-    """The parsed options, with their defaults."""
+    """The parsed options; :meth:`defaults` has the table's defaults."""
 
-    join_timeout: float = 600.0
-    last_call_timeout: float = 3.0
-    close_timeout: float = 30.0
-    heartbeat_timeout: float = 5.0
-    keep_alive_interval: float | None = None
-    keep_alive_max_attempt: int = 3
-    read_timeout: float = 10.0
-    reconnect_timeout: float = 30.0
-    is_host: bool | None = None
-    token: str | None = None
-    protocol: str | None = None
-    cacert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = None
-    node_rank: int | None = None
+    join_timeout: float
+    last_call_timeout: float
+    close_timeout: float
+    heartbeat_timeout: float
+    keep_alive_interval: float | None
+    keep_alive_max_attempt: int
+    read_timeout: float
+    reconnect_timeout: float
+    is_host: bool | None
+    token: str | None
+    protocol: str | None
+    cacert: str | None
+    cert: str | None
+    key: str | None
+    user: str | None
+    password: str | None
+    node_rank: int | None
+
+    @classmethod
+    def defaults(cls, **values: Any) -> RendezvousConf:
+        """The table's defaults, with `values` (by field) over them."""
+        return cls(**{**{k.target: k.default for k in KEYS if not k.alias}, **values})
 
     @property
     def lease_ttl(self) -> float:
@@ -116,6 +185,43 @@ class RendezvousConf:
         if self.keep_alive_interval is not None:
             return self.keep_alive_interval * self.keep_alive_max_attempt
         return self.heartbeat_timeout
+
+
+def describe(key: Key) -> str:
+    """A key in words: what it means, and its default (or what it stands for)."""
+    if key.alias:
+        return f"{key.help} for {key.target}"
+    if key.default is None:
+        return key.help
+    return f"{key.help} (default {key.default:g})"
+
+
+def help_text() -> str:
+    """``--rdzv-conf``'s help, from the table."""
+    names = ", ".join(
+        f"{k.name}={k.default:g}" if isinstance(k.default, (int, float)) and not k.alias else k.name
+        for k in KEYS
+    )
+    return f"rendezvous options, KEY=VALUE,...: {names} (docs/rendezvous.md has each one)"
+
+
+def markdown() -> str:
+    """The table as docs/rendezvous.md shows it (a test keeps the two the same)."""
+    rows = [
+        "| key | backends | default | meaning | also taken by |",
+        "|---|---|---|---|---|",
+    ]
+    for k in KEYS:
+        backends = ", ".join(sorted(k.backends))
+        if k.alias:
+            default = f"as `{k.target}`"
+        else:
+            default = "" if k.default is None else f"{k.default:g}"
+        also = ", ".join(
+            what for what, yes in (("the loop's workers", k.workers), ("the URL", k.url)) if yes
+        )
+        rows.append(f"| `{k.name}` | {backends} | {default} | {k.help} | {also} |")
+    return "\n".join(rows) + "\n"
 
 
 def kind_of(backend: str, max_nodes: int) -> str:
@@ -141,12 +247,12 @@ def parse_conf(backend: str, raw: Mapping[str, str]) -> RendezvousConf:
                 f"(it takes: {known})"
             )
         try:
-            values[key.field or key.name] = key.parse(text)
+            values[key.target] = key.parse(text)
         except (TypeError, ValueError) as e:
             raise RendezvousConfigError(
                 f"--rdzv-conf: {name}='{text}' is not valid for the {backend} rendezvous: {e}"
             ) from None
-    conf = replace(RendezvousConf(), **values)
+    conf = RendezvousConf.defaults(**values)
     if kind == EMBEDDED and conf.token is None and os.environ.get(TOKEN_ENV):
         conf = replace(conf, token=os.environ[TOKEN_ENV])
     if kind in ELASTIC and conf.lease_ttl < 2.0:
@@ -158,4 +264,4 @@ def parse_conf(backend: str, raw: Mapping[str, str]) -> RendezvousConf:
     return conf
 
 
-assert {k.field or k.name for k in KEYS} <= {f.name for f in fields(RendezvousConf)}
+assert {k.target for k in KEYS} == {f.name for f in fields(RendezvousConf)}

@@ -66,7 +66,7 @@ class EtcdV2Store(Store):
         ca_cert: str | None = None,
         cert: tuple[str, str] | None = None,
         retry_for: float = 30.0,
-        read_timeout: float = 10.0,
+        read_timeout: float | None = None,
         cancel: CancelToken = NEVER,
     ) -> None:
         super().__init__(read_timeout, cancel)
@@ -81,7 +81,7 @@ class EtcdV2Store(Store):
             "password": password,
             "ca_cert": ca_cert,
             "cert": cert,
-            "read_timeout": read_timeout,
+            "read_timeout": self.read_timeout,
         }
         self.client = self._client()
         self._ttl = 0

@@ -86,7 +86,7 @@ class EtcdV3Store(Store):
         password: str | None = None,
         tls: tuple[str | None, str | None, str | None] | None = None,
         retry_for: float = 30.0,
-        read_timeout: float = 10.0,
+        read_timeout: float | None = None,
         cancel: CancelToken = NEVER,
         watch_from_now: bool | None = None,
     ) -> None:

@@ -139,7 +139,11 @@ class Store(abc.ABC):
 
     name = "the store"
 
-    def __init__(self, read_timeout: float = 10.0, cancel: CancelToken = NEVER) -> None:
+    def __init__(self, read_timeout: float | None = None, cancel: CancelToken = NEVER) -> None:
+        if read_timeout is None:
+            from elastic_launch.rendezvous.conf import default_of
+
+            read_timeout = float(default_of("read_timeout"))
         self.retry_for = 30.0  # seconds a request keeps retrying an unreachable store
         self.read_timeout = read_timeout  # seconds one request may take
         self.cancel = cancel

@@ -25,35 +25,17 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elastic_launch.api import LaunchConfig
-from elastic_launch.rendezvous.conf import EMBEDDED, ETCD, ETCD_V2, kind_of
+from elastic_launch.rendezvous.conf import EMBEDDED, ETCD, ETCD_V2, WORKER_KEYS, kind_of
 
 logger = logging.getLogger(__name__)
 
 TEAM_ENV = "ELASTICRUN_TEAM"
 LOOP_FILE_ENV = "ELASTICRUN_LOOP_FILE"
-#: The launcher's --events-file, where the loop adds its own events.
-EVENTS_FILE_ENV = "ELASTICRUN_EVENTS_FILE"
 #: What a worker writes to its loop file: it runs the loop; it failed for good (no replacement).
 RUNNING, FATAL = "running", "fatal"
 #: The team's own waits: after MIN workers joined, how long for more (the survivors of a
 #: failure go on at once when the rest of the previous round is known gone).
 TEAM_LAST_CALL = 1.0
-#: --rdzv-conf keys the workers take over from the agents' (the rest concern the agents).
-_SHARED_KEYS = (
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "read_timeout",
-    "reconnect_timeout",
-    "token",
-    "protocol",
-    "cacert",
-    "cert",
-    "key",
-    "user",
-    "username",
-    "password",
-)
 
 
 @dataclass(frozen=True)
@@ -167,7 +149,7 @@ def serve_team(
     kind = kind_of(config.rdzv_backend, config.max_nodes)
     lo = config.min_workers or config.min_nodes * config.nproc_per_node
     hi = config.max_nodes * config.nproc_per_node
-    shared = {k: v for k, v in config.rdzv_configs.items() if k in _SHARED_KEYS}
+    shared = {k: v for k, v in config.rdzv_configs.items() if k in WORKER_KEYS}
     conf = {**shared, "last_call_timeout": f"{TEAM_LAST_CALL:g}"}
     if kind in (ETCD, ETCD_V2) or (kind == EMBEDDED and config.max_nodes > 1):
         if kind == EMBEDDED:

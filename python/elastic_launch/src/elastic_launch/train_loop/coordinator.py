@@ -36,7 +36,7 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
     RunIdInUseError,
 )
-from elastic_launch.rendezvous.conf import positive_int
+from elastic_launch.rendezvous.conf import URL_KEYS, describe, kind_of, positive_int
 from elastic_launch.rendezvous.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
 from elastic_launch.train_loop.api import (
     Coordinator,
@@ -350,16 +350,11 @@ def announce(path: str | None, what: str) -> None:
         logger.warning("cannot write %s=%s: %s", LOOP_FILE_ENV, path, e)
 
 
-_URL_KEYS = {
+#: The classic URL's own parameters; the rendezvous keys it takes are conf.URL_KEYS.
+_URL_PARAMS = {
     "min_workers": "at least this many workers (required)",
     "max_workers": "at most (default: min_workers)",
-    "timeout": "seconds to gather min_workers (600)",
-    "last_call_timeout": "after min_workers, seconds to wait for more (30)",
     "etcd_prefix": "accepted for compatibility; keys live under /elasticrun/<run id>",
-    "protocol": "http or https",
-    "cacert": "CA certificate file",
-    "cert": "client certificate file",
-    "key": "client key file",
 }
 _SCHEMES = {"etcd": "etcd", "etcd-v2": "etcd-v2", "etcd2": "etcd-v2", "embedded": "embedded"}
 
@@ -379,9 +374,10 @@ def parse_init_method(init_method: str) -> RendezvousParameters:
     if not url.netloc or not run_id:
         raise ConfigError(f"{where}: give HOST:PORT and a run id, as in etcd://etcd0:2379/myjob")
     query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
-    unknown = sorted(set(query) - set(_URL_KEYS))
+    unknown = sorted(set(query) - set(_URL_PARAMS) - set(URL_KEYS))
     if unknown:
-        known = "; ".join(f"{k}: {v}" for k, v in _URL_KEYS.items())
+        taken = {**_URL_PARAMS, **{k.name: describe(k) for k in URL_KEYS.values()}}
+        known = "; ".join(f"{k}: {v}" for k, v in taken.items())
         raise ConfigError(f"{where}: unknown parameter(s) {', '.join(unknown)} (it takes {known})")
     raw = {k: v[-1] for k, v in query.items()}
     if "min_workers" not in raw:
@@ -391,11 +387,8 @@ def parse_init_method(init_method: str) -> RendezvousParameters:
     if hi < lo:
         raise ConfigError(f"{where}: max_workers={hi} is less than min_workers={lo}")
     backend = _SCHEMES[scheme]
-    conf = {"last_call_timeout": raw.get("last_call_timeout", "30")}
-    if "timeout" in raw:
-        conf["join_timeout"] = raw["timeout"]
-    if backend != "embedded":  # TLS is etcd's
-        conf.update({k: raw[k] for k in ("protocol", "cacert", "cert", "key") if k in raw})
+    kind = kind_of(backend, hi)
+    conf = {k: v for k, v in raw.items() if k in URL_KEYS and kind in URL_KEYS[k].backends}
     return _workers(backend, url.netloc, run_id, lo, hi, conf)
 
 

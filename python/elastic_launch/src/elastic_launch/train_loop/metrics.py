@@ -14,13 +14,12 @@ to the agent's own.
 from __future__ import annotations
 
 import abc
-import json
 import os
 import sys
 import time
 from typing import Any, NamedTuple
 
-from elastic_launch.rendezvous.team import EVENTS_FILE_ENV
+from elastic_launch import eventlog
 
 GROUP = "torchelastic"
 
@@ -88,16 +87,14 @@ def get_elapsed_time_ms(start_time_in_seconds: float) -> int:
 
 
 def event(name: str, **data: Any) -> None:
-    """Append an event to elasticrun's events file, if the launcher keeps one."""
-    path = os.environ.get(EVENTS_FILE_ENV)
+    """Append an event to elasticrun's events file, if the launcher keeps one (the same record
+    as the agent's: :mod:`elastic_launch.eventlog`)."""
+    path = os.environ.get(eventlog.EVENTS_FILE_ENV)
     if not path:
         return
-    line = json.dumps({"event": name, "time": time.time(), "pid": os.getpid(), **data}) + "\n"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())  # one write: lines of several writers never mix
-        finally:
-            os.close(fd)
-    except OSError:
+        attempt = int(os.environ.get("ELASTICRUN_ATTEMPT", "0"))
+        eventlog.append(path, name, run_id, attempt, **data)
+    except (OSError, ValueError):
         pass  # the events are a report, never a reason to fail training
