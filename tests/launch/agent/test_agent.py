@@ -13,6 +13,7 @@ from elastic_launch.agent.activity import Activity
 from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.events import AgentEvent, Events
 from elastic_launch.agent.hang import HangMonitor
+from elastic_launch.agent.watch import Watch
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import AgentState, FailureKind, LaunchConfig, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -66,9 +67,9 @@ class Node:
             Entrypoint(Kind.SCRIPT, "train.py"),
             "run",
             self.layout,
-            self.table,
-            self.watchdog,
+            Watch(self.table, None, self.watchdog),
             self.spawner,
+            host="node0",
         )
         self.rdzv = rdzv or FakeRendezvous(max_restarts=self.config.max_restarts)
         self.recorder = Recorder()
@@ -81,7 +82,6 @@ class Node:
             run_id="run",
             entrypoint="train.py",
             cancel=self.cancel,
-            host="node0",
             hangs=hangs,
         )
         self.result = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from elastic_launch.agent.watch import Watch
 from elastic_launch.agent.workers import Finding, SpawnError, WorkerGroup
 from elastic_launch.api import LaunchConfig, Std, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -45,7 +46,13 @@ def group_of(parts, **config) -> WorkerGroup:
     config.setdefault("shutdown_timeout", 0.2)
     ep = Entrypoint(Kind.SCRIPT, "train.py", ["--rank", "${local_rank}"])
     return WorkerGroup(
-        LaunchConfig(**config), ep, "run-1", layout, table, watchdog, spawner, host="node7"
+        LaunchConfig(**config),
+        ep,
+        "run-1",
+        layout,
+        Watch(table, None, watchdog),
+        spawner,
+        host="node7",
     )
 
 
@@ -199,7 +206,9 @@ def test_logs_follow_redirects_and_virtual_local_rank(parts, monkeypatch):
 def test_function_return_values_by_global_rank(parts, tmp_path):
     watchdog, spawner, table, layout = parts
     ep = Entrypoint(Kind.FUNCTION, print, fn_args=(1,))
-    group = WorkerGroup(LaunchConfig(nproc_per_node=2), ep, "r", layout, table, watchdog, spawner)
+    group = WorkerGroup(
+        LaunchConfig(nproc_per_node=2), ep, "r", layout, Watch(table, None, watchdog), spawner
+    )
     with group:
         group.start_all(INFO, attempt=0, restarts=0)
         request = spawner.spawned[0].request

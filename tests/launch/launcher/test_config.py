@@ -7,7 +7,6 @@ import signal
 import pytest
 from elastic_launch.api import ConfigError, Std, std_for
 from elastic_launch.launcher.config import (
-    parse_bind,
     parse_hang_timeout,
     parse_list,
     parse_nnodes,
@@ -18,7 +17,7 @@ from elastic_launch.launcher.config import (
     parse_signals,
     parse_std,
 )
-from elastic_launch.net import parse_endpoint
+from elastic_launch.net import parse_bind, parse_endpoint
 
 
 def test_nnodes():

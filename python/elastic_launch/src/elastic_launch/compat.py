@@ -11,8 +11,9 @@ Kept lean: workers import this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from string import Template
 
 from elastic_launch.api import ConfigError
@@ -106,13 +107,24 @@ def log_line_prefix(role: str, rank: int, local_rank: int, host: str) -> str:
     return f"[{host}:{role}{local_rank}]:"
 
 
-def file_timer_requested() -> bool:
-    """torch's file timer (``expires()``) is on for this job."""
-    return os.environ.get(FILE_TIMER_ENABLE_ENV) == "1"
+@contextlib.contextmanager
+def file_timer(run_dir: str, run_id: str, random_id: str) -> Iterator[dict[str, str]]:
+    """torch's file timer (``TORCHELASTIC_ENABLE_FILE_TIMER=1``), for scripts that use
+    ``expires()``; it is the only thing that makes the launcher import torch. Yields the
+    workers' extra environment."""
+    if os.environ.get(FILE_TIMER_ENABLE_ENV) != "1":
+        yield {}
+        return
+    from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
 
-
-def file_timer_path(default: str) -> str:
-    return os.environ.get(FILE_TIMER_FILE_ENV) or default
+    default = os.path.join(run_dir, f"watchdog_timer_{random_id}")
+    path = os.environ.get(FILE_TIMER_FILE_ENV) or default
+    server = FileTimerServer(path, run_id, max_interval=0.1, daemon=True)
+    server.start()
+    try:
+        yield {FILE_TIMER_FILE_ENV: path}
+    finally:
+        server.stop()
 
 
 def substitute_local_rank(args: list[str], local_rank: int) -> list[str]:

@@ -219,3 +219,13 @@ def parse_endpoint(value: str, flag: str, default_port: int | None = None) -> tu
     if not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"{flag} '{value}': port '{port_text}' is not a number from 0 to 65535")
     return host, int(port_text)
+
+
+def parse_bind(value: str, flag: str) -> tuple[str, int]:
+    """``PORT`` (on 127.0.0.1) or ``HOST:PORT`` for the servers the launcher runs."""
+    if value.isdigit():
+        port = int(value)
+        if port > 65535:
+            raise ConfigError(f"{flag} '{value}' is not a port number (0 to 65535)")
+        return "127.0.0.1", port
+    return parse_endpoint(value, flag)

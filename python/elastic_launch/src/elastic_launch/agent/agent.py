@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-import socket
 import time
 from typing import Any
 
@@ -31,7 +30,7 @@ from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.observe import Happened, Observer
 from elastic_launch.agent.summary import describe
-from elastic_launch.agent.worker import SpawnError, Worker
+from elastic_launch.agent.worker import SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
     AgentState,
@@ -65,15 +64,12 @@ class ElasticAgent:
         group: WorkerGroup,
         rendezvous: RendezvousHandler,
         events: Events,
-        *,
         run_id: str,
         entrypoint: str,
         cancel: CancelToken = NEVER,
-        gpu: elastic_core.GpuHealth | None = None,
         log_dir: str | None = None,
-        host: str | None = None,
-        hangs: HangMonitor | None = None,
         team: TeamService | None = None,
+        hangs: HangMonitor | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -82,9 +78,8 @@ class ElasticAgent:
         self.run_id = run_id
         self.entrypoint = entrypoint
         self.cancel = cancel
-        self.gpu = gpu
         self.log_dir = log_dir
-        self.host = host or socket.gethostname()
+        self.host = group.host
         self.team = team  # the train loop's rendezvous (started when a worker needs it)
         self._state = AgentState.INIT
         self.attempt = -1
@@ -98,7 +93,7 @@ class ElasticAgent:
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
         self.observer = Observer(
-            config, group, rendezvous, cancel, self.hangs, self.failures, gpu, self.host
+            config, group, rendezvous, cancel, self.hangs, self.failures, group.gpu, self.host
         )
 
     # ---- state -----------------------------------------------------------------------------
@@ -197,15 +192,15 @@ class ElasticAgent:
         self.group.set_hang_timeout(self.hangs.watchdog_timeout())
         self._transition(AgentState.STARTING, round=info.round)
         t0 = elastic_core.now_ns()
-        unusable = self.observer.unusable_gpu(info, self.attempt)
-        if unusable is not None:
-            return self._decide(unusable)
         try:
             self.group.start_all(info, self.attempt, self.restarts)
-        except SpawnError as e:
+        except (SpawnError, UnusableGpu) as e:
+            if self.cancel.cancelled:  # the spawn was cut short by the signal
+                return self._decide(Happened(Happening.SIGNAL))
+            spawn = isinstance(e, SpawnError)
+            happening = Happening.SPAWN_FAILED if spawn else Happening.GPU_UNUSABLE
             rank = info.rank_offset + e.local_rank
-            spawn = Happened(Happening.SPAWN_FAILED, detail=str(e), rank=rank)
-            return self._decide(dataclasses.replace(spawn, local_rank=e.local_rank))
+            return self._decide(Happened(happening, None, 0, str(e), rank, e.local_rank))
         self._started(info, t0)
         self._transition(AgentState.RUNNING)
         return self._watch()
@@ -269,7 +264,8 @@ class ElasticAgent:
 
     def _decide(self, h: Happened) -> Decision:
         """Decide on `h`, and record the failure the decision acts on."""
-        decision = decide(self.observer.snapshot(h, self._budget()))
+        budget = self._budget()
+        decision = decide(self.observer.snapshot(h, budget))
         if decision.failure is not None and h.failure is not None:
             if h.worker is not None:
                 self.group.mark_failed(h.worker)

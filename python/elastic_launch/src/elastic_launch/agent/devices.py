@@ -3,8 +3,15 @@ initialised in the launcher; NVML is elastic_core's (loaded at run time, absent 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_core import GpuHealth
+
+logger = logging.getLogger(__name__)
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -83,3 +90,17 @@ def single_device_env(local_rank: int) -> dict[str, str]:
             f"{os.environ.get(VISIBLE_ENV)}"
         )
     return {VISIBLE_ENV: visible[local_rank]}
+
+
+def open_gpu_health(check_interval: float) -> GpuHealth | None:
+    """NVML's GPU checks for a launch, or None when they are off (``--gpu-check-interval 0``)
+    or NVML has no healthy GPU to watch (no driver, no GPU: not an error)."""
+    import elastic_core
+
+    if check_interval <= 0:
+        return None
+    gpu = elastic_core.GpuHealth(timeout=5.0)
+    if gpu.state != elastic_core.GpuState.HEALTHY:
+        logger.debug("GPU checks off: %s", gpu.detail)
+        return None
+    return gpu

@@ -19,7 +19,7 @@ from elastic_launch.agent.worker import Finding, Worker, WorkerEvent
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import FailureKind, LaunchConfig, RestartBudget, WorkerFailure
 from elastic_launch.cancel import CancelToken
-from elastic_launch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elastic_launch.rendezvous.api import RendezvousHandler
 
 #: The failure a happening is, for its record and the job's message (FAILED: by its status).
 _KINDS = {
@@ -100,7 +100,7 @@ class Observer:
         slot = self.group.beats().get(w.local_rank)
         own = slot.timeout_ms / 1000 if slot is not None else 0.0
         detail = f"{event.detail}; {self.hangs.advice(own)}"
-        return Happened(Happening.HUNG, w, event.time_ns, detail)
+        return Happened(Happening.HUNG, w, event.time_ns, detail, stack=self._stack(w))
 
     def _hung_under_auto(self) -> Happened | None:
         """Under ``--hang-timeout auto``, the worker the hang monitor judges hung."""
@@ -112,35 +112,24 @@ class Observer:
             w = self.group.get(hung.local_rank)
             if w is not None and w.spared_until_ns is None:
                 detail = f"{hung.detail}; {self.hangs.advice(0)}"
-                return Happened(Happening.HUNG, w, now, detail)
+                return Happened(Happening.HUNG, w, now, detail, stack=self._stack(w))
         return None
 
-    def unusable_gpu(self, info: RendezvousInfo, attempt: int) -> Happened | None:
-        """Before a start: a GPU a worker would use is unhealthy (a lost GPU or a critical XID
-        needs a reset); starting on it again cannot succeed."""
-        if self.gpu is None:
-            return None
-        reports = {r.device: r for r in self.gpu.check_all(timeout=5.0)}
-        for local_rank in range(self.config.nproc_per_node):
-            device = self.group.gpu_of(local_rank)
-            report = reports.get(device) if device is not None else None
-            if report is not None and report.state == elastic_core.GpuState.UNHEALTHY:
-                detail = f"before starting attempt {attempt}: {report.detail}"
-                rank = info.rank_offset + local_rank
-                return Happened(Happening.GPU_UNUSABLE, None, 0, detail, rank, local_rank)
-        return None
+    def _stack(self, w: Worker) -> str:
+        """A hung worker's Python stacks (in the train loop only its own are asked for: the
+        others run on); none for a spared one, which is judged later."""
+        if w.spared_until_ns is not None:
+            return ""
+        only = {w.local_rank} if self.group.in_train_loop() else None
+        stacks = self.group.dump_stacks(self.config.stack_dump_timeout, only)
+        return stacks.get(w.local_rank, NO_STACK)
 
     # ---- the snapshot ------------------------------------------------------------------------
 
     def snapshot(self, h: Happened, budget: RestartBudget) -> Snapshot:
-        """What the decision on `h` reads. A hung worker is asked for its stacks (in the train
-        loop only it: the others run on), and `h.failure` is built (not recorded)."""
+        """What the decision on `h` reads; `h.failure` is built (not recorded)."""
         w = h.worker
         in_loop = self.group.in_train_loop()
-        if h.happening == Happening.HUNG and w is not None and w.spared_until_ns is None:
-            only = {w.local_rank} if in_loop else None
-            stacks = self.group.dump_stacks(self.config.stack_dump_timeout, only)
-            h.stack = stacks.get(w.local_rank, NO_STACK)
         h.failure = self._failure_of(h)
         return Snapshot(
             h.happening,

@@ -113,3 +113,12 @@ class SpawnError(RuntimeError):
     def __init__(self, local_rank: int, error: BaseException) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
         self.local_rank = local_rank
+
+
+class UnusableGpu(RuntimeError):  # noqa: N818 - a finding, like SpawnError
+    """Before a start: the GPU of worker `local_rank` needs a reset (a lost GPU, a critical
+    XID), so starting on it again cannot succeed."""
+
+    def __init__(self, local_rank: int, detail: str) -> None:
+        super().__init__(detail)
+        self.local_rank = local_rank

@@ -28,7 +28,16 @@ from elastic_launch import compat
 from elastic_launch.agent import devices
 from elastic_launch.agent.decide import Loop
 from elastic_launch.agent.startup import Startup
-from elastic_launch.agent.worker import Finding, SpawnError, Stopped, Watcher, Worker, WorkerEvent
+from elastic_launch.agent.watch import Watch
+from elastic_launch.agent.worker import (
+    Finding,
+    SpawnError,
+    Stopped,
+    UnusableGpu,
+    Watcher,
+    Worker,
+    WorkerEvent,
+)
 from elastic_launch.api import LaunchConfig, WorkerState
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.processes import worker_main
@@ -55,25 +64,23 @@ class WorkerGroup:
         entrypoint: Entrypoint,
         run_id: str,
         layout: LogLayout,
-        table: elastic_core.HeartbeatTable,
-        watchdog: Watcher,
+        watch: Watch,
         spawner: Spawner,
-        *,
-        gpu_count: int = 0,
         guardian: Guardian | None = None,
         extra_env: dict[str, str] | None = None,
         host: str | None = None,
     ) -> None:
         self.config = config
         self.entrypoint = entrypoint
-        self.table = table
-        self.watchdog = watchdog
+        self.table = watch.table
+        self.watchdog = watch.watchdog
+        self.gpu = watch.gpu
+        self.gpu_count = watch.gpu_count
         self.spawner = spawner
-        self.gpu_count = gpu_count
         self.guardian = guardian
         self.host = host or socket.gethostname()
         self.startup = Startup(
-            config, entrypoint, run_id, layout, table.path, extra_env or {}, self.host
+            config, entrypoint, run_id, layout, self.table.path, extra_env or {}, self.host
         )
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
@@ -148,14 +155,26 @@ class WorkerGroup:
     # ---- starting ----------------------------------------------------------------------------
 
     def start_all(self, info: RendezvousInfo, attempt: int, restarts: int) -> None:
-        """Start every worker of `attempt`. On a spawn failure, raises :class:`SpawnError`
-        with the workers started so far left running (the caller stops them)."""
+        """Start every worker of `attempt`. Raises :class:`UnusableGpu` before starting any
+        when a GPU a worker would use needs a reset, and :class:`SpawnError` on a spawn
+        failure, with the workers started so far left running (the caller stops them)."""
+        self._check_gpus(attempt)
         self.close()
         self.startup.begin(info, attempt, restarts)
         self._workers, self._retired = {}, []
         self.table.reset()
         for local_rank in range(self.config.nproc_per_node):
             self._start(local_rank, generation=0)
+
+    def _check_gpus(self, attempt: int) -> None:
+        if self.gpu is None:
+            return
+        reports = {r.device: r for r in self.gpu.check_all(timeout=5.0)}
+        for local_rank in range(self.config.nproc_per_node):
+            device = self.gpu_of(local_rank)
+            report = reports.get(device) if device is not None else None
+            if report is not None and report.state == elastic_core.GpuState.UNHEALTHY:
+                raise UnusableGpu(local_rank, f"before starting attempt {attempt}: {report.detail}")
 
     def follow(self, info: RendezvousInfo) -> None:
         """A new round of the nodes while the workers keep running (the train loop forms
@@ -447,4 +466,13 @@ def _read_from(path: str, offset: int) -> str:
         return ""
 
 
-__all__ = ["Finding", "SpawnError", "Stopped", "Watcher", "Worker", "WorkerEvent", "WorkerGroup"]
+__all__ = [
+    "Finding",
+    "SpawnError",
+    "Stopped",
+    "UnusableGpu",
+    "Watcher",
+    "Worker",
+    "WorkerEvent",
+    "WorkerGroup",
+]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elastic_launch.launcher.runner import launch, make_spawner, rendezvous_parameters, run
+    from elastic_launch.launcher.runner import launch, run
 
-_NAMES = ("launch", "make_spawner", "rendezvous_parameters", "run")
+_NAMES = ("launch", "run")
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +25,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["launch", "make_spawner", "rendezvous_parameters", "run"]
+__all__ = ["launch", "run"]

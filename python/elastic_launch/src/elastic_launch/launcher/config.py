@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from elastic_launch.agent.devices import usable_gpus
 from elastic_launch.api import ConfigError, LaunchConfig, Std
-from elastic_launch.net import parse_endpoint
+from elastic_launch.eventlog import EVENTS_FILE_ENV
+from elastic_launch.net import parse_bind
+from elastic_launch.processes.entrypoint import Entrypoint
+from elastic_launch.rendezvous.api import RendezvousParameters
 
 logger = logging.getLogger("elasticrun")
 
@@ -226,16 +229,6 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
     return out
 
 
-def parse_bind(value: str, flag: str) -> tuple[str, int]:
-    """``PORT`` (on 127.0.0.1) or ``HOST:PORT`` for the servers the launcher runs."""
-    if value.isdigit():
-        port = int(value)
-        if port > 65535:
-            raise ConfigError(f"{flag} '{value}' is not a port number (0 to 65535)")
-        return "127.0.0.1", port
-    return parse_endpoint(value, flag)
-
-
 def parse_preload(values: Iterable[str]) -> list[str]:
     """``--preload`` (comma-separated, repeatable): ``auto`` (the default: torch when the
     script imports it), module names imported on top of it, or ``none`` alone (fresh
@@ -395,6 +388,55 @@ def _type_name(hint: object) -> str:
         args = ", ".join(_type_name(a) for a in typing.get_args(hint))
         return f"{origin.__name__}[{args}]"
     return getattr(hint, "__name__", str(hint))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A launch, checked and parsed before anything is opened: what :func:`run` needs besides
+    the config itself."""
+
+    config: LaunchConfig
+    entrypoint: Entrypoint
+    run_id: str
+    signals: list[signal.Signals]  # forwarded to the workers
+    metrics: tuple[str, int] | None  # where /metrics is served
+    health: tuple[str, int] | None  # where /healthz is served
+    logs_requested: bool  # --redirects or --tee asked for log files
+    rendezvous: RendezvousParameters
+    worker_env: dict[str, str]  # what every worker gets besides torchrun's variables
+
+
+def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
+    """Check `config` and `entrypoint` and parse what is left to parse: every error comes
+    before the first resource is opened."""
+    check_config(config)
+    run_id = config.run_id or random_id()
+    signals = parse_signals(config.signals_to_handle)
+    logs = _any_stream(config.redirects) or _any_stream(config.tee)
+    env = {EVENTS_FILE_ENV: os.path.abspath(config.events_file)} if config.events_file else {}
+    rendezvous = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        max_restarts=config.max_restarts,
+        local_world_size=config.nproc_per_node,
+        config=config.rdzv_configs,
+        local_addr=config.local_addr,
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+    )
+    metrics = parse_bind(config.metrics_port, "--metrics-port") if config.metrics_port else None
+    health = parse_bind(config.health_port, "--health-port") if config.health_port else None
+    entrypoint.check(config.start_method)
+    return LaunchPlan(config, entrypoint, run_id, signals, metrics, health, logs, rendezvous, env)
+
+
+def _any_stream(setting: Std | dict[int, Std]) -> bool:
+    """Whether ``--redirects``/``--tee`` sends any stream of any rank to a file."""
+    return any(setting.values()) if isinstance(setting, dict) else bool(setting)
 
 
 def check_config(config: LaunchConfig) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
-from elastic_launch.processes.entrypoint import Entrypoint, main_path
-from elastic_launch.processes.preload import import_time_mismatch
+from elastic_launch.processes.entrypoint import Entrypoint, Kind, main_path
+from elastic_launch.processes.preload import Plan, import_time_mismatch
 from elastic_launch.processes.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_forked
 
 if TYPE_CHECKING:
@@ -310,3 +310,28 @@ class FunctionFork(Spawner):
                 run_forked(handover, request.argv, request.call, run_exit_handlers=False)
             os._exit(1)
         return ForkedProcess(pid)
+
+
+def spawner_for(
+    chosen: Plan,
+    start_method: str,
+    entrypoint: Entrypoint,
+    cancel: CancelToken,
+    guardian: Guardian | None = None,
+) -> Spawner:
+    """How a launch starts its workers, given what :func:`~.preload.plan` chose: forked from a
+    zygote (``--preload``, by default for every Python entrypoint, or ``fork``/``forkserver``),
+    forked from the launcher for a function with ``fork``, else fresh interpreters (saying why
+    when preloading was asked for). The zygote starts now, so that its imports overlap the
+    rendezvous."""
+    if entrypoint.kind == Kind.FUNCTION and start_method == "fork":
+        return FunctionFork()
+    fresh = FreshInterpreter(entrypoint)
+    forked_method = start_method == "forkserver" or (
+        entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and start_method == "fork"
+    )
+    if entrypoint.is_python and (chosen.zygote or forked_method):
+        return ZygoteFork(chosen.modules, fresh, cancel, guardian)
+    if chosen.why_not:
+        logger.warning("%s", chosen.why_not)
+    return fresh

@@ -141,6 +141,8 @@ KEYS: tuple[Key, ...] = (
     Key("password", str, None, _ETCDS, "etcd password", workers=True),
     Key("rank", int, None, frozenset({STATIC}), "this node's rank (as --node-rank)", "node_rank"),
 )
+
+
 def default_of(name: str) -> Any:
     """The default of key `name` (for code that runs without a RendezvousConf)."""
     return next(k.default for k in KEYS if k.name == name)
@@ -205,6 +207,12 @@ def help_text() -> str:
     return f"rendezvous options, KEY=VALUE,...: {names} (docs/rendezvous.md has each one)"
 
 
+def _default_text(k: Key) -> str:
+    if k.alias:
+        return f"as `{k.target}`"
+    return "" if k.default is None else f"{k.default:g}"
+
+
 def markdown() -> str:
     """The table as docs/rendezvous.md shows it (a test keeps the two the same)."""
     rows = [
@@ -213,10 +221,7 @@ def markdown() -> str:
     ]
     for k in KEYS:
         backends = ", ".join(sorted(k.backends))
-        if k.alias:
-            default = f"as `{k.target}`"
-        else:
-            default = "" if k.default is None else f"{k.default:g}"
+        default = _default_text(k)
         also = ", ".join(
             what for what, yes in (("the loop's workers", k.workers), ("the URL", k.url)) if yes
         )

@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elastic_launch.cancel import Deadline
 from elastic_launch.net import REFUSED, SILENT, probe
 from elastic_launch.rendezvous.job import Job
 from elastic_launch.rendezvous.round import Member, RoundState
@@ -73,8 +72,10 @@ class RestGone:
 
 def lost_members(job: Job, session: Session, current: RoundState, lease_ttl: float) -> list[str]:
     """Members of running round `current` (with every member) whose agent is gone. Those whose
-    presence port refuses have their join keys removed, so the others see it at once too."""
+    presence port refuses have their join keys removed, so the others see it at once too; those
+    that do not answer are gone only if their key expires within a lease's TTL."""
     join_prefix = job.keys.join(current.version)
+    leader_key = job.keys.leader(current.version)
     kvs, revision = job.store.range(job.keys.m)
     present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
     done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(job.keys.done)}
@@ -87,24 +88,9 @@ def lost_members(job: Job, session: Session, current: RoundState, lease_ttl: flo
         with contextlib.suppress(StoreError):
             job.store.delete(join_prefix + n)
             if n == current.leader:  # the key the nodes that do not lead follow
-                job.store.delete(job.keys.leader(current.version))
-    silent = {n for n, a in answers.items() if a == SILENT}
+                job.store.delete(leader_key)
+    silent = [join_prefix + n for n, a in answers.items() if a == SILENT]
     if silent:
-        gone |= _expired(session, silent, join_prefix, revision, lease_ttl)
+        expired = session.deleted_within(silent, revision, lease_ttl + 1.0)
+        gone |= {key[len(join_prefix) :] for key in expired}
     return sorted(gone | refused)
-
-
-def _expired(
-    session: Session, nodes: set[str], join_prefix: str, revision: int, lease_ttl: float
-) -> set[str]:
-    """Which of `nodes` lose their join key within a lease's TTL (from `revision` on)."""
-    expired: set[str] = set()
-    deadline = Deadline(lease_ttl + 1.0)
-    watched = [join_prefix + n for n in sorted(nodes)]
-    with session.watching(watched, revision) as inbox:
-        while expired != nodes and not deadline.passed:
-            for change in session.wait(inbox, deadline):
-                node = change.key[len(join_prefix) :]
-                if change.value is None and node in nodes:
-                    expired.add(node)
-    return expired

@@ -103,6 +103,18 @@ class Session:
         self._cancel.check()
         return batch or []
 
+    def deleted_within(self, keys: list[str], after_revision: int, seconds: float) -> set[str]:
+        """Which of `keys` are deleted (or expire) within `seconds`, watching from
+        `after_revision` on."""
+        gone: set[str] = set()
+        deadline = Deadline(seconds)
+        with self.watching(sorted(keys), after_revision) as inbox:
+            while gone != set(keys) and not deadline.passed:
+                for change in self.wait(inbox, deadline):
+                    if change.value is None and change.key in keys:
+                        gone.add(change.key)
+        return gone
+
     def close(self) -> None:
         self._unregister()
         self.store.close()
