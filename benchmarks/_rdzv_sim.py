@@ -194,7 +194,7 @@ class _Watch:
 
 def _share_channels() -> None:
     """One gRPC channel (one connection, one completion-queue thread) per store address for
-    the whole process, as the issue allows simulated agents to share a connection; each
+    the whole process, as simulated agents may share a connection; each
     handler still keeps its own lease, watch streams and writes."""
     import grpc
 
@@ -299,10 +299,16 @@ def _instrument_v2() -> None:
 
 
 def _instrument_store() -> None:
-    """The rendezvous' own requests (Store methods), by kind and key, with what came back."""
-    from elastic_launch.rendezvous import job, session, store
-    from elastic_launch.rendezvous.round import Member, RoundState
+    """The rendezvous' own requests (Store methods), by kind and key, with what came back;
+    the reads that fill watches' gaps, the changes delivered and decoded, lost leases and
+    commits."""
+    _count_store_ops()
+    _count_gap_reads()
+    _count_deliveries()
+    _count_leases_and_commits()
 
+
+def _count_store_ops() -> None:
     classes: list[Any] = []
     try:
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
@@ -344,6 +350,8 @@ def _instrument_store() -> None:
 
             setattr(cls, name, make())
 
+
+def _count_gap_reads() -> None:
     # etcd v3: the two reads that fill the gap between a watch's revision and the server's.
     try:
         from elastic_launch.rendezvous.etcd_v3 import _EtcdWatch
@@ -360,6 +368,11 @@ def _instrument_store() -> None:
         _EtcdWatch._read = counted_gap  # type: ignore[method-assign]
     except ImportError:
         pass
+
+
+def _count_deliveries() -> None:
+    from elastic_launch.rendezvous import store
+    from elastic_launch.rendezvous.round import Member, RoundState
 
     # Changes delivered to the rendezvous (every watch, whatever the backend).
     put = store.Inbox.put
@@ -384,6 +397,10 @@ def _instrument_store() -> None:
             return classmethod(decode)
 
         cls.from_json = make_decode()  # type: ignore[method-assign]
+
+
+def _count_leases_and_commits() -> None:
+    from elastic_launch.rendezvous import job, session
 
     lost = session.Session._lease_lost
 
@@ -480,9 +497,7 @@ def _stack_counts(*_: Any) -> None:
         print(f"{n:5d} {stack}", file=sys.stderr, flush=True)
 
 
-def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck round waits
-    signal.signal(signal.SIGUSR2, _stack_counts)  # the same, for thousands of threads
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--endpoint", required=True)
@@ -496,8 +511,10 @@ def main() -> None:
     parser.add_argument(
         "--ramp", type=float, default=0.0, help="seconds over which its agents start (in turn)"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def _instrument(args: argparse.Namespace) -> None:
     if os.environ.get("RDZV_SIM_SHARED_CHANNEL", "1") == "1":
         _share_channels()
     _quiet_grpc_waits()
@@ -508,60 +525,66 @@ def main() -> None:
     if args.host:
         _instrument_server()
 
-    from elastic_launch.cancel import CancelToken
-    from elastic_launch.rendezvous import (
-        RendezvousHandler,
-        RendezvousParameters,
-        RestartReason,
-        create_handler,
-    )
 
-    conf = dict(kv.split("=", 1) for kv in args.conf.split(",") if kv)
-    if args.backend in ("embedded", "c10d"):
-        conf["is_host"] = "true" if args.host else "false"
+class _Agents:
+    """This process's simulated agents: each a thread with a real rendezvous handler."""
 
-    def params() -> RendezvousParameters:  # as launcher.rendezvous_parameters makes them
+    def __init__(self, args: argparse.Namespace) -> None:
+        from elastic_launch.cancel import CancelToken
+
+        self.args = args
+        self.conf = dict(kv.split("=", 1) for kv in args.conf.split(",") if kv)
+        if args.backend in ("embedded", "c10d"):
+            self.conf["is_host"] = "true" if args.host else "false"
+        self.handlers: list[Any] = [None] * args.count
+        self.cancel = CancelToken()
+        self.changed = [threading.Event() for _ in range(args.count)]
+        self.running: list[bool] = [False] * args.count
+
+    def params(self) -> Any:  # as the launcher's plan makes them
+        from elastic_launch.rendezvous import RendezvousParameters
+
+        a = self.args
         return RendezvousParameters(
-            backend=args.backend,
-            endpoint=args.endpoint,
-            run_id=args.run_id,
-            min_nodes=args.min,
-            max_nodes=args.max,
+            backend=a.backend,
+            endpoint=a.endpoint,
+            run_id=a.run_id,
+            min_nodes=a.min,
+            max_nodes=a.max,
             max_restarts=3,
             local_world_size=1,
-            config=conf,
+            config=self.conf,
             local_addr="127.0.0.1",
         )
 
-    handlers: list[RendezvousHandler | None] = [None] * args.count
-    cancel = CancelToken()
-    changed = [threading.Event() for _ in range(args.count)]
-    running: list[bool] = [False] * args.count
+    def handler(self, i: int) -> Any:
+        """Agent `i`'s handler, made when first asked for (as an agent makes it at its start:
+        its lease is granted then; one made long before its first round finds it expired)."""
+        from elastic_launch.rendezvous import create_handler
 
-    if args.host:  # the service must be up before the others come
-        handlers[0] = create_handler(params())
-        _store_index[id(handlers[0].store)] = args.first  # type: ignore[attr-defined]
-    emit(ev="ready", pid=os.getpid())
-
-    def agent(i: int) -> None:
-        """An agent's loop: rendezvous, 'run' until the round is over for it, again. Its
-        handler is made as it starts, as an agent makes it at its start (its lease is granted
-        then: a handler made long before its first rendezvous would find it expired)."""
-        h = handlers[i]
+        h = self.handlers[i]
         if h is None:
-            h = handlers[i] = create_handler(params())
-            _store_index[id(h.store)] = args.first + i  # type: ignore[attr-defined]
+            h = self.handlers[i] = create_handler(self.params())
+            _store_index[id(h.store)] = self.args.first + i
+        return h
+
+    def agent(self, i: int) -> None:
+        """An agent's loop: rendezvous, 'run' until the round is over for it, again."""
+        from elastic_launch.rendezvous import RestartReason
+
+        h = self.handler(i)
+        me = self.args.first + i
         reason = RestartReason.START
-        while not cancel.cancelled:
+        while not self.cancel.cancelled:
             t_call = time.monotonic()
             try:
-                info = h.next_rendezvous(reason, cancel=cancel)
+                info = h.next_rendezvous(reason, cancel=self.cancel)
             except Exception as e:
-                emit(ev="error", h=args.first + i, error=f"{type(e).__name__}: {e}"[:300])
+                emit(ev="error", h=me, error=f"{type(e).__name__}: {e}"[:300])
                 return
             emit(
                 ev="done",
-                h=args.first + i,
+                h=me,
                 round=info.round,
                 rank=info.group_rank,
                 world=info.group_world_size,
@@ -569,29 +592,42 @@ def main() -> None:
                 t_call=t_call,
                 t=time.monotonic(),
             )
-            running[i] = True
-            changed[i].wait()
-            changed[i].clear()
-            running[i] = False
-            emit(ev="changed", h=args.first + i, t=time.monotonic(), round=info.round)
+            self.running[i] = True
+            self.changed[i].wait()
+            self.changed[i].clear()
+            self.running[i] = False
+            emit(ev="changed", h=me, t=time.monotonic(), round=info.round)
             reason = RestartReason.MEMBERSHIP
 
-    def monitor() -> None:
-        """The agents' monitor loop (agent.py looks every monitor_interval): one thread here."""
-        while not cancel.cancelled:
-            for i, h in enumerate(handlers):
-                if running[i] and h is not None and h.membership_changed():
-                    changed[i].set()
+    def monitor(self) -> None:
+        """The agents' monitor loop (the agent looks every monitor_interval): one thread."""
+        while not self.cancel.cancelled:
+            for i, h in enumerate(self.handlers):
+                if self.running[i] and h is not None and h.membership_changed():
+                    self.changed[i].set()
             time.sleep(0.05)
 
+    def go(self) -> None:
+        for i in range(self.args.count):
+            threading.Thread(target=self.agent, args=(i,), daemon=True).start()
+            if self.args.ramp > 0:
+                time.sleep(self.args.ramp / self.args.count)  # nodes arrive over time
+        threading.Thread(target=self.monitor, daemon=True).start()
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck round waits
+    signal.signal(signal.SIGUSR2, _stack_counts)  # the same, for thousands of threads
+    args = _parse_args()
+    _instrument(args)
+    agents = _Agents(args)
+    if args.host:  # the service must be up before the others come
+        agents.handler(0)
+    emit(ev="ready", pid=os.getpid())
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "go":
-            for i in range(args.count):
-                threading.Thread(target=agent, args=(i,), daemon=True).start()
-                if args.ramp > 0:
-                    time.sleep(args.ramp / args.count)  # nodes arrive over time, not at once
-            threading.Thread(target=monitor, daemon=True).start()
+            agents.go()
         elif cmd == "snap":
             emit(ev="snap", **snapshot())
         elif cmd == "quit":

@@ -1,4 +1,4 @@
-"""The core's benchmarks (issue 2), each beside torch's equivalent, measured in the same run.
+"""The core's benchmarks, each beside torch's equivalent, measured in the same run.
 
 - one heartbeat from C++ and from Python, beside torch's file timer `expires()`;
 - death-detection latency, beside a 0.1 s polling loop (torchrun's monitor interval);

@@ -1,4 +1,4 @@
-"""The launcher's benchmarks (issue 3), elasticrun beside torchrun on the same worker script:
+"""The launcher's benchmarks: elasticrun beside torchrun on the same worker script:
 
 - launch to the first completed collective, and the overhead over spawning the workers by hand;
 - a worker crash to the restarted group's first collective (elasticrun by default, forked from
@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from common import Row, end_job, free_port, start_job
 
@@ -135,6 +136,11 @@ def _overshoot_ms(events: Path, timeout: float) -> list[float]:
 
 def run(cpp_build: Path) -> list[Row]:
     _precompile()
+    base = ["--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "1"]
+    return [*_launch_rows(), *_crash_rows(base), *_hang_rows(base)]
+
+
+def _launch_rows() -> list[Row]:
     rows: list[Row] = []
     by_hand = launch_time(None)
     ours = launch_time(ELASTICRUN)
@@ -174,15 +180,18 @@ def run(cpp_build: Path) -> list[Row]:
             "ms",
         )
     )
+    return rows
 
+
+def _crash_rows(base: list[str]) -> list[Row]:
     trials = int(os.environ.get("BENCH_CRASH_TRIALS", "5"))
-    base = ["--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "1"]
     torch_crash = [recovery([*TORCHRUN, *base], "crash") for _ in range(trials)]
     our_crash = [recovery([*ELASTICRUN, *base], "crash") for _ in range(trials)]
     fresh_crash = [
         recovery([*ELASTICRUN, *base, "--preload", "none"], "crash") for _ in range(trials)
     ]
     t_med, t_note = _summary(torch_crash)
+    rows = []
     for label, values in (
         ("crash to restarted first collective (default: --preload auto)", our_crash),
         ("the same, --preload none (fresh interpreters)", fresh_crash),
@@ -199,8 +208,12 @@ def run(cpp_build: Path) -> list[Row]:
                 f"elasticrun {note}, torchrun {t_note}",
             )
         )
+    return rows
 
-    hang = 2.0
+
+def _hang_runs(base: list[str], hang: float) -> tuple[list, list, list[float], list, Any]:
+    """elasticrun's hang recoveries (default and --preload none), how long after the timeout
+    each was detected, torchrun's with its file timer, and torchrun's without (20 s at most)."""
     events = Path(tempfile.mkdtemp(prefix="bench-events-")) / "events.jsonl"
     ours_h = [
         recovery([*ELASTICRUN, *base, "--hang-timeout", str(hang)], "hang", events=events)
@@ -221,6 +234,12 @@ def run(cpp_build: Path) -> list[Row]:
         for _ in range(3)
     ]
     plain = recovery([*TORCHRUN, *base], "hang", timeout=20.0)
+    return ours_h, pre_h, overshoot, timer_h, plain
+
+
+def _hang_rows(base: list[str]) -> list[Row]:
+    hang = 2.0
+    ours_h, pre_h, overshoot, timer_h, plain = _hang_runs(base, hang)
     o_med, o_note = _summary(ours_h)
     p_med, p_note = _summary(pre_h)
     f_med, f_note = _summary(timer_h)
@@ -228,29 +247,26 @@ def run(cpp_build: Path) -> list[Row]:
         " (the expiry kills the launcher itself)" if f_med is None else ""
     )
     nan = float("nan")
-    rows.append(
+    timer = "torchrun + file timer expires()"
+    return [
         Row(
             "hang",
             f"hang to restarted first collective (timeout {hang:g} s)",
             o_med if o_med is not None else nan,
             f_med,
-            "torchrun + file timer expires()",
+            timer,
             "s",
             f"elasticrun {o_note}; {timer_note}",
-        )
-    )
-    rows.append(
+        ),
         Row(
             "hang",
             "the same, --preload none (fresh interpreters)",
             p_med if p_med is not None else nan,
             f_med,
-            "torchrun + file timer expires()",
+            timer,
             "s",
             f"elasticrun {p_note}",
-        )
-    )
-    rows.append(
+        ),
         Row(
             "hang",
             "hang detected after the timeout (worst)",
@@ -261,9 +277,8 @@ def run(cpp_build: Path) -> list[Row]:
             "torchrun: not detected within 20 s"
             if plain is None
             else f"torchrun recovered in {plain:.1f} s",
-        )
-    )
-    return rows
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rendezvous at scale (issue 14, points 4 and 5): N simulated agents, real RendezvousHandler
+"""Rendezvous at scale: N simulated agents, real RendezvousHandler
 objects made as the launcher makes them, in a few processes (benchmarks/_rdzv_sim.py; no
 workers), against etcd v3, etcd v2 and the embedded service.
 
@@ -419,32 +419,7 @@ def measure(
             lambda: len(run.done) >= n or len(run.errors) > 0,
             cap if joined_all else 1.0,
         )
-        with run._lock:
-            firsts = {h: evs[0] for h, evs in run.done.items()}
-            finals = [c for c in run.commits if c["status"] == "final"]
-            lost = len(run.lost)
-        result["round_ok"] = ok and not run.errors and len(firsts) >= n
-        result["round_done"] = len(firsts)
-        result["round_errors"] = [e["error"] for e in run.errors[:3]]
-        result["lease_lost_round"] = lost
-        with run._lock:
-            if run.lost:  # when the first lease was lost, from the first join
-                result["first_lease_lost_s"] = min(run.lost) - t_start
-            # The round's commits (frozen, final, reopened), from the first join: where a
-            # round that did not complete stopped.
-            result["commits"] = [
-                (c["status"], c["round"], c["nodes"], round(c["t"] - t_start, 2))
-                for c in run.commits[:20]
-            ]
-        calls = [e["t_call"] for e in firsts.values() if e["reason"] == "start"]
-        last_join = max(calls) if calls else None
-        if result["round_ok"] and last_join is not None:
-            rounds = {e["round"] for e in firsts.values()}
-            final = [c["t"] for c in finals if c["round"] in rounds]
-            result["join_to_final"] = min(final) - last_join if final else None
-            result["join_to_last_result"] = max(e["t"] for e in firsts.values()) - last_join
-            result["rounds_taken"] = max(rounds)
-            result["world"] = sorted({e["world"] for e in firsts.values()})
+        result.update(_round_outcome(run, n, t_start, ok))
         snaps = run.snap()
         result["client_round"] = _merge(snaps)
         result["store_cpu_round"] = _cpu(run.server_pid()) - cpu0
@@ -459,6 +434,37 @@ def measure(
         if sampler is not None:
             sampler.stop()
         run.close()
+    return result
+
+
+def _round_outcome(run: Run, n: int, t_start: float, ok: bool) -> dict[str, Any]:
+    """Whether the round completed, and when: from the last join to the round's final state,
+    and to the last agent's result."""
+    result: dict[str, Any] = {}
+    with run._lock:
+        firsts = {h: evs[0] for h, evs in run.done.items()}
+        finals = [c for c in run.commits if c["status"] == "final"]
+        result["round_ok"] = ok and not run.errors and len(firsts) >= n
+        result["round_done"] = len(firsts)
+        result["round_errors"] = [e["error"] for e in run.errors[:3]]
+        result["lease_lost_round"] = len(run.lost)
+        if run.lost:  # when the first lease was lost, from the first join
+            result["first_lease_lost_s"] = min(run.lost) - t_start
+        # The round's commits (frozen, final, reopened), from the first join: where a round
+        # that did not complete stopped.
+        result["commits"] = [
+            (c["status"], c["round"], c["nodes"], round(c["t"] - t_start, 2))
+            for c in run.commits[:20]
+        ]
+    calls = [e["t_call"] for e in firsts.values() if e["reason"] == "start"]
+    last_join = max(calls) if calls else None
+    if result["round_ok"] and last_join is not None:
+        rounds = {e["round"] for e in firsts.values()}
+        final = [c["t"] for c in finals if c["round"] in rounds]
+        result["join_to_final"] = min(final) - last_join if final else None
+        result["join_to_last_result"] = max(e["t"] for e in firsts.values()) - last_join
+        result["rounds_taken"] = max(rounds)
+        result["world"] = sorted({e["world"] for e in firsts.values()})
     return result
 
 

@@ -1,4 +1,4 @@
-"""Rendezvous benchmarks (issue 4), elasticrun beside torchrun's c10d and etcd-v2 backends on the
+"""Rendezvous benchmarks: elasticrun beside torchrun's c10d and etcd-v2 backends on the
 same etcd, in one run:
 
 - N agents (N = 2, 8, 32, trivial workers) completing a round: the last agent is started once
@@ -260,65 +260,76 @@ def run(cpp_build: Path) -> list[Row]:
     try:
         sizes = [int(x) for x in os.environ.get("BENCH_RDZV_SIZES", "2,8,32").split(",")]
         for n in sizes:
-            embedded = f"127.0.0.1:{free_port()}"
-            torch_c10d = f"127.0.0.1:{free_port()}"
-            theirs, _, _ = round_time("torchrun", "c10d", n, torch_c10d, etcd)
-            theirs_v2, their_req, _ = round_time("torchrun", "etcd-v2", n, etcd.endpoint, etcd)
-            for backend, endpoint in (
-                ("c10d", embedded),
-                ("etcd", etcd.endpoint),
-                ("etcd-v2", etcd.endpoint),
-            ):
-                ours, req, internal = round_time("elasticrun", backend, n, endpoint, etcd)
-                base, base_name = (
-                    (theirs_v2, "torchrun etcd-v2")
-                    if backend == "etcd-v2"
-                    else (theirs, "torchrun c10d")
-                )
-                name = "embedded" if backend == "c10d" else backend
-                note = (
-                    f"last join to final: median agent {internal[0] * 1000:.0f} ms, "
-                    f"last {internal[1] * 1000:.0f} ms"
-                    if internal
-                    else ""
-                )
-                rows.append(
-                    Row(
-                        "rdzv",
-                        f"{n} agents: last start to all workers running, {name}",
-                        ours if ours is not None else float("nan"),
-                        base,
-                        base_name,
-                        "s",
-                        note,
-                    )
-                )
-                if backend != "c10d":
-                    rows.append(
-                        Row(
-                            "rdzv",
-                            f"{n} agents: etcd requests per agent, {name}",
-                            float(req),
-                            float(their_req) if backend == "etcd-v2" else None,
-                            "torchrun etcd-v2",
-                            "requests",
-                        )
-                    )
-        for backend, endpoint in (("c10d", None), ("etcd", etcd.endpoint)):
-            ours = death_recovery("elasticrun", backend, endpoint or f"127.0.0.1:{free_port()}")
-            theirs = death_recovery("torchrun", "c10d", f"127.0.0.1:{free_port()}")
-            name = "embedded" if backend == "c10d" else backend
-            rows.append(
-                Row(
-                    "death",
-                    f"node killed to survivors' first collective, {name}",
-                    ours if ours is not None else float("nan"),
-                    theirs,
-                    "torchrun c10d",
-                    "s",
-                    "" if theirs is not None else "torchrun: not recovered in 90 s",
-                )
-            )
+            rows += _round_rows(n, etcd)
+        rows += _death_rows(etcd)
     finally:
         etcd.close()
+    return rows
+
+
+def _round_rows(n: int, etcd: Etcd) -> list[Row]:
+    """N agents on each backend: the last start to all workers running, and (etcd) the
+    requests per agent, beside torchrun's c10d and etcd-v2."""
+    rows: list[Row] = []
+    embedded = f"127.0.0.1:{free_port()}"
+    torch_c10d = f"127.0.0.1:{free_port()}"
+    theirs, _, _ = round_time("torchrun", "c10d", n, torch_c10d, etcd)
+    theirs_v2, their_req, _ = round_time("torchrun", "etcd-v2", n, etcd.endpoint, etcd)
+    for backend, endpoint in (
+        ("c10d", embedded),
+        ("etcd", etcd.endpoint),
+        ("etcd-v2", etcd.endpoint),
+    ):
+        ours, req, internal = round_time("elasticrun", backend, n, endpoint, etcd)
+        v2 = backend == "etcd-v2"
+        base, base_name = (theirs_v2, "torchrun etcd-v2") if v2 else (theirs, "torchrun c10d")
+        name = "embedded" if backend == "c10d" else backend
+        note = (
+            f"last join to final: median agent {internal[0] * 1000:.0f} ms, "
+            f"last {internal[1] * 1000:.0f} ms"
+            if internal
+            else ""
+        )
+        rows.append(
+            Row(
+                "rdzv",
+                f"{n} agents: last start to all workers running, {name}",
+                ours if ours is not None else float("nan"),
+                base,
+                base_name,
+                "s",
+                note,
+            )
+        )
+        if backend != "c10d":
+            rows.append(
+                Row(
+                    "rdzv",
+                    f"{n} agents: etcd requests per agent, {name}",
+                    float(req),
+                    float(their_req) if v2 else None,
+                    "torchrun etcd-v2",
+                    "requests",
+                )
+            )
+    return rows
+
+
+def _death_rows(etcd: Etcd) -> list[Row]:
+    rows: list[Row] = []
+    for backend, endpoint in (("c10d", None), ("etcd", etcd.endpoint)):
+        ours = death_recovery("elasticrun", backend, endpoint or f"127.0.0.1:{free_port()}")
+        theirs = death_recovery("torchrun", "c10d", f"127.0.0.1:{free_port()}")
+        name = "embedded" if backend == "c10d" else backend
+        rows.append(
+            Row(
+                "death",
+                f"node killed to survivors' first collective, {name}",
+                ours if ours is not None else float("nan"),
+                theirs,
+                "torchrun c10d",
+                "s",
+                "" if theirs is not None else "torchrun: not recovered in 90 s",
+            )
+        )
     return rows

@@ -1,4 +1,4 @@
-"""Replacing one worker (issue 10): SIGKILL of one worker -> its replacement's first line of user
+"""Replacing one worker: SIGKILL of one worker -> its replacement's first line of user
 code, while the other worker runs on untouched (the worker group's replace(), driven as the agent
 would drive it). The baseline is what torchrun can do, a restart of the whole group (and
 elasticrun's own group restart beside it): the same kill, the same script, to the restarted

@@ -1,4 +1,4 @@
-"""elastic_sampler's benchmarks (issue 5), beside torch's own:
+"""elastic_sampler's benchmarks, beside torch's own:
 
 - building and fully iterating one rank's share of the sampler (8 replicas) over 10^7 and 10^8
   samples: time and peak memory added, torch's DistributedSampler beside both permutation modes;

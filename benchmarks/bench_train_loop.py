@@ -1,4 +1,4 @@
-"""The classic train loop (issue 12): a worker SIGKILLed mid-training, three workers, the same
+"""The classic train loop: a worker SIGKILLed mid-training, three workers, the same
 ~10 ms step (benchmarks/_loop_worker.py):
 
 - to (a) the survivors stepping again and (b) the full world stepping again: the loop under
@@ -164,6 +164,13 @@ def run(cpp_build: Path) -> list[Row]:
             f"recovered {g_note}, torchrun {t_note}",
         )
     ]
+    return rows + _loop_rows(trials, t_med) + _overhead_rows()
+
+
+def _loop_rows(trials: int, t_med: float | None) -> list[Row]:
+    """A worker of the loop SIGKILLed, under each variant: until the survivors step again,
+    and until the full world does."""
+    rows = []
     variants = [
         ("fixed world, --preload none", ["--preload", "none"]),
         ("fixed world (default: --preload auto, torch and the loop)", []),
@@ -174,30 +181,25 @@ def run(cpp_build: Path) -> list[Row]:
         results = [kill_one(ELASTICRUN, "loop", extra) for _ in range(trials)]
         a, a_note = _med([a for a, _ in results])
         b, b_note = _med([b for _, b in results])
-        rows.append(
-            Row(
-                "train loop",
-                f"SIGKILL to the survivors stepping again: loop, {label}",
-                a,
-                t_med,
-                "torchrun group restart",
-                "s",
-                f"{a_note} trials",
+        for what, value, note in (("survivors", a, a_note), ("full world", b, b_note)):
+            rows.append(
+                Row(
+                    "train loop",
+                    f"SIGKILL to the {what} stepping again: loop, {label}",
+                    value,
+                    t_med,
+                    "torchrun group restart",
+                    "s",
+                    f"{note} trials",
+                )
             )
-        )
-        rows.append(
-            Row(
-                "train loop",
-                f"SIGKILL to the full world stepping again: loop, {label}",
-                b,
-                t_med,
-                "torchrun group restart",
-                "s",
-                f"{b_note} trials",
-            )
-        )
+    return rows
+
+
+def _overhead_rows() -> list[Row]:
     bare = overhead(20_000, empty=True)
-    rows.append(
+    cost = overhead()
+    return [
         Row(
             "train loop",
             "the loop's own cost per step (steps that do nothing; real coordinator, beat, metrics)",
@@ -206,10 +208,7 @@ def run(cpp_build: Path) -> list[Row]:
             "",
             "us",
             f"median step, {int(bare['steps'])} steps each, 1 worker, no snapshot",
-        )
-    )
-    cost = overhead()
-    rows.append(
+        ),
         Row(
             "train loop",
             f"the loop's cost per step over a plain for loop ({cost['plain_ms']:.1f} ms steps)",
@@ -219,9 +218,8 @@ def run(cpp_build: Path) -> list[Row]:
             "us",
             f"median step, {int(cost['steps'])} steps each in alternating blocks, 2 workers, "
             "no snapshot",
-        )
-    )
-    return rows
+        ),
+    ]
 
 
 if __name__ == "__main__":

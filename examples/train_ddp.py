@@ -20,7 +20,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +92,7 @@ def training_state(
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--samples", type=int, default=8192)
@@ -132,101 +134,155 @@ def main() -> None:
         default=None,
         help="where rank 0 saves the final model weights",
     )
-    args = p.parse_args()
+    return p.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(args.seed)
 
-    data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
-    # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
-    sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    model = DistributedDataParallel(SmallCNN(args.classes))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+@dataclass
+class Job:
+    """One worker's part of the training: what it trains, and where it reports."""
 
-    # Rank 0 writes checkpoints; every rank resumes from the newest intact one (sent by the
-    # rank that has it, should the directory be local to each node).
-    checkpoints = CheckpointManager(args.checkpoint_dir, keep_last=3)
-    step = 0
-    latest = broadcast_latest(checkpoints)
-    if latest is not None:
-        state, _ = latest
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        step = int(state["step"])
-        if rank == 0:
-            s = state["sampler"]
-            print(
-                f"attempt {attempt}: resumed from epoch {s['epoch']}, step {step} "
-                f"({s['consumed']} samples of the epoch done)",
-                flush=True,
-            )
-    record = None
-    if args.record_samples is not None:
-        args.record_samples.mkdir(parents=True, exist_ok=True)
-        record = open(args.record_samples / f"attempt{attempt}-rank{rank}.txt", "a")  # noqa: SIM115
+    args: argparse.Namespace
+    rank: int
+    world: int
+    attempt: int
+    sampler: ElasticDistributedSampler
+    loader: DataLoader[tuple[torch.Tensor, int, int]]
+    model: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    checkpoints: CheckpointManager
+    record: IO[str] | None = None
+    step: int = 0
 
-    first_epoch = sampler.epoch
-    per_epoch = math.ceil(math.ceil(args.samples / world) / args.batch_size)
-    left_now = math.ceil(len(sampler) / args.batch_size) if first_epoch < args.epochs else 0
-    total = step + left_now + per_epoch * max(0, args.epochs - first_epoch - 1)
-    # The bar starts at the resumed step, so its rate is this run's, not steps since step 0.
-    progress = tqdm(
+    def save(self, epoch_steps: int) -> None:
+        """Rank 0 saves a checkpoint in the background (0 epoch steps: the next epoch's start)."""
+        state = training_state(
+            self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
+        )
+        self.checkpoints.save(state, self.step, background=True)
+
+
+def resume(job: Job) -> None:
+    """Every rank resumes from the newest intact checkpoint (sent by the rank that has it,
+    should the directory be local to each node)."""
+    latest = broadcast_latest(job.checkpoints)
+    if latest is None:
+        return
+    state, _ = latest
+    job.model.module.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.sampler.load_state_dict(state["sampler"])
+    job.step = int(state["step"])
+    if job.rank == 0:
+        s = state["sampler"]
+        print(
+            f"attempt {job.attempt}: resumed from epoch {s['epoch']}, step {job.step} "
+            f"({s['consumed']} samples of the epoch done)",
+            flush=True,
+        )
+
+
+def inject_failure(job: Job) -> None:
+    """On the first attempt, the last rank crashes or hangs at the step asked for."""
+    if job.attempt != 0 or job.rank != job.world - 1:
+        return
+    if job.step == job.args.crash_at_step:
+        print(f"rank {job.rank}: simulating a crash at step {job.step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if job.step == job.args.hang_at_step:
+        print(f"rank {job.rank}: simulating a hang at step {job.step}", flush=True)
+        time.sleep(3600)
+
+
+def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
+    """One epoch (from where the sampler stands); returns the last loss."""
+    loss = torch.tensor(0.0)
+    job.sampler.set_epoch(epoch)  # keeps a resumed position within the same epoch
+    for epoch_steps, (images, labels, ids) in enumerate(job.loader, start=1):
+        inject_failure(job)
+        started = time.monotonic()
+        loss = F.cross_entropy(job.model(images), labels)
+        job.optimizer.zero_grad()
+        loss.backward()
+        job.optimizer.step()  # elasticrun beats here
+        job.step += 1
+        time.sleep(max(0.0, job.args.step_time - (time.monotonic() - started)))
+        if job.record is not None:
+            job.record.write(f"{epoch} {job.step} {','.join(map(str, ids.tolist()))}\n")
+            job.record.flush()
+        progress.update(1)
+        progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
+        # (the epoch's last step is saved by the caller, as the start of the next epoch)
+        every = job.args.checkpoint_every
+        if job.step % every == 0 and job.rank == 0 and epoch_steps < len(job.loader):
+            job.save(epoch_steps)
+    return loss
+
+
+def progress_bar(job: Job) -> tqdm[Any]:
+    """The bar starts at the resumed step, so its rate is this run's, not steps since step 0."""
+    args = job.args
+    first_epoch = job.sampler.epoch
+    per_epoch = math.ceil(math.ceil(args.samples / job.world) / args.batch_size)
+    left_now = math.ceil(len(job.sampler) / args.batch_size) if first_epoch < args.epochs else 0
+    total = job.step + left_now + per_epoch * max(0, args.epochs - first_epoch - 1)
+    return tqdm(
         total=total,
-        initial=step,
+        initial=job.step,
         unit="step",
-        disable=rank != 0,
+        disable=job.rank != 0,
         dynamic_ncols=True,
         mininterval=0.2 if sys.stdout.isatty() else 5.0,
         file=sys.stdout,
     )
+
+
+def setup(args: argparse.Namespace) -> Job:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
+    # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
+    sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
+    model = DistributedDataParallel(SmallCNN(args.classes))
+    job = Job(
+        args,
+        rank,
+        world,
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        sampler=sampler,
+        loader=DataLoader(data, batch_size=args.batch_size, sampler=sampler),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        checkpoints=CheckpointManager(args.checkpoint_dir, keep_last=3),  # rank 0 writes
+    )
+    if args.record_samples is not None:
+        args.record_samples.mkdir(parents=True, exist_ok=True)
+        path = args.record_samples / f"attempt{job.attempt}-rank{rank}.txt"
+        job.record = open(path, "a")  # noqa: SIM115 - the process's lifetime
+    return job
+
+
+def main() -> None:
+    args = parse_args()
+    job = setup(args)
+    resume(job)
+    progress = progress_bar(job)
     loss = torch.tensor(0.0)
-    for epoch in range(first_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # keeps a resumed position within the same epoch
-        for epoch_steps, (images, labels, ids) in enumerate(loader, start=1):
-            if attempt == 0 and rank == world - 1:
-                if step == args.crash_at_step:
-                    print(f"rank {rank}: simulating a crash at step {step}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if step == args.hang_at_step:
-                    print(f"rank {rank}: simulating a hang at step {step}", flush=True)
-                    time.sleep(3600)
-            started = time.monotonic()
-            loss = F.cross_entropy(model(images), labels)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()  # elasticrun beats here
-            step += 1
-            time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
-            if record is not None:
-                record.write(f"{epoch} {step} {','.join(map(str, ids.tolist()))}\n")
-                record.flush()
-            progress.update(1)
-            progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
-            # (the epoch's last step is saved below, as the start of the next epoch)
-            if step % args.checkpoint_every == 0 and rank == 0 and epoch_steps < len(loader):
-                checkpoints.save(
-                    training_state(model, optimizer, sampler, step, epoch_steps, args.batch_size),
-                    step,
-                    background=True,
-                )
-        sampler.set_epoch(epoch + 1)  # the epoch is done: a checkpoint now starts the next
-        if rank == 0:
-            checkpoints.save(
-                training_state(model, optimizer, sampler, step, 0, args.batch_size),
-                step,
-                background=True,
-            )
+    for epoch in range(job.sampler.epoch, args.epochs):
+        loss = train_epoch(job, epoch, progress)
+        job.sampler.set_epoch(epoch + 1)  # the epoch is done: a checkpoint now starts the next
+        if job.rank == 0:
+            job.save(0)
     progress.close()
-    checkpoints.close()
+    job.checkpoints.close()
     dist.barrier()
-    if rank == 0:
+    if job.rank == 0:
         if args.final_weights is not None:
-            torch.save(model.module.state_dict(), args.final_weights)
-        print(f"done: {step} steps, {args.epochs} epochs, final loss {loss.item():.3f}", flush=True)
+            torch.save(job.model.module.state_dict(), args.final_weights)
+        print(
+            f"done: {job.step} steps, {args.epochs} epochs, final loss {loss.item():.3f}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

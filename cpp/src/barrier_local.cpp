@@ -195,16 +195,20 @@ void LocalBarrier::wait(int timeout_ms) {
     if (!opened) throw_aborted();
     return;
   }
+  if (!await_round(round, deadline)) time_out(round, timeout_ms);
+}
 
+bool LocalBarrier::await_round(uint32_t round, uint64_t deadline) {
   // Spin first: on an idle core a round usually completes within microseconds. Then yield, in
   // case the cores are oversubscribed, and finally sleep on the futex.
   // With more participants than cores, spinning only delays the ones still to arrive: yield.
   static const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   const uint64_t spin_ns = header_->parties > static_cast<uint32_t>(cores) ? 0 : kSpinNs;
   const uint64_t start = now_ns();
+  uint32_t word = 0;
   for (uint32_t i = 1;; ++i) {
     word = header_->word.load(std::memory_order_acquire);
-    if ((word & kRoundMask) != round) return;  // completed (even if aborted right after)
+    if ((word & kRoundMask) != round) return true;  // completed (even if aborted right after)
     if (word & kAbortBit) throw_aborted();
     if ((i & 31u) == 0) {
       uint64_t spent = now_ns() - start;
@@ -215,14 +219,15 @@ void LocalBarrier::wait(int timeout_ms) {
   }
   for (;;) {
     uint64_t now = now_ns();
-    if (now >= deadline) break;
-    uint64_t left = deadline - now;
-    detail::futex_wait(&header_->word, word, left);
+    if (now >= deadline) return false;
+    detail::futex_wait(&header_->word, word, deadline - now);
     word = header_->word.load(std::memory_order_acquire);
-    if ((word & kRoundMask) != round) return;
+    if ((word & kRoundMask) != round) return true;
     if (word & kAbortBit) throw_aborted();
   }
+}
 
+void LocalBarrier::time_out(uint32_t round, int timeout_ms) {
   // Out of time: name who has not arrived, and break the barrier so that nobody waits for them.
   std::string missing;
   int32_t first_missing = -1;
@@ -236,7 +241,7 @@ void LocalBarrier::wait(int timeout_ms) {
       if (pid > 0) missing += " (pid " + std::to_string(pid) + ")";
     }
   }
-  word = header_->word.load(std::memory_order_acquire);
+  uint32_t word = header_->word.load(std::memory_order_acquire);
   if ((word & kRoundMask) != round) return;  // completed at the last moment
   if (word & kAbortBit) throw_aborted();      // someone else broke it first
   std::string reason = "participant(s) " + missing + " did not arrive within " +

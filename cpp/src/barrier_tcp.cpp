@@ -180,6 +180,31 @@ bool send_frame(int fd, uint32_t type, uint32_t culprit, uint64_t round,
   return write_full(fd, buf, n);
 }
 
+// One non-blocking connect to `a`, bounded by a second (or the deadline): the socket, or -1
+// with `*last_err` set.
+int connect_one(const addrinfo* a, uint64_t deadline, int* last_err) {
+  int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+  if (s < 0) {
+    *last_err = errno;
+    return -1;
+  }
+  int rc = ::connect(s, a->ai_addr, a->ai_addrlen);
+  if (rc != 0 && errno == EINPROGRESS) {
+    pollfd p{s, POLLOUT, 0};
+    int left = remaining_ms(deadline);
+    rc = ::poll(&p, 1, std::min(left < 0 ? 1000 : left, 1000));
+    int soerr = rc == 0 ? ETIMEDOUT : 0;
+    socklen_t len = sizeof(soerr);
+    if (rc > 0) getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &len);
+    rc = soerr == 0 ? 0 : -1;
+    errno = soerr;
+  }
+  if (rc == 0) return s;
+  *last_err = errno;
+  ::close(s);
+  return -1;
+}
+
 std::string welcome_text(uint32_t status) {
   switch (status) {
     case kBadToken:
@@ -216,165 +241,160 @@ TcpBarrier::TcpBarrier(std::vector<std::string> peers, uint32_t rank, const std:
   fds_.assign(peers_.size(), -1);
   try {
     if (rank_ == 0) {
-      HostPort hp = parse_peer(peers_[0], 0);
-      addrinfo* ai = resolve(hp, true, describe(0));
-      int last_err = 0;
-      for (addrinfo* a = ai; a != nullptr && listen_fd_ < 0; a = a->ai_next) {
-        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) {
-          last_err = errno;
-          continue;
-        }
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-            ::listen(fd, static_cast<int>(peers_.size())) == 0) {
-          listen_fd_ = fd;
-        } else {
-          last_err = errno;
-          ::close(fd);
-        }
-      }
-      freeaddrinfo(ai);
-      if (listen_fd_ < 0) {
-        throw detail::system_error(last_err, "cannot listen on " + describe(0) +
-                                                 " (is the port in use, or the address not "
-                                                 "this host's?)");
-      }
-      sockaddr_storage ss{};
-      socklen_t len = sizeof(ss);
-      getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
-      bound_port_ = ntohs(ss.ss_family == AF_INET6
-                              ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                              : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-      size_t joined = 1;
-      while (joined < peers_.size()) {
-        pollfd p{listen_fd_, POLLIN, 0};
-        int rc = ::poll(&p, 1, remaining_ms(deadline));
-        if (rc < 0 && errno == EINTR) continue;
-        if (rc <= 0) break;
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        set_nodelay(fd);
-        unsigned char hello[kHelloSize];
-        int err = 0;
-        uint64_t hello_deadline = now_ns() + 5000000000ull;
-        if (read_full(fd, hello, kHelloSize, std::min(deadline, hello_deadline), &err) !=
-                Read::kOk ||
-            get_u32(hello) != kMagic) {
-          ::close(fd);  // not one of ours (a port scanner, a stray client)
-          continue;
-        }
-        uint32_t their_rank = get_u32(hello + 8);
-        uint32_t status = kOk;
-        if (get_u32(hello + 4) != kProtocolVersion) {
-          status = kBadVersion;
-        } else if (get_u64(hello + 16) != token_hash_) {
-          status = kBadToken;
-        } else if (get_u32(hello + 12) != peers_.size()) {
-          status = kBadSize;
-        } else if (their_rank == 0 || their_rank >= peers_.size()) {
-          status = kBadRank;
-        } else if (fds_[their_rank] >= 0) {
-          status = kRankTaken;
-        }
-        unsigned char welcome[kWelcomeSize];
-        put_u32(welcome, kMagic);
-        put_u32(welcome + 4, status);
-        bool sent = write_full(fd, welcome, kWelcomeSize);
-        if (status != kOk || !sent) {
-          ::close(fd);
-          continue;
-        }
-        fds_[their_rank] = fd;
-        ++joined;
-      }
-      if (joined < peers_.size()) {
-        std::string missing;
-        int first = -1;
-        for (uint32_t i = 1; i < peers_.size(); ++i) {
-          if (fds_[i] < 0) {
-            if (first < 0) first = static_cast<int>(i);
-            missing += (missing.empty() ? "" : ", ") + describe(i);
-          }
-        }
-        throw Error(ELASTIC_ERR_TIMEOUT, "TCP barrier: " + missing + " did not connect within " +
-                                             std::to_string(connect_timeout_ms) +
-                                             " ms; check that they run and can reach " +
-                                             describe(0))
-            .with_culprit(first);
-      }
+      listen_on_own_entry();
+      accept_members(deadline, connect_timeout_ms);
     } else {
-      HostPort hp = parse_peer(peers_[0], 0);
-      addrinfo* ai = resolve(hp, false, describe(0));
-      int last_err = ETIMEDOUT;
-      int fd = -1;
-      while (fd < 0) {
-        for (addrinfo* a = ai; a != nullptr && fd < 0; a = a->ai_next) {
-          int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                           a->ai_protocol);
-          if (s < 0) {
-            last_err = errno;
-            continue;
-          }
-          int rc = ::connect(s, a->ai_addr, a->ai_addrlen);
-          if (rc != 0 && errno == EINPROGRESS) {
-            pollfd p{s, POLLOUT, 0};
-            rc = ::poll(&p, 1, std::min(remaining_ms(deadline) < 0 ? 1000 : remaining_ms(deadline), 1000));
-            int soerr = rc == 0 ? ETIMEDOUT : 0;
-            socklen_t len = sizeof(soerr);
-            if (rc > 0) getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &len);
-            rc = soerr == 0 ? 0 : -1;
-            errno = soerr;
-          }
-          if (rc == 0) {
-            fd = s;
-          } else {
-            last_err = errno;
-            ::close(s);
-          }
-        }
-        if (fd >= 0 || remaining_ms(deadline) == 0) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, std::max(1, remaining_ms(deadline)))));
-      }
-      freeaddrinfo(ai);
-      if (fd < 0) {
-        throw Error(ELASTIC_ERR_NETWORK,
-                    "TCP barrier: " + describe(0) + " is unreachable: " +
-                        std::strerror(last_err) + " (retried for " +
-                        std::to_string(connect_timeout_ms) +
-                        " ms); check that rank 0 runs and listens there")
-            .with_culprit(0);
-      }
-      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-      set_nodelay(fd);
-      fds_[0] = fd;
-      unsigned char hello[kHelloSize];
-      put_u32(hello, kMagic);
-      put_u32(hello + 4, kProtocolVersion);
-      put_u32(hello + 8, rank_);
-      put_u32(hello + 12, static_cast<uint32_t>(peers_.size()));
-      put_u64(hello + 16, token_hash_);
-      unsigned char welcome[kWelcomeSize];
-      int err = 0;
-      if (!write_full(fd, hello, kHelloSize) ||
-          read_full(fd, welcome, kWelcomeSize, deadline, &err) != Read::kOk ||
-          get_u32(welcome) != kMagic) {
-        throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
-                                             " did not answer the handshake: is it an "
-                                             "elasticrun TCP barrier of the same version?")
-            .with_culprit(0);
-      }
-      uint32_t status = get_u32(welcome + 4);
-      if (status != kOk) {
-        throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " refused rank " +
-                                             std::to_string(rank_) + ": " + welcome_text(status))
-            .with_culprit(0);
-      }
+      fds_[0] = connect_to_leader(deadline, connect_timeout_ms);
+      handshake(fds_[0], deadline);
     }
   } catch (...) {
     close_all();
     throw;
+  }
+}
+
+void TcpBarrier::listen_on_own_entry() {
+  HostPort hp = parse_peer(peers_[0], 0);
+  addrinfo* ai = resolve(hp, true, describe(0));
+  int last_err = 0;
+  for (addrinfo* a = ai; a != nullptr && listen_fd_ < 0; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last_err = errno;
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::listen(fd, static_cast<int>(peers_.size())) == 0) {
+      listen_fd_ = fd;
+    } else {
+      last_err = errno;
+      ::close(fd);
+    }
+  }
+  freeaddrinfo(ai);
+  if (listen_fd_ < 0) {
+    throw detail::system_error(last_err, "cannot listen on " + describe(0) +
+                                             " (is the port in use, or the address not "
+                                             "this host's?)");
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  bound_port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                               : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+}
+
+void TcpBarrier::accept_members(uint64_t deadline, int connect_timeout_ms) {
+  size_t joined = 1;
+  while (joined < peers_.size()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    int rc = ::poll(&p, 1, remaining_ms(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) break;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    set_nodelay(fd);
+    if (admit(fd, deadline)) ++joined;
+  }
+  if (joined == peers_.size()) return;
+  std::string missing;
+  int first = -1;
+  for (uint32_t i = 1; i < peers_.size(); ++i) {
+    if (fds_[i] < 0) {
+      if (first < 0) first = static_cast<int>(i);
+      missing += (missing.empty() ? "" : ", ") + describe(i);
+    }
+  }
+  throw Error(ELASTIC_ERR_TIMEOUT, "TCP barrier: " + missing + " did not connect within " +
+                                       std::to_string(connect_timeout_ms) +
+                                       " ms; check that they run and can reach " + describe(0))
+      .with_culprit(first);
+}
+
+bool TcpBarrier::admit(int fd, uint64_t deadline) {
+  unsigned char hello[kHelloSize];
+  int err = 0;
+  uint64_t hello_deadline = now_ns() + 5000000000ull;
+  if (read_full(fd, hello, kHelloSize, std::min(deadline, hello_deadline), &err) != Read::kOk ||
+      get_u32(hello) != kMagic) {
+    ::close(fd);  // not one of ours (a port scanner, a stray client)
+    return false;
+  }
+  uint32_t their_rank = get_u32(hello + 8);
+  uint32_t status = kOk;
+  if (get_u32(hello + 4) != kProtocolVersion) {
+    status = kBadVersion;
+  } else if (get_u64(hello + 16) != token_hash_) {
+    status = kBadToken;
+  } else if (get_u32(hello + 12) != peers_.size()) {
+    status = kBadSize;
+  } else if (their_rank == 0 || their_rank >= peers_.size()) {
+    status = kBadRank;
+  } else if (fds_[their_rank] >= 0) {
+    status = kRankTaken;
+  }
+  unsigned char welcome[kWelcomeSize];
+  put_u32(welcome, kMagic);
+  put_u32(welcome + 4, status);
+  bool sent = write_full(fd, welcome, kWelcomeSize);
+  if (status != kOk || !sent) {
+    ::close(fd);
+    return false;
+  }
+  fds_[their_rank] = fd;
+  return true;
+}
+
+int TcpBarrier::connect_to_leader(uint64_t deadline, int connect_timeout_ms) {
+  HostPort hp = parse_peer(peers_[0], 0);
+  addrinfo* ai = resolve(hp, false, describe(0));
+  int last_err = ETIMEDOUT;
+  int fd = -1;
+  while (fd < 0) {
+    for (addrinfo* a = ai; a != nullptr && fd < 0; a = a->ai_next) {
+      fd = connect_one(a, deadline, &last_err);
+    }
+    if (fd >= 0 || remaining_ms(deadline) == 0) break;
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::min(50, std::max(1, remaining_ms(deadline)))));
+  }
+  freeaddrinfo(ai);
+  if (fd < 0) {
+    throw Error(ELASTIC_ERR_NETWORK,
+                "TCP barrier: " + describe(0) + " is unreachable: " + std::strerror(last_err) +
+                    " (retried for " + std::to_string(connect_timeout_ms) +
+                    " ms); check that rank 0 runs and listens there")
+        .with_culprit(0);
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  set_nodelay(fd);
+  return fd;
+}
+
+void TcpBarrier::handshake(int fd, uint64_t deadline) {
+  unsigned char hello[kHelloSize];
+  put_u32(hello, kMagic);
+  put_u32(hello + 4, kProtocolVersion);
+  put_u32(hello + 8, rank_);
+  put_u32(hello + 12, static_cast<uint32_t>(peers_.size()));
+  put_u64(hello + 16, token_hash_);
+  unsigned char welcome[kWelcomeSize];
+  int err = 0;
+  if (!write_full(fd, hello, kHelloSize) ||
+      read_full(fd, welcome, kWelcomeSize, deadline, &err) != Read::kOk ||
+      get_u32(welcome) != kMagic) {
+    throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
+                                         " did not answer the handshake: is it an "
+                                         "elasticrun TCP barrier of the same version?")
+        .with_culprit(0);
+  }
+  uint32_t status = get_u32(welcome + 4);
+  if (status != kOk) {
+    throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " refused rank " +
+                                         std::to_string(rank_) + ": " + welcome_text(status))
+        .with_culprit(0);
   }
 }
 

@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "elastic/watchdog.hpp"
+#include "elastic/error.hpp"
 #include "util.hpp"
 
 #ifndef P_PIDFD

@@ -50,6 +50,10 @@ class LocalBarrier {
  private:
   LocalBarrier(std::unique_ptr<detail::SharedMapping> mapping, int32_t index);
   [[noreturn]] void throw_aborted() const;
+  // wait()'s steps: until the round completes (false: the deadline came first), and then the
+  // timeout that names who did not arrive and breaks the barrier.
+  bool await_round(uint32_t round, uint64_t deadline);
+  void time_out(uint32_t round, int timeout_ms);
 
   std::unique_ptr<detail::SharedMapping> mapping_;
   detail::BarrierHeader* header_ = nullptr;
@@ -78,6 +82,12 @@ class TcpBarrier {
   uint16_t bound_port() const noexcept { return bound_port_; }
 
  private:
+  // The constructor's steps: rank 0 listens and admits every member; the others connect.
+  void listen_on_own_entry();
+  void accept_members(uint64_t deadline, int connect_timeout_ms);
+  bool admit(int fd, uint64_t deadline);
+  int connect_to_leader(uint64_t deadline, int connect_timeout_ms);
+  void handshake(int fd, uint64_t deadline);
   void wait_leader(uint64_t deadline);
   void wait_member(uint64_t deadline);
   std::string describe(uint32_t rank) const;

@@ -28,7 +28,9 @@ std::shared_ptr<elastic::LocalBarrier> barrier_of(const py::object& obj) {
   return obj.cast<const PyBarrier&>().barrier;
 }
 
-void register_barrier(py::module_& m) {
+namespace {
+
+void register_local(py::module_& m) {
   py::class_<PyBarrier>(m, "LocalBarrier",
                         "A shared-memory barrier among the processes of one node. The "
                         "supervisor creates it; each participant opens it with its index.")
@@ -77,7 +79,9 @@ void register_barrier(py::module_& m) {
       .def("close", [](PyBarrier& b) { b.barrier.reset(); })
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyBarrier& b, const py::args&) { b.barrier.reset(); });
+}
 
+void register_tcp(py::module_& m) {
   py::class_<PyTcpBarrier>(m, "TcpBarrier",
                            "A barrier among node leaders over TCP. Rank 0 listens on peers[0]; "
                            "the others connect to it.")
@@ -107,6 +111,13 @@ void register_barrier(py::module_& m) {
       .def("close", [](PyTcpBarrier& b) { b.barrier.reset(); })
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyTcpBarrier& b, const py::args&) { b.barrier.reset(); });
+}
+
+}  // namespace
+
+void register_barrier(py::module_& m) {
+  register_local(m);
+  register_tcp(m);
 }
 
 }  // namespace elastic_py

@@ -27,7 +27,10 @@ std::shared_ptr<elastic::GpuHealth> gpu_of(const py::object& obj) {
   return obj.cast<const PyGpu&>().gpu;
 }
 
-void register_gpu_health(py::module_& m) {
+namespace {
+
+// What a check finds: the states, the fault bits, one GPU's report.
+void register_report(py::module_& m) {
   py::native_enum<elastic_gpu_state>(m, "GpuState", "enum.IntEnum", "Health of NVML or a GPU.")
       .value("HEALTHY", ELASTIC_GPU_HEALTHY)
       .value("UNHEALTHY", ELASTIC_GPU_UNHEALTHY)
@@ -61,7 +64,9 @@ void register_gpu_health(py::module_& m) {
                py::repr(py::cast(r.state)).cast<std::string>() + ", detail=" +
                py::repr(py::str(r.detail)).cast<std::string>() + ")";
       });
+}
 
+void register_checker(py::module_& m) {
   py::class_<PyGpu>(m, "GpuHealth",
                     "NVML loaded at run time. A missing library is not an error: `state` is "
                     "NOT_AVAILABLE. Calls into NVML run on a helper thread with a deadline, so a "
@@ -92,6 +97,13 @@ void register_gpu_health(py::module_& m) {
             return g.gpu->check_all(ms);
           },
           py::arg("timeout") = 2.0);
+}
+
+}  // namespace
+
+void register_gpu_health(py::module_& m) {
+  register_report(m);
+  register_checker(m);
 }
 
 }  // namespace elastic_py

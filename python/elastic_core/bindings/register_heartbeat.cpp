@@ -103,9 +103,10 @@ std::shared_ptr<elastic::HeartbeatTable> table_of(const py::object& obj) {
   return obj.cast<const PyTable&>().table;
 }
 
-void register_heartbeat(py::module_& m) {
-  pthread_atfork(nullptr, nullptr, after_fork_in_child);
+namespace {
 
+// A slot as the supervisor reads it.
+void register_slot(py::module_& m) {
   py::native_enum<elastic_slot_state>(m, "SlotState", "enum.IntEnum",
                                       "State of a heartbeat slot.")
       .value("EMPTY", ELASTIC_SLOT_EMPTY)
@@ -130,7 +131,10 @@ void register_heartbeat(py::module_& m) {
                std::to_string(s.last_beat_ns) + ", timeout_ms=" + std::to_string(s.timeout_ms) +
                ")";
       });
+}
 
+// The supervisor's table.
+void register_table(py::module_& m) {
   py::class_<PyTable>(m, "HeartbeatTable",
                       "The shared-memory heartbeat table of a supervisor. Make one with create() "
                       "or open(); close() (or leaving a `with` block) unmaps it, and the creator "
@@ -162,7 +166,10 @@ void register_heartbeat(py::module_& m) {
       .def("close", [](PyTable& t) { t.table.reset(); })
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyTable& t, const py::args&) { t.table.reset(); });
+}
 
+// A worker's handle on its slot.
+void register_handle(py::module_& m) {
   py::class_<PyHeartbeat>(m, "Heartbeat",
                           "A worker's handle on its slot. Most code calls elastic_core.beat() "
                           "instead.")
@@ -195,7 +202,10 @@ void register_heartbeat(py::module_& m) {
       .def("detach", [](PyHeartbeat& h) { h.hb.reset(); })
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyHeartbeat& h, const py::args&) { h.hb.reset(); });
+}
 
+// The module's functions over this worker's own slot, found from the environment.
+void register_own_slot(py::module_& m) {
   PyObject* fn = PyCFunction_NewEx(&beat_def, nullptr, m.attr("__name__").ptr());
   if (fn == nullptr) throw py::error_already_set();
   m.add_object("beat", py::reinterpret_steal<py::object>(fn));
@@ -240,6 +250,16 @@ void register_heartbeat(py::module_& m) {
         g_resolved = Resolved::kAbsent;
       },
       "Mark this worker finished: later beats are no-ops and no hang is reported for it.");
+}
+
+}  // namespace
+
+void register_heartbeat(py::module_& m) {
+  pthread_atfork(nullptr, nullptr, after_fork_in_child);
+  register_slot(m);
+  register_table(m);
+  register_handle(m);
+  register_own_slot(m);
 }
 
 }  // namespace elastic_py

@@ -121,22 +121,9 @@ std::string mode_name(elastic_death_detection m) {
   return m == ELASTIC_DEATH_PIDFD ? "pidfd" : m == ELASTIC_DEATH_POLL ? "poll" : "auto";
 }
 
-}  // namespace
+using WatchdogClass = py::class_<PyWatchdog>;
 
-void register_watchdog(py::module_& m) {
-  py::module_::import("atexit").attr("register")(py::cpp_function([] {
-    std::set<PyWatchdog*> all = live();
-    for (PyWatchdog* w : all) w->close();
-  }));
-
-  m.def(
-      "die_with_parent",
-      [](int sig, int32_t expected_parent) { elastic::die_with_parent(sig, expected_parent); },
-      py::arg("signal") = 9, py::arg("expected_parent") = 0,
-      "Receive `signal` when the parent process exits (Linux PR_SET_PDEATHSIG), so this "
-      "process never outlives a killed supervisor. Raises NotFoundError if `expected_parent` "
-      "(> 0) is no longer the parent: it has died already.");
-
+void register_event(py::module_& m) {
   py::native_enum<elastic_event_kind>(m, "EventKind", "enum.IntEnum", "What the watchdog saw.")
       .value("EXITED", ELASTIC_EVENT_EXITED)
       .value("HUNG", ELASTIC_EVENT_HUNG)
@@ -174,63 +161,56 @@ void register_watchdog(py::module_& m) {
                ", worker=" + std::to_string(e.worker) + ", pid=" + std::to_string(e.pid) +
                ", detail=" + py::repr(py::str(e.detail)).cast<std::string>() + ")";
       });
+}
 
-  py::class_<PyWatchdog>(m, "Watchdog",
-                         "Watches worker processes from its own thread: deaths through pidfds, "
-                         "hangs through stale heartbeats, GPU faults through NVML. Events reach "
-                         "the callback (on the watchdog's thread) and a queue read by poll() or "
-                         "by iterating.")
-      .def(py::init([](double default_hang_timeout, double hang_check_interval,
-                       const std::string& death_detection, double poll_interval, bool reap,
-                       double gpu_check_interval, double gpu_check_timeout,
-                       uint32_t queue_capacity, const py::object& gpu,
-                       const py::object& callback) {
-             elastic::WatchdogOptions o;
-             o.default_hang_timeout_ms = duration_ms(default_hang_timeout, "default_hang_timeout");
-             o.hang_check_interval_ms =
-                 static_cast<uint32_t>(duration_ms(hang_check_interval, "hang_check_interval"));
-             o.death_detection = parse_mode(death_detection);
-             o.poll_interval_ms =
-                 static_cast<uint32_t>(std::max<uint64_t>(1, duration_ms(poll_interval, "poll_interval")));
-             o.reap = reap;
-             o.gpu_check_interval_ms =
-                 static_cast<uint32_t>(duration_ms(gpu_check_interval, "gpu_check_interval"));
-             o.gpu_check_timeout_ms =
-                 static_cast<int32_t>(duration_ms(gpu_check_timeout, "gpu_check_timeout"));
-             o.queue_capacity = queue_capacity;
-             PyWatchdog w;
-             w.wd = std::make_unique<elastic::Watchdog>(o);
-             if (!gpu.is_none()) {
-               w.gpu = gpu_of(gpu);
-               w.wd->set_gpu_health(w.gpu);
-             }
-             w.set_callback(callback);
-             return w;
-           }),
-           py::kw_only(), py::arg("default_hang_timeout") = 0.0,
-           py::arg("hang_check_interval") = 0.0, py::arg("death_detection") = "auto",
-           py::arg("poll_interval") = 0.005, py::arg("reap") = false,
-           py::arg("gpu_check_interval") = 0.0, py::arg("gpu_check_timeout") = 2.0,
-           py::arg("queue_capacity") = 1024, py::arg("gpu") = py::none(),
-           py::arg("callback") = py::none())
-      .def(
-          "watch",
-          [](PyWatchdog& w, int32_t worker, int32_t pid, const py::object& table,
-             std::optional<int32_t> slot, double hang_timeout, std::optional<int32_t> gpu) {
-            std::shared_ptr<elastic::HeartbeatTable> t;
-            if (!table.is_none()) t = table_of(table);
-            if (!table.is_none() && !t) throw py::value_error("the heartbeat table is closed");
-            int32_t s = slot.value_or(t ? worker : -1);
-            w.get().watch(worker, pid, t.get(), t ? s : -1,
-                          duration_ms(hang_timeout, "hang_timeout"), gpu.value_or(-1));
-            if (t) w.tables[worker] = t;
-          },
-          py::arg("worker"), py::arg("pid"), py::arg("table") = py::none(),
-          py::arg("slot") = py::none(), py::arg("hang_timeout") = 0.0,
-          py::arg("gpu") = py::none(),
-          "Watch process `pid` as `worker`. With a heartbeat `table`, hangs are checked on "
-          "`slot` (default: the worker id) against the worker's own timeout, else "
-          "`hang_timeout` seconds, else the default.")
+PyWatchdog make_watchdog(double default_hang_timeout, double hang_check_interval,
+                         const std::string& death_detection, double poll_interval, bool reap,
+                         double gpu_check_interval, double gpu_check_timeout,
+                         uint32_t queue_capacity, const py::object& gpu,
+                         const py::object& callback) {
+  elastic::WatchdogOptions o;
+  o.default_hang_timeout_ms = duration_ms(default_hang_timeout, "default_hang_timeout");
+  o.hang_check_interval_ms =
+      static_cast<uint32_t>(duration_ms(hang_check_interval, "hang_check_interval"));
+  o.death_detection = parse_mode(death_detection);
+  o.poll_interval_ms =
+      static_cast<uint32_t>(std::max<uint64_t>(1, duration_ms(poll_interval, "poll_interval")));
+  o.reap = reap;
+  o.gpu_check_interval_ms =
+      static_cast<uint32_t>(duration_ms(gpu_check_interval, "gpu_check_interval"));
+  o.gpu_check_timeout_ms =
+      static_cast<int32_t>(duration_ms(gpu_check_timeout, "gpu_check_timeout"));
+  o.queue_capacity = queue_capacity;
+  PyWatchdog w;
+  w.wd = std::make_unique<elastic::Watchdog>(o);
+  if (!gpu.is_none()) {
+    w.gpu = gpu_of(gpu);
+    w.wd->set_gpu_health(w.gpu);
+  }
+  w.set_callback(callback);
+  return w;
+}
+
+// What is watched: workers (their pids, heartbeat slots, GPUs) and barriers to abort.
+void add_watching(WatchdogClass& cls) {
+  cls.def(
+         "watch",
+         [](PyWatchdog& w, int32_t worker, int32_t pid, const py::object& table,
+            std::optional<int32_t> slot, double hang_timeout, std::optional<int32_t> gpu) {
+           std::shared_ptr<elastic::HeartbeatTable> t;
+           if (!table.is_none()) t = table_of(table);
+           if (!table.is_none() && !t) throw py::value_error("the heartbeat table is closed");
+           int32_t s = slot.value_or(t ? worker : -1);
+           w.get().watch(worker, pid, t.get(), t ? s : -1,
+                         duration_ms(hang_timeout, "hang_timeout"), gpu.value_or(-1));
+           if (t) w.tables[worker] = t;
+         },
+         py::arg("worker"), py::arg("pid"), py::arg("table") = py::none(),
+         py::arg("slot") = py::none(), py::arg("hang_timeout") = 0.0,
+         py::arg("gpu") = py::none(),
+         "Watch process `pid` as `worker`. With a heartbeat `table`, hangs are checked on "
+         "`slot` (default: the worker id) against the worker's own timeout, else "
+         "`hang_timeout` seconds, else the default.")
       .def(
           "set_hang_timeout",
           [](PyWatchdog& w, int32_t worker, double seconds) {
@@ -255,8 +235,12 @@ void register_watchdog(py::module_& m) {
             w.get().attach_barrier(b.get());
             w.barriers.push_back(b);
           },
-          py::arg("barrier"), "Abort `barrier`, naming the worker, when a worker exits or hangs.")
-      .def("set_callback", &PyWatchdog::set_callback, py::arg("callback"))
+          py::arg("barrier"), "Abort `barrier`, naming the worker, when a worker exits or hangs.");
+}
+
+// Its life: the callback, start, stop, close, and what it reports about itself.
+void add_life(WatchdogClass& cls) {
+  cls.def("set_callback", &PyWatchdog::set_callback, py::arg("callback"))
       .def("start", &PyWatchdog::start)
       .def("stop",
            [](PyWatchdog& w) {
@@ -270,22 +254,58 @@ void register_watchdog(py::module_& m) {
                              [](const PyWatchdog& w) { return mode_name(w.get().death_detection()); })
       .def_property_readonly("dropped_events",
                              [](const PyWatchdog& w) { return w.get().dropped_events(); })
-      .def("poll", &PyWatchdog::poll, py::arg("timeout") = py::none(),
-           "The oldest event, waiting at most `timeout` seconds (None: until one comes or the "
-           "watchdog stops); None if none came.")
-      .def("__iter__", [](py::object self) { return self; })
-      .def("__next__",
-           [](PyWatchdog& w) {
-             auto ev = w.poll(std::nullopt);
-             if (!ev) throw py::stop_iteration();
-             return *ev;
-           })
       .def("__enter__",
            [](py::object self) {
              self.cast<PyWatchdog&>().start();
              return self;
            })
       .def("__exit__", [](PyWatchdog& w, const py::args&) { w.close(); });
+}
+
+// Its events, read from the queue.
+void add_reading(WatchdogClass& cls) {
+  cls.def("poll", &PyWatchdog::poll, py::arg("timeout") = py::none(),
+          "The oldest event, waiting at most `timeout` seconds (None: until one comes or the "
+          "watchdog stops); None if none came.")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__", [](PyWatchdog& w) {
+        auto ev = w.poll(std::nullopt);
+        if (!ev) throw py::stop_iteration();
+        return *ev;
+      });
+}
+
+}  // namespace
+
+void register_watchdog(py::module_& m) {
+  py::module_::import("atexit").attr("register")(py::cpp_function([] {
+    std::set<PyWatchdog*> all = live();
+    for (PyWatchdog* w : all) w->close();
+  }));
+
+  m.def(
+      "die_with_parent",
+      [](int sig, int32_t expected_parent) { elastic::die_with_parent(sig, expected_parent); },
+      py::arg("signal") = 9, py::arg("expected_parent") = 0,
+      "Receive `signal` when the parent process exits (Linux PR_SET_PDEATHSIG), so this "
+      "process never outlives a killed supervisor. Raises NotFoundError if `expected_parent` "
+      "(> 0) is no longer the parent: it has died already.");
+  register_event(m);
+
+  WatchdogClass cls(m, "Watchdog",
+                    "Watches worker processes from its own thread: deaths through pidfds, "
+                    "hangs through stale heartbeats, GPU faults through NVML. Events reach "
+                    "the callback (on the watchdog's thread) and a queue read by poll() or "
+                    "by iterating.");
+  cls.def(py::init(&make_watchdog), py::kw_only(), py::arg("default_hang_timeout") = 0.0,
+          py::arg("hang_check_interval") = 0.0, py::arg("death_detection") = "auto",
+          py::arg("poll_interval") = 0.005, py::arg("reap") = false,
+          py::arg("gpu_check_interval") = 0.0, py::arg("gpu_check_timeout") = 2.0,
+          py::arg("queue_capacity") = 1024, py::arg("gpu") = py::none(),
+          py::arg("callback") = py::none());
+  add_watching(cls);
+  add_life(cls);
+  add_reading(cls);
 }
 
 }  // namespace elastic_py

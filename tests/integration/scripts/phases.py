@@ -14,9 +14,67 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 LEGITIMATE = ("first_step", "eval", "metric", "checkpoint")
 HANGS = ("sigstop", "peer_stopped", "deadlock", "sleep")
+
+
+def deadlock() -> None:
+    a, b = threading.Lock(), threading.Lock()
+    both = threading.Barrier(2)
+
+    def take(first: threading.Lock, second: threading.Lock) -> None:
+        with first:
+            both.wait()
+            with second:
+                pass
+
+    threads = [
+        threading.Thread(target=take, args=(a, b)),
+        threading.Thread(target=take, args=(b, a)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def checkpoint(out: str, rank: int, until: float) -> None:
+    """Throttled storage: 512 KiB every 0.25 s."""
+    chunk = os.urandom(512 * 1024)
+    with open(os.path.join(out, f"ckpt-{rank}.bin"), "wb") as f:
+        while time.monotonic() < until:
+            f.write(chunk)
+            f.flush()
+            time.sleep(0.25)
+        os.fsync(f.fileno())
+    os.remove(f.name)
+
+
+def phase(args: argparse.Namespace, rank: int, model: Any, steps: Any, until: float) -> None:
+    """The long phase between the two runs of steps."""
+    import torch
+    import torch.distributed as dist
+
+    if args.phase == "eval":  # forward passes only
+        with torch.no_grad():
+            while time.monotonic() < until:
+                model.module(torch.randn(512, 64))
+    elif args.phase == "metric":  # pure Python
+        total = 0
+        while time.monotonic() < until:
+            total += sum(i * i for i in range(10_000))
+    elif args.phase == "checkpoint":
+        checkpoint(args.out, rank, until)
+    elif args.phase in ("sigstop", "peer_stopped"):
+        if rank == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        steps(1)  # the others block in the gradients' all_reduce
+    elif args.phase == "deadlock":
+        deadlock()
+    elif args.phase == "sleep":
+        time.sleep(10**6)
 
 
 def main() -> None:
@@ -51,47 +109,7 @@ def main() -> None:
         while time.monotonic() < until:
             a = torch.tanh(a @ a)
     steps(5)
-    if args.phase == "eval":  # forward passes only
-        with torch.no_grad():
-            while time.monotonic() < until:
-                model.module(torch.randn(512, 64))
-    elif args.phase == "metric":  # pure Python
-        total = 0
-        while time.monotonic() < until:
-            total += sum(i * i for i in range(10_000))
-    elif args.phase == "checkpoint":  # throttled storage: 512 KiB every 0.25 s
-        chunk = os.urandom(512 * 1024)
-        with open(os.path.join(args.out, f"ckpt-{rank}.bin"), "wb") as f:
-            while time.monotonic() < until:
-                f.write(chunk)
-                f.flush()
-                time.sleep(0.25)
-            os.fsync(f.fileno())
-        os.remove(f.name)
-    elif args.phase in ("sigstop", "peer_stopped"):
-        if rank == dist.get_world_size() - 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        steps(1)  # the others block in the gradients' all_reduce
-    elif args.phase == "deadlock":
-        a, b = threading.Lock(), threading.Lock()
-        both = threading.Barrier(2)
-
-        def take(first: threading.Lock, second: threading.Lock) -> None:
-            with first:
-                both.wait()
-                with second:
-                    pass
-
-        threads = [
-            threading.Thread(target=take, args=(a, b)),
-            threading.Thread(target=take, args=(b, a)),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    elif args.phase == "sleep":
-        time.sleep(10**6)
+    phase(args, rank, model, steps, until)
     steps(5)
     dist.barrier()  # as the other test scripts: no rank tears down while another still uses it
     dist.destroy_process_group()

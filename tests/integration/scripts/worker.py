@@ -27,7 +27,7 @@ def stuck_in_the_data_loader() -> None:
     time.sleep(3600)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="directory for pid and env files")
     p.add_argument("--fail-rank", type=int, default=-1)
@@ -46,10 +46,11 @@ def main() -> None:
         default=0,
         help="in this rendezvous round, wait (until stopped) after the collective",
     )
-    args = p.parse_args()
+    return p.parse_args()
 
-    rank = int(os.environ["RANK"])
-    int(os.environ["LOCAL_RANK"])
+
+def record(args: argparse.Namespace, rank: int) -> str:
+    """This worker's pid and environment, in files named by attempt and rank; the tag."""
     restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     attempt = os.environ.get("ELASTICRUN_ATTEMPT", str(restarts))
     tag = f"{attempt}-{rank}"
@@ -58,53 +59,69 @@ def main() -> None:
     # Each file appears whole (written aside, then renamed): tests read them as they appear.
     write(os.path.join(args.out, f"{tag}.env.json"), json.dumps(env))
     write(os.path.join(args.out, f"{tag}.pid"), str(os.getpid()))
+    return tag
+
+
+def fail(args: argparse.Namespace, rank: int, restarts: int) -> None:
+    if args.how == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} at restart {restarts}")
+    if args.how == "exit":
+        sys.exit(args.exit_code)
+    if args.how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    stuck_in_the_data_loader()
+
+
+def all_reduce(args: argparse.Namespace, tag: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    with open(os.path.join(args.out, f"{tag}.dist.json"), "w") as f:
+        json.dump(
+            {
+                "sum": t.item(),
+                "launched": dist.is_torchelastic_launched(),
+                "world": dist.get_world_size(),
+                "rank": dist.get_rank(),
+            },
+            f,
+        )
+
+
+def train(args: argparse.Namespace, failing: bool, rank: int, restarts: int) -> None:
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(args.steps):
+        if failing and step == args.fail_at_step:
+            fail(args, rank, restarts)
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(args.step_time)
+
+
+def main() -> None:
+    args = parse_args()
+    rank = int(os.environ["RANK"])
+    int(os.environ["LOCAL_RANK"])
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    tag = record(args, rank)
     if args.print:
         print(f"{args.print} rank {rank}", flush=True)
         print(f"{args.print} err rank {rank}", file=sys.stderr, flush=True)
-
     failing = rank == args.fail_rank and restarts < args.fail_until
-
-    def fail() -> None:
-        if args.how == "raise":
-            raise RuntimeError(f"injected failure on rank {rank} at restart {restarts}")
-        if args.how == "exit":
-            sys.exit(args.exit_code)
-        if args.how == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        stuck_in_the_data_loader()
-
     if args.dist:
-        import torch
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        with open(os.path.join(args.out, f"{tag}.dist.json"), "w") as f:
-            json.dump(
-                {
-                    "sum": t.item(),
-                    "launched": dist.is_torchelastic_launched(),
-                    "world": dist.get_world_size(),
-                    "rank": dist.get_rank(),
-                },
-                f,
-            )
+        all_reduce(args, tag)
     if args.steps:
-        import torch
-
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step in range(args.steps):
-            if failing and step == args.fail_at_step:
-                fail()
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            time.sleep(args.step_time)
+        train(args, failing, rank, restarts)
     elif failing:
-        fail()
+        fail(args, rank, restarts)
     if args.hold_round and os.environ.get("ELASTICRUN_ROUND") == str(args.hold_round):
         time.sleep(300)
     if args.dist:

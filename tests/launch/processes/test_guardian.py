@@ -101,3 +101,36 @@ def test_a_launcher_that_is_done_is_left_alone(tmp_path):
     finally:
         proc.kill()
         proc.stdout.close()
+
+
+def test_a_path_with_a_newline_is_one_path(tmp_path):
+    """Each message is one JSON line: a directory whose name holds a newline is removed, and
+    the directory its first line names is not (a TMPDIR with a newline once split it in two)."""
+    innocent = tmp_path / "data"
+    innocent.mkdir()
+    (innocent / "keep.txt").write_text("x")
+    odd = tmp_path / "data\nlogs"
+    odd.mkdir()
+    proc, guardian, worker = start([str(odd)])
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert wait(lambda: not odd.exists(), 2.0), "the path with a newline was not removed"
+        assert wait(lambda: not alive(guardian), 2.0)
+        assert (innocent / "keep.txt").exists(), "another directory was removed"
+    finally:
+        for pid in _sessions_of({worker}):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.stdout.close()
+
+
+def test_what_is_not_a_message_is_never_acted_on():
+    from elastic_launch.processes.guardian import _Orders
+
+    orders = _Orders()
+    assert not orders.take(b'path /tmp/x\n{"op": "path", "arg": "/tmp/a\\nb"}\n{"op": "gro')
+    assert orders.paths == ["/tmp/a\nb"], "the old plain line is ignored"
+    assert not orders.take(b'up", "arg": 7}\n{"op": "group", "arg": "x"}\n')
+    assert orders.groups == {7}, "a message split across reads; a bad one skipped"
+    assert orders.take(b'{"op": "done", "arg": null}\n')

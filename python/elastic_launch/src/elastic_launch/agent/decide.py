@@ -34,6 +34,7 @@ rendezvous spends for a group restart; the decision carries the budget after it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_launch.api import FailureKind, RestartBudget
@@ -107,31 +108,63 @@ class Decision:
 
 def decide(s: Snapshot) -> Decision:
     """The one action for `s` (see the module's table)."""
-    h = s.happening
-    if h == Happening.SIGNAL:
-        return Decision(Action.STOP)
-    if h == Happening.EXITED_OK:
-        return Decision(Action.SUCCEED if s.all_succeeded else Action.IGNORE)
-    if h in (Happening.MEMBERSHIP, Happening.PEERS_LOST):
-        keep = h == Happening.MEMBERSHIP and s.node_in_loop
-        action = Action.LEAVE_ROUND if keep else Action.RESTART_GROUP
-        return Decision(action, reason=RestartReason.MEMBERSHIP)
-    if h == Happening.GPU_UNUSABLE:
-        return Decision(Action.FAIL_JOB, FailureKind.GPU, detail=s.failure)
-    if h == Happening.GPU_FAULT:
-        return _restart(FailureKind.GPU)
-    if h == Happening.SPAWN_FAILED:
-        if s.replacing:
-            return Decision(Action.FAIL_JOB, FailureKind.SPAWN, detail=s.failure)
-        return _restart(FailureKind.SPAWN)
+    return _RULES[s.happening](s)
+
+
+def _stop(s: Snapshot) -> Decision:
+    return Decision(Action.STOP)
+
+
+def _exited_ok(s: Snapshot) -> Decision:
+    return Decision(Action.SUCCEED if s.all_succeeded else Action.IGNORE)
+
+
+def _membership(s: Snapshot) -> Decision:
+    """Nodes came or went (or a failure came from a member that is gone): free of budget."""
+    keep = s.happening == Happening.MEMBERSHIP and s.node_in_loop
+    action = Action.LEAVE_ROUND if keep else Action.RESTART_GROUP
+    return Decision(action, reason=RestartReason.MEMBERSHIP)
+
+
+def _gpu_unusable(s: Snapshot) -> Decision:
+    return Decision(Action.FAIL_JOB, FailureKind.GPU, detail=s.failure)
+
+
+def _gpu_fault(s: Snapshot) -> Decision:
+    return _restart(FailureKind.GPU)
+
+
+def _spawn_failed(s: Snapshot) -> Decision:
+    if s.replacing:
+        return Decision(Action.FAIL_JOB, FailureKind.SPAWN, detail=s.failure)
+    return _restart(FailureKind.SPAWN)
+
+
+def _worker_failed(s: Snapshot) -> Decision:
+    """A worker exited with an error, was killed, or hung (or stays stuck after its spare)."""
     kind = _kind(s)
     if not s.node_in_loop:
         return _restart(kind)
-    if h == Happening.HUNG and s.spared:
+    if s.happening == Happening.HUNG and s.spared:
         return Decision(Action.IGNORE)
-    if h == Happening.HUNG and s.waits_on_peer and s.spare_seconds != float("inf"):
+    if s.happening == Happening.HUNG and s.waits_on_peer and s.spare_seconds != float("inf"):
         return Decision(Action.SPARE)
     return _replace(s, kind)
+
+
+_RULES: dict[Happening, Callable[[Snapshot], Decision]] = {
+    Happening.SIGNAL: _stop,
+    Happening.EXITED_OK: _exited_ok,
+    Happening.MEMBERSHIP: _membership,
+    Happening.PEERS_LOST: _membership,
+    Happening.GPU_UNUSABLE: _gpu_unusable,
+    Happening.GPU_FAULT: _gpu_fault,
+    Happening.SPAWN_FAILED: _spawn_failed,
+    Happening.FAILED: _worker_failed,
+    Happening.HUNG: _worker_failed,
+    Happening.STILL_STUCK: _worker_failed,
+}
+assert set(_RULES) == set(Happening)
 
 
 def _kind(s: Snapshot) -> FailureKind:

@@ -296,6 +296,54 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     """Turn parsed flags into a LaunchConfig and an Entrypoint, checking every value."""
     from elastic_launch.processes.entrypoint import Entrypoint
 
+    _refuse_unsupported(args)
+    entrypoint = Entrypoint.from_command_line(
+        args.training_script,
+        list(args.training_script_args),
+        args.module,
+        args.no_python,
+        args.run_path,
+    )
+    min_nodes, max_nodes = parse_nnodes(str(args.nnodes), source(args, "nnodes"))
+    nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
+    backend, endpoint, run_id = _rendezvous_target(args, max_nodes)
+    parse_signals(args.signals_to_handle)  # checked now, installed by the agent
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=parse_rdzv_conf(args.rdzv_conf),
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=parse_std(str(args.redirects), source(args, "redirects")),
+        tee=parse_std(str(args.tee), source(args, "tee")),
+        local_ranks_filter=parse_ranks_filter(
+            args.local_ranks_filter, source(args, "local_ranks_filter")
+        ),
+        duplicate_stdout_filters=list(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=list(args.duplicate_stderr_filters),
+        master_addr=args.master_addr,
+        local_addr=args.local_addr,
+        signals_to_handle=args.signals_to_handle,
+        virtual_local_rank=args.virtual_local_rank,
+        event_log_handler=args.event_log_handler,
+        hang_timeout=parse_hang_timeout(str(args.hang_timeout), source(args, "hang_timeout")),
+        preload=parse_preload(args.preload if isinstance(args.preload, list) else [args.preload]),
+        events_file=args.events_file,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        **_numbers(args),
+    )
+    if compat.set_omp_default(nproc):
+        logger.warning(compat.OMP_WARNING)
+    return config, entrypoint
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
     if args.logs_specs:
         raise ConfigError(
             f"--logs-specs '{args.logs_specs}' is not supported: elasticrun keeps its own log "
@@ -306,20 +354,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
             f"--numa-binding {args.numa_binding} is not supported by elasticrun yet; bind "
             "workers with numactl in your script, or leave the flag out"
         )
-    entrypoint = Entrypoint.from_command_line(
-        args.training_script,
-        list(args.training_script_args),
-        args.module,
-        args.no_python,
-        args.run_path,
-    )
 
-    def num(dest: str) -> Any:
-        value = getattr(args, dest)
-        return None if value is None else check_range(dest, value, source(args, dest))
 
-    min_nodes, max_nodes = parse_nnodes(str(args.nnodes), source(args, "nnodes"))
-    nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
+def _rendezvous_target(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
+    """The backend, endpoint and run id: ``--standalone`` (and a one-node static launch with
+    no master port, as torchrun) is the in-process embedded rendezvous under a fresh id."""
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone and max_nodes > 1:
         raise ConfigError(
@@ -331,54 +370,33 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     if args.standalone or (
         backend == "static" and not endpoint and args.master_port is None and max_nodes == 1
     ):
-        backend, endpoint, run_id = "embedded", "localhost:0", random_id()
-    elif backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
+        return "embedded", "localhost:0", random_id()
+    if backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
-    shutdown = num("shutdown_timeout")
-    if shutdown is None:
-        shutdown = compat.shutdown_timeout()
-    parse_signals(args.signals_to_handle)  # checked now, installed by the agent
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        role=args.role,
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=parse_rdzv_conf(args.rdzv_conf),
-        max_restarts=int(num("max_restarts")),
-        monitor_interval=num("monitor_interval"),
-        start_method=args.start_method,
-        log_dir=args.log_dir,
-        redirects=parse_std(str(args.redirects), source(args, "redirects")),
-        tee=parse_std(str(args.tee), source(args, "tee")),
-        local_ranks_filter=parse_ranks_filter(
-            args.local_ranks_filter, source(args, "local_ranks_filter")
-        ),
-        duplicate_stdout_filters=list(args.duplicate_stdout_filters),
-        duplicate_stderr_filters=list(args.duplicate_stderr_filters),
-        node_rank=int(num("node_rank")),
-        master_addr=args.master_addr,
-        master_port=None if args.master_port is None else int(num("master_port")),
-        local_addr=args.local_addr,
-        signals_to_handle=args.signals_to_handle,
-        shutdown_timeout=float(shutdown),
-        virtual_local_rank=args.virtual_local_rank,
-        event_log_handler=args.event_log_handler,
-        hang_timeout=parse_hang_timeout(str(args.hang_timeout), source(args, "hang_timeout")),
-        hang_timeout_floor=num("hang_timeout_floor"),
-        hang_timeout_factor=num("hang_timeout_factor"),
-        preload=parse_preload(args.preload if isinstance(args.preload, list) else [args.preload]),
-        events_file=args.events_file,
-        metrics_port=args.metrics_port,
-        health_port=args.health_port,
-        gpu_check_interval=num("gpu_check_interval"),
-        min_workers=None if args.min_workers is None else int(num("min_workers")),
+    return backend, endpoint, run_id
+
+
+#: LaunchConfig's numbers the command line takes, each checked against its Range.
+_FLOATS = ("monitor_interval", "hang_timeout_floor", "hang_timeout_factor", "gpu_check_interval")
+_INTS = ("max_restarts", "node_rank")
+_OPTIONAL_INTS = ("master_port", "min_workers")
+
+
+def _numbers(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that are numbers, checked (the message names the flag, or the PET_ variable
+    it came from)."""
+
+    def num(dest: str) -> float:
+        return check_range(dest, getattr(args, dest), source(args, dest))
+
+    out: dict[str, Any] = {d: num(d) for d in _FLOATS}
+    out.update({d: int(num(d)) for d in _INTS})
+    out.update({d: None if getattr(args, d) is None else int(num(d)) for d in _OPTIONAL_INTS})
+    shutdown = args.shutdown_timeout
+    out["shutdown_timeout"] = (
+        compat.shutdown_timeout() if shutdown is None else num("shutdown_timeout")
     )
-    if compat.set_omp_default(nproc):
-        logger.warning(compat.OMP_WARNING)
-    return config, entrypoint
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

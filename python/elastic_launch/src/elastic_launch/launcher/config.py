@@ -11,8 +11,9 @@ import math
 import os
 import re
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from elastic_launch.agent.devices import usable_gpus
 from elastic_launch.api import ConfigError, LaunchConfig, Std
@@ -351,28 +352,35 @@ def check_types(config: LaunchConfig) -> None:
 
 
 def _is(value: object, hint: object) -> bool:
+    """Whether `value` is of type `hint` (unions, None, and containers checked item by item;
+    a bool is not a number)."""
     import types
     import typing
 
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_is(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is not None:
-        if not isinstance(value, origin):
-            return False
-        args = typing.get_args(hint)
-        if origin is dict and args:
-            return all(_is(k, args[0]) and _is(v, args[1]) for k, v in value.items())
-        if args:
-            return all(_is(v, args[0]) for v in value)
+    if hint in _SCALARS:
+        return _SCALARS[hint](value)
+    if origin is None:
+        return isinstance(value, hint)  # type: ignore[arg-type]
+    return isinstance(value, origin) and _items_are(value, typing.get_args(hint))
+
+
+_SCALARS: dict[object, Callable[[object], bool]] = {
+    type(None): lambda v: v is None,
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+}
+
+
+def _items_are(value: Any, args: tuple[object, ...]) -> bool:
+    """A container's items against its type arguments (a dict's keys and values)."""
+    if not args:
         return True
-    return isinstance(value, hint)  # type: ignore[arg-type]
+    if isinstance(value, dict):
+        return all(_is(k, args[0]) and _is(v, args[1]) for k, v in value.items())
+    return all(_is(v, args[0]) for v in value)
 
 
 def _type_name(hint: object) -> str:

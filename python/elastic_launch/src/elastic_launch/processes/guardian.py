@@ -14,6 +14,7 @@ milliseconds and needs nothing importable.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -25,8 +26,8 @@ import time
 
 
 class Guardian:
-    """The launcher's handle on its guardian. Messages are lines on a socket; each is acted on
-    only if the launcher dies without :meth:`done`."""
+    """The launcher's handle on its guardian. Messages are JSON lines on a socket; each is
+    acted on only if the launcher dies without :meth:`done`."""
 
     def __init__(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -52,24 +53,26 @@ class Guardian:
             child.close()
         self.pid = self._proc.pid
 
-    def _send(self, line: str) -> None:
+    def _send(self, op: str, arg: int | str | None = None) -> None:
+        # One JSON object a line: a path with a newline (or any character) stays one path.
+        line = json.dumps({"op": op, "arg": arg}).encode() + b"\n"
         with contextlib.suppress(OSError):  # a dead guardian cannot help; never fail for it
-            self._sock.sendall(line.encode() + b"\n")
+            self._sock.sendall(line)
 
     def watch_group(self, pgid: int) -> None:
         """Kill process group (and session) `pgid` if the launcher dies."""
-        self._send(f"group {pgid}")
+        self._send("group", pgid)
 
     def forget_group(self, pgid: int) -> None:
         """`pgid` ended normally: its number may be reused, never kill it."""
-        self._send(f"forget {pgid}")
+        self._send("forget", pgid)
 
     def remove_path(self, path: str) -> None:
         """Remove `path` (a file or a directory tree) if the launcher dies."""
-        self._send(f"path {path}")
+        self._send("path", path)
 
     def keep_path(self, path: str) -> None:
-        self._send(f"keep {path}")
+        self._send("keep", path)
 
     def done(self) -> None:
         """The launcher cleaned up itself: the guardian exits without doing anything."""
@@ -131,21 +134,55 @@ def clean_up(groups: set[int], paths: list[str]) -> None:
                 os.unlink(path)
 
 
+class _Orders:
+    """What the launcher asked the guardian to clean up, should it die."""
+
+    def __init__(self) -> None:
+        self.groups: set[int] = set()
+        self.paths: list[str] = []
+        self._buffer = b""
+
+    def take(self, data: bytes) -> bool:
+        """Take the messages in `data` (lines may arrive in pieces); True on ``done``."""
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            try:
+                message = json.loads(line)
+                if message["op"] == "done":
+                    return True
+                self._act(message["op"], message["arg"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not from our launcher: nothing to act on
+        return False
+
+    def _act(self, op: str, arg: object) -> None:
+        if op in ("group", "forget") and type(arg) is int:
+            (self.groups.add if op == "group" else self.groups.discard)(arg)
+        elif op == "path" and isinstance(arg, str):
+            self.paths.append(arg)
+        elif op == "keep" and arg in self.paths:
+            self.paths.remove(str(arg))
+
+
+def _pidfd(launcher: int) -> int:
+    """A pidfd of the launcher; -1 if it is gone already, -2 without pidfds (then its death
+    is noticed by being reparented)."""
+    try:
+        return os.pidfd_open(launcher)
+    except ProcessLookupError:
+        return -1
+    except (AttributeError, OSError):
+        return -2
+
+
 def serve(fd: int, launcher: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    groups: set[int] = set()
-    paths: list[str] = []
-    pidfd = -1
-    try:
-        pidfd = os.pidfd_open(launcher)
-    except ProcessLookupError:
-        pass  # gone already: clean up what we are told, then leave
-    except (AttributeError, OSError):
-        pidfd = -2  # no pidfds: notice the launcher's death by being reparented
-    buffer = b""
-    launcher_gone = pidfd == -1
+    orders = _Orders()
+    pidfd = _pidfd(launcher)
+    launcher_gone = pidfd == -1  # gone already: clean up what we are told, then leave
     eof = False
     while True:
         watch = ([] if eof else [sock]) + ([pidfd] if pidfd >= 0 and not launcher_gone else [])
@@ -157,22 +194,10 @@ def serve(fd: int, launcher: int) -> None:
             data = sock.recv(65536)
             if not data:
                 eof = launcher_gone = True  # closed without `done`: it died (or gave up on us)
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for raw in lines:
-                verb, _, arg = raw.decode().partition(" ")
-                if verb == "done":
-                    return
-                if verb == "group":
-                    groups.add(int(arg))
-                elif verb == "forget":
-                    groups.discard(int(arg))
-                elif verb == "path":
-                    paths.append(arg)
-                elif verb == "keep" and arg in paths:
-                    paths.remove(arg)
+            if orders.take(data):
+                return
         if launcher_gone and (eof or sock not in readable):
-            clean_up(groups, paths)
+            clean_up(orders.groups, orders.paths)
             return
 
 

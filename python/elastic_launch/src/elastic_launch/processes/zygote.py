@@ -133,17 +133,55 @@ def serve(fd: int, modules: list[str]) -> None:
 
     ready = {"op": "ready", "seconds": time.monotonic() - start, "failed": failed}
     send(sock, ready | {"unsafe": fork_hazard()})
-    wakeup_r, wakeup_w = os.pipe()
-    os.set_blocking(wakeup_w, False)
-    os.set_blocking(wakeup_r, False)
-    signal.set_wakeup_fd(wakeup_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, "sock")
-    sel.register(wakeup_r, selectors.EVENT_READ, "child")
-    children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
+    _Forks(sock).serve()
 
-    def reap_if_exited(pid: int) -> None:
+
+class _Forks:
+    """The zygote's children: forked on the agent's requests, reaped once the agent watches
+    them (their exit status is then sent to it), woken by SIGCHLD through a pipe."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.wakeup = os.pipe()
+        for end in self.wakeup:
+            os.set_blocking(end, False)
+        signal.set_wakeup_fd(self.wakeup[1])
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(sock, selectors.EVENT_READ, "sock")
+        self.sel.register(self.wakeup[0], selectors.EVENT_READ, "child")
+        self.children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                if key.data == "child":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wakeup[0], 4096)
+                    for pid, watched in list(self.children.items()):
+                        if watched:
+                            self._reap_if_exited(pid)
+                else:
+                    self._request()
+
+    def _request(self) -> None:
+        request, fds = recv(self.sock)
+        if request is None:  # the agent is gone: so are we
+            os._exit(0)
+        if request.get("op") == "watched":
+            if request["pid"] in self.children:
+                self.children[request["pid"]] = True
+                self._reap_if_exited(request["pid"])
+            return
+        pid = os.fork()
+        if pid == 0:
+            _fork_worker(self.sock, self.sel, self.wakeup, request, fds)
+        for f in fds:
+            os.close(f)
+        self.children[pid] = False
+        send(self.sock, {"op": "spawned", "id": request["id"], "pid": pid})
+
+    def _reap_if_exited(self, pid: int) -> None:
         try:
             if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 return
@@ -151,35 +189,10 @@ def serve(fd: int, modules: list[str]) -> None:
                 os.killpg(pid, signal.SIGKILL)  # what it left in its group (the pgid is held)
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
-            children.pop(pid, None)
+            self.children.pop(pid, None)
             return
-        children.pop(pid, None)
-        send(sock, {"op": "exited", "pid": pid, "status": status})
-
-    while True:
-        for key, _ in sel.select():
-            if key.data == "child":
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wakeup_r, 4096)
-                for pid, watched in list(children.items()):
-                    if watched:
-                        reap_if_exited(pid)
-                continue
-            request, fds = recv(sock)
-            if request is None:  # the agent is gone: so are we
-                os._exit(0)
-            if request.get("op") == "watched":
-                if request["pid"] in children:
-                    children[request["pid"]] = True
-                    reap_if_exited(request["pid"])
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _fork_worker(sock, sel, (wakeup_r, wakeup_w), request, fds)
-            for f in fds:
-                os.close(f)
-            children[pid] = False
-            send(sock, {"op": "spawned", "id": request["id"], "pid": pid})
+        self.children.pop(pid, None)
+        send(self.sock, {"op": "exited", "pid": pid, "status": status})
 
 
 # ---- the agent's side ------------------------------------------------------------------------

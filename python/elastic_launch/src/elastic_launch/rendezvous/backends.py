@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.net import HostLock, host_port, is_local_host, parse_endpoint, port_free
@@ -24,6 +25,9 @@ from elastic_launch.rendezvous.api import (
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
 from elastic_launch.rendezvous.store import Store
+
+if TYPE_CHECKING:
+    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
 logger = logging.getLogger(__name__)
 
@@ -40,49 +44,12 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
     def __init__(self, params: RendezvousParameters) -> None:
         conf = parse_conf(params.backend, params.config)
-        if not params.endpoint:
-            raise RendezvousConfigError(
-                f"--rdzv-backend {params.backend} with --nnodes {params.min_nodes}:"
-                f"{params.max_nodes} needs --rdzv-endpoint HOST:PORT, the address of the node "
-                "that hosts the rendezvous (the same on every node)"
-            )
-        host, port = parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
-        if params.max_nodes > EMBEDDED_MAX_NODES:
-            logger.warning(
-                "--nnodes %d:%d with --rdzv-backend %s: the embedded rendezvous service is "
-                "measured to serve %d nodes through a node loss, not more; for larger jobs "
-                "use --rdzv-backend etcd (docs/rendezvous_scale.md)",
-                params.min_nodes,
-                params.max_nodes,
-                params.backend,
-                EMBEDDED_MAX_NODES,
-            )
-        self.server = None
+        host, port = _embedded_endpoint(params)
+        self.server: EmbeddedServer | None = None
         # Agents on one host race to serve: the one holding the lock serves, the others are
         # clients (as with another host's service). The lock is an abstract socket: no file.
         self._host_lock = HostLock(f"elasticrun-rdzv-{port}")
-        wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
-        if (
-            wants_host
-            and conf.is_host is None
-            and (not self._host_lock.acquire() or not port_free(host, port))
-        ):
-            wants_host = False
-            self._host_lock.release()
-        if wants_host:
-            from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-
-            try:
-                self.server = EmbeddedServer(host, port, conf.token)
-                logger.info("hosting the rendezvous service on %s", host_port(host, port))
-            except OSError as e:
-                self._host_lock.release()
-                if conf.is_host:
-                    raise RendezvousConfigError(
-                        f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
-                        f"({e}); free "
-                        "the port, or leave is_host out"
-                    ) from None
+        self._serve_if_host(host, port, conf)
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
         store = EtcdV3Store(
@@ -99,6 +66,32 @@ class EmbeddedRendezvous(ElasticRendezvous):
             store.close()
             self._stop_serving()
             raise
+
+    def _serve_if_host(self, host: str, port: int, conf: RendezvousConf) -> None:
+        """Host the service when this node is its host: ``is_host`` says so, or the endpoint
+        is this host and this agent is the first on it to take the host lock and the port."""
+        wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
+        if (
+            wants_host
+            and conf.is_host is None
+            and (not self._host_lock.acquire() or not port_free(host, port))
+        ):
+            wants_host = False
+            self._host_lock.release()
+        if not wants_host:
+            return
+        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+
+        try:
+            self.server = EmbeddedServer(host, port, conf.token)
+            logger.info("hosting the rendezvous service on %s", host_port(host, port))
+        except OSError as e:
+            self._host_lock.release()
+            if conf.is_host:
+                raise RendezvousConfigError(
+                    f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
+                    f"({e}); free the port, or leave is_host out"
+                ) from None
 
     @property
     def hosting(self) -> bool:
@@ -122,6 +115,27 @@ class EmbeddedRendezvous(ElasticRendezvous):
             self.wait_for_others(HOST_LINGER_S, cancel)
         super().shutdown(cancel)
         self._stop_serving()
+
+
+def _embedded_endpoint(params: RendezvousParameters) -> tuple[str, int]:
+    """Where the embedded service is (required, the same on every node)."""
+    if not params.endpoint:
+        raise RendezvousConfigError(
+            f"--rdzv-backend {params.backend} with --nnodes {params.min_nodes}:"
+            f"{params.max_nodes} needs --rdzv-endpoint HOST:PORT, the address of the node "
+            "that hosts the rendezvous (the same on every node)"
+        )
+    if params.max_nodes > EMBEDDED_MAX_NODES:
+        logger.warning(
+            "--nnodes %d:%d with --rdzv-backend %s: the embedded rendezvous service is "
+            "measured to serve %d nodes through a node loss, not more; for larger jobs "
+            "use --rdzv-backend etcd (docs/rendezvous_scale.md)",
+            params.min_nodes,
+            params.max_nodes,
+            params.backend,
+            EMBEDDED_MAX_NODES,
+        )
+    return parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
 
 
 def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, str, int]:

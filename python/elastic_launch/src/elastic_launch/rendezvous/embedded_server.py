@@ -377,65 +377,60 @@ class _Service(
         await self._admit(context)
         out: asyncio.Queue[Any] = asyncio.Queue()
         mine: dict[int, _Watcher] = {}
-
-        async def read_requests() -> None:
-            try:
-                async for request in request_iterator:
-                    kind = request.WhichOneof("request_union")
-                    if kind == "create_request":
-                        out.put_nowait(("create", request.create_request))
-                    elif kind == "cancel_request":
-                        out.put_nowait(("cancel", request.cancel_request.watch_id))
-            except (grpc.RpcError, asyncio.CancelledError):
-                pass
-            finally:  # however the reading ends, the stream ends with it
-                out.put_nowait(("end", None))
-
-        reader = asyncio.ensure_future(read_requests())
+        reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
         # runs its finally only when it is collected.
         context.add_done_callback(lambda _: self.s.remove_watchers(list(mine.values())))
         try:
             while True:
                 kind, arg = await out.get()
-                if isinstance(kind, int):  # a watcher's events of one revision
-                    if kind in mine:
-                        yield rpc_pb2.WatchResponse(
-                            header=self.s.header(), watch_id=kind, events=arg
-                        )
-                    continue
                 if kind == "end":
                     return
-                if kind == "cancel":
-                    gone = mine.pop(arg, None)
-                    if gone is not None:
-                        self.s.remove_watchers([gone])
-                    yield rpc_pb2.WatchResponse(header=self.s.header(), watch_id=arg, canceled=True)
-                    continue
-                create = arg
-                w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
-                start = create.start_revision
-                header = self.s.header()
-                if start and start <= self.s.compacted:
-                    # The events from `start` on are gone: the client must read again.
-                    yield rpc_pb2.WatchResponse(
-                        header=header,
-                        watch_id=w.watch_id,
-                        created=True,
-                        canceled=True,
-                        compact_revision=self.s.compacted + 1,
-                    )
-                    continue
-                past = self.s.since(start, w) if start else []
-                self.s.add_watcher(w)  # what comes after `past` arrives through `out`
-                mine[w.watch_id] = w
-                yield rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True)
-                for _, group in itertools.groupby(past, key=lambda p: p[0]):
-                    yield rpc_pb2.WatchResponse(
-                        header=header, watch_id=w.watch_id, events=[ev for _, ev in group]
-                    )
+                for response in self._watch_step(kind, arg, out, mine):
+                    yield response
         finally:
             reader.cancel()
+
+    def _watch_step(
+        self, kind: Any, arg: Any, out: asyncio.Queue[Any], mine: dict[int, _Watcher]
+    ) -> list[Any]:
+        """The responses to one item of a watch stream's queue: a watcher's events of one
+        revision, a cancel, or a create (its past replayed at once)."""
+        header = self.s.header()
+        if isinstance(kind, int):
+            if kind not in mine:
+                return []
+            return [rpc_pb2.WatchResponse(header=header, watch_id=kind, events=arg)]
+        if kind == "cancel":
+            gone = mine.pop(arg, None)
+            if gone is not None:
+                self.s.remove_watchers([gone])
+            return [rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True)]
+        create = arg
+        w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
+        start = create.start_revision
+        if start and start <= self.s.compacted:
+            # The events from `start` on are gone: the client must read again.
+            compacted = self.s.compacted + 1
+            return [
+                rpc_pb2.WatchResponse(
+                    header=header,
+                    watch_id=w.watch_id,
+                    created=True,
+                    canceled=True,
+                    compact_revision=compacted,
+                )
+            ]
+        past = self.s.since(start, w) if start else []
+        self.s.add_watcher(w)  # what comes after `past` arrives through `out`
+        mine[w.watch_id] = w
+        responses = [rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True)]
+        for _, group in itertools.groupby(past, key=lambda p: p[0]):
+            events = [ev for _, ev in group]
+            responses.append(
+                rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, events=events)
+            )
+        return responses
 
     @_answering
     def Status(self, request: Any) -> Any:  # noqa: N802
@@ -527,3 +522,18 @@ class EmbeddedServer:
             with contextlib.suppress(Exception):
                 stopping.result(timeout=grace + 5)
         self._stop_loop()
+
+
+async def _read_watch_requests(requests: AsyncIterator[Any], out: asyncio.Queue[Any]) -> None:
+    """A watch stream's requests into its queue; however the reading ends, the stream ends."""
+    try:
+        async for request in requests:
+            kind = request.WhichOneof("request_union")
+            if kind == "create_request":
+                out.put_nowait(("create", request.create_request))
+            elif kind == "cancel_request":
+                out.put_nowait(("cancel", request.cancel_request.watch_id))
+    except (grpc.RpcError, asyncio.CancelledError):
+        pass
+    finally:
+        out.put_nowait(("end", None))

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -525,81 +526,95 @@ class _EtcdWatch(Watch):
             yield item
 
     def _run(self) -> None:
-        delay = 0.05
-        failing_since: float | None = None
-        reauthenticated = False
+        retry = _Retry()
         while not self._closed.is_set():
-            self._store._count()
-            try:
-                self._call = self._store._watch.Watch(
-                    self._request_stream(self._requests), metadata=self._store._metadata
-                )
-                if self._closed.is_set():  # closed before the call existed to be cancelled
-                    self._call.cancel()
-                for reply in self._call:
-                    delay = 0.05
-                    failing_since = None
-                    reauthenticated = False
-                    if reply.canceled:
-                        reason = reply.cancel_reason or (
-                            f"revision {min(self._next.values())} was compacted"
-                            if reply.compact_revision
-                            else "canceled by the server"
-                        )
-                        self.inbox.put(StoreError(f"{self._store.name}: watch lost: {reason}"))
-                        return
-                    if reply.created:
-                        key = self._keys[min(self._created, len(self._keys) - 1)]
-                        self._created += 1
-                        if self._from_now:
-                            self._fill_gap(key, reply.header.revision)
-                        continue
-                    batch = []
-                    for ev in reply.events:
-                        value = None if ev.type == kv_pb2.Event.DELETE else ev.kv.value
-                        batch.append(Change(ev.kv.key.decode(), value, ev.kv.mod_revision))
-                        for key in self._keys:
-                            if ev.kv.key.startswith(key):
-                                self._next[key] = ev.kv.mod_revision + 1
-                    if batch:
-                        self.inbox.put(batch)
-            except StoreError as error:  # the gap could not be read (compacted, unreachable)
-                if not self._closed.is_set():
-                    self.inbox.put(error)
+            again = self._stream(retry)
+            if again is None:
                 return
-            except Cancelled:
-                return  # the session's waits are woken by the cancellation itself
-            except ValueError:  # "Channel closed": the store was closed under this watch
-                if not self._closed.is_set():
-                    self.inbox.put(StoreError(f"{self._store.name}: the connection was closed"))
-                return
-            except grpc.RpcError as e:
-                if self._closed.is_set():
-                    return
-                user = self._store._user
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED and user and not reauthenticated:
-                    reauthenticated = True  # etcd's simple tokens expire: log in once more
-                    try:
-                        self._store._authenticate()
-                    except StoreError as error:
-                        self.inbox.put(error)
-                        return
-                    self._requests.put(None)
-                    self._requests = queue.Queue()
-                    continue
-                if e.code() not in _RETRYABLE:
-                    self.inbox.put(self._store._error(e))
-                    return
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - failing_since > self._store.retry_for:
-                    self.inbox.put(self._store._error(e))
-                    return
             self._requests.put(None)  # end the old request stream
             self._requests = queue.Queue()
-            if self._closed.wait(delay):
+            if again:
+                continue  # logged in once more: at once
+            if self._closed.wait(retry.delay):
                 return
-            delay = min(delay * 2, 1.0)
+            retry.delay = min(retry.delay * 2, 1.0)
+
+    def _stream(self, retry: _Retry) -> bool | None:
+        """One watch stream, until it ends: None when the watch is over (an error delivered,
+        cancelled, closed), else whether to open the next one at once (True) or after the
+        retry delay (False)."""
+        self._store._count()
+        try:
+            self._call = self._store._watch.Watch(
+                self._request_stream(self._requests), metadata=self._store._metadata
+            )
+            if self._closed.is_set():  # closed before the call existed to be cancelled
+                self._call.cancel()
+            for reply in self._call:
+                retry.reset()
+                if not self._take(reply):
+                    return None
+            return False
+        except StoreError as error:  # the gap could not be read (compacted, unreachable)
+            if not self._closed.is_set():
+                self.inbox.put(error)
+        except Cancelled:
+            pass  # the session's waits are woken by the cancellation itself
+        except ValueError:  # "Channel closed": the store was closed under this watch
+            if not self._closed.is_set():
+                self.inbox.put(StoreError(f"{self._store.name}: the connection was closed"))
+        except grpc.RpcError as e:
+            return self._again(e, retry)
+        return None
+
+    def _take(self, reply: Any) -> bool:
+        """Deliver one reply of the stream; False when the watch is over (canceled)."""
+        if reply.canceled:
+            reason = reply.cancel_reason or (
+                f"revision {min(self._next.values())} was compacted"
+                if reply.compact_revision
+                else "canceled by the server"
+            )
+            self.inbox.put(StoreError(f"{self._store.name}: watch lost: {reason}"))
+            return False
+        if reply.created:
+            key = self._keys[min(self._created, len(self._keys) - 1)]
+            self._created += 1
+            if self._from_now:
+                self._fill_gap(key, reply.header.revision)
+            return True
+        batch = []
+        for ev in reply.events:
+            value = None if ev.type == kv_pb2.Event.DELETE else ev.kv.value
+            batch.append(Change(ev.kv.key.decode(), value, ev.kv.mod_revision))
+            for key in self._keys:
+                if ev.kv.key.startswith(key):
+                    self._next[key] = ev.kv.mod_revision + 1
+        if batch:
+            self.inbox.put(batch)
+        return True
+
+    def _again(self, e: grpc.RpcError, retry: _Retry) -> bool | None:
+        """After a failed stream: None to give up (the error is delivered), True to open a
+        new stream at once (after logging in again: etcd's simple tokens expire), False to
+        open one after the retry delay."""
+        if self._closed.is_set():
+            return None
+        code = e.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED and self._store._user and not retry.relogged:
+            retry.relogged = True
+            try:
+                self._store._authenticate()
+            except StoreError as error:
+                self.inbox.put(error)
+                return None
+            return True
+        now = time.monotonic()
+        retry.failing_since = retry.failing_since or now
+        if code in _RETRYABLE and now - retry.failing_since <= self._store.retry_for:
+            return False
+        self.inbox.put(self._store._error(e))
+        return None
 
     def _fill_gap(self, key: bytes, current: int) -> None:
         """The watch of `key` hears changes after `current`: deliver those since the last
@@ -631,3 +646,16 @@ class _EtcdWatch(Watch):
             self._call.cancel()
         self.inbox.wake()  # a waiter reading this watch returns now
         self._thread.join(timeout=5)
+
+
+@dataclass
+class _Retry:
+    """A watch's reconnection: the next delay, since when it fails, whether it logged in again."""
+
+    delay: float = 0.05
+    failing_since: float | None = None
+    relogged: bool = False
+
+    def reset(self) -> None:
+        """The stream works: the next failure starts afresh."""
+        self.delay, self.failing_since, self.relogged = 0.05, None, False

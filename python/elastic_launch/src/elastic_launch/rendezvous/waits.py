@@ -113,10 +113,8 @@ class RoundWaits:
                 notice.check()
                 state = view.state
                 if state is None or state.version != v or state.status != Status.JOINABLE:
-                    if state is not None and state.version == v and state.status == Status.FROZEN:
-                        joined = Joined(inbox, set(view.joined) if leading else {leader}, leader)
-                        return self._frozen(state, view.version, leading, joined)
-                    return None
+                    present = set(view.joined) if leading else {leader}
+                    return self._frozen(view, v, leading, Joined(inbox, present, leader))
                 if self.session.take_lost():
                     self._rejoin(me)
                     if leading:
@@ -127,21 +125,30 @@ class RoundWaits:
                 if not view.leader:
                     return None  # the leader left: look again, another leads
                 if leading and len(view.joined) >= self.params.min_nodes:
-                    last_call = last_call or Deadline(self.conf.last_call_timeout)
-                    view = self._recheck(view)
-                    if self._ready(view, last_call):
-                        last_call = None
-                        frozen = self._freeze(view)
-                        if frozen is not None:
-                            found, version = job.advance(frozen, view.version)
-                            if found is None:
-                                return None
-                            view = dataclasses.replace(view, state=found, version=version)
-                            continue
+                    view, last_call, advanced = self._leader_step(view, last_call)
+                    if advanced:
+                        continue  # frozen (by us, or another first): look at it
                 if deadline.passed:
                     raise self._timeout(me, keys.join, len(view.joined) if leading else None)
                 until = Deadline.earliest(deadline, last_call, notice.due())
                 view = on_join_changes(view, self.session.wait(inbox, until), keys)
+
+    def _leader_step(
+        self, view: JoinView, last_call: Deadline | None
+    ) -> tuple[JoinView, Deadline | None, bool]:
+        """The leader, once MIN nodes joined: freeze the round when it is full, when the last
+        call is over, or when every member of the previous round is back or provably gone.
+        Returns the view, the last call (None once a freeze was tried) and whether the state
+        moved on (to the frozen round, or to what got there first)."""
+        last_call = last_call or Deadline(self.conf.last_call_timeout)
+        view = self._recheck(view)
+        if not self._ready(view, last_call):
+            return view, last_call, False
+        frozen = self._freeze(view)
+        if frozen is None:
+            return view, None, False
+        found, version = self.job.advance(frozen, view.version)
+        return dataclasses.replace(view, state=found, version=version), None, True
 
     def _recheck(self, view: JoinView) -> JoinView:
         """The leader, when who came back changed (or a spare came): look again at whether
@@ -164,14 +171,16 @@ class RoundWaits:
             previous, view.joined, view.members, p.min_nodes, p.max_nodes, freezer=self.job.node
         )
 
-    def _frozen(
-        self, state: RoundState, version: int, leading: bool, joined: Joined
-    ) -> RoundState | None:
-        """Our joinable round is frozen: confirm it if we are in it (the read of our shard
-        writes our confirmation), else take the confirmation back."""
+    def _frozen(self, view: JoinView, v: int, leading: bool, joined: Joined) -> RoundState | None:
+        """Our joinable round `v` moved on. Frozen: confirm it if we are in it (the read of our
+        shard writes our confirmation), else take the confirmation back; anything else: None,
+        look again."""
+        state = view.state
+        if state is None or state.version != v or state.status != Status.FROZEN:
+            return None
         full = self.job.with_members(state, every=leading, confirm=not leading)
         if full is not None and self.job.node in full.nodes:
-            return self.confirm(full, version, joined)
+            return self.confirm(full, view.version, joined)
         self.job.unconfirm(state.version)  # not a member (more joined than the max)
         return None
 

@@ -7,6 +7,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import elastic_core
@@ -84,6 +85,25 @@ def _unpack(result: Any, state: State) -> tuple[State, WorkerStats | None]:
     )
 
 
+@dataclass
+class _Run:
+    """What the loop carries across steps and rounds (a failed step rolls `state` back to
+    `snapshot`, the one taken before it)."""
+
+    state: State
+    snapshot: Any = None
+    rank: int = -1
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state, State):
+            raise TypeError(
+                "train() needs an elastic_launch.train_loop.State, got "
+                f"{type(self.state).__name__}: subclass State (sync, capture_snapshot, "
+                "apply_snapshot)"
+            )
+
+
 def train(
     elastic_coordinator: Coordinator,
     train_step: Callable[[State], Any],
@@ -104,66 +124,21 @@ def train(
     the first sync and saves one whenever ``state.should_save_checkpoint`` says so. Returns
     the final state.
     """
-    if not isinstance(state, State):
-        raise TypeError(
-            f"train() needs an elastic_launch.train_loop.State, got {type(state).__name__}: "
-            "subclass State (sync, capture_snapshot, apply_snapshot)"
-        )
-    failures = 0
     coordinator = elastic_coordinator
+    run = _Run(state)
     checkpoints = CheckpointUtil(coordinator)
-    rank = -1
     while not coordinator.should_stop_training():
-        if failures >= max_failures:
+        if run.failures >= max_failures:
             e = TooManyFailures(f"exceeded the maximum of {max_failures} recoverable failures")
             coordinator.on_error(e)
             raise e
         outer = time.time()
-        snapshot = _user("capture_snapshot", state.capture_snapshot)
+        run.snapshot = _user("capture_snapshot", run.state.capture_snapshot)
         forming = True  # the classic loop ends on a StopException only while forming
         try:
-            t0 = time.time()
-            # Waiting for peers here is not a hang: the rendezvous and the group's timeout
-            # bound it, not the launcher's hang detection.
-            with elastic_core.quiet():
-                _, rank, world_size = coordinator.rendezvous_barrier()
-                coordinator.init_process_group()
-                formed = time.time()
-                checkpoints.load_checkpoint(state, rank)
-                _user("sync", state.sync, world_size, rank)
-                checkpoints.set_checkpoint_loaded()
-                coordinator.barrier()
-            synced = time.time()
-            metrics.publish_metric(GROUP, "rendezvous.duration.ms", (formed - t0) * 1000)
-            metrics.publish_metric(GROUP, "state_sync.duration.ms", (synced - formed) * 1000)
-            metrics.event(
-                "train_loop_round",
-                rank=rank,
-                world_size=world_size,
-                rendezvous_seconds=formed - t0,
-                sync_seconds=synced - formed,
-                failures=failures,
-            )
+            _form(coordinator, run, checkpoints)
             forming = False
-            inner = time.time()
-            try:
-                while not coordinator.should_stop_training():
-                    snapshot = _user("capture_snapshot", state.capture_snapshot)
-                    began, beats = time.time(), elastic_core.current_step()
-                    state, stats = _unpack(train_step(state), state)
-                    metrics.publish_metric(
-                        GROUP, "train_step.duration.ms", (time.time() - began) * 1000
-                    )
-                    if elastic_core.current_step() == beats:  # no optimizer step beat for it
-                        elastic_core.beat()
-                    coordinator.monitor_progress(state, stats)
-                    checkpoints.save_checkpoint(state, rank)
-                    if coordinator.should_rendezvous(state):
-                        break
-                    coordinator.report_progress(state)
-            finally:
-                ms = (time.time() - inner) * 1000
-                metrics.publish_metric(GROUP, "inner_train_loop.duration.ms", ms)
+            _steps(coordinator, train_step, run, checkpoints)
         except StopException as e:
             if forming:
                 break  # the job was closed: training is over
@@ -179,26 +154,72 @@ def train(
                 coordinator.on_error(e)
                 raise
             if not coordinator.expected_failure(e):
-                failures += 1
-            _recover(coordinator, state, snapshot, e, failures, max_failures, rank)
+                run.failures += 1
+            _recover(coordinator, run, e, max_failures)
         except Exception as e:
             coordinator.on_error(e)
             raise
         finally:
             ms = (time.time() - outer) * 1000
             metrics.publish_metric(GROUP, "outer_train_loop.duration.ms", ms)
-    return state
+    return run.state
 
 
-def _recover(
+def _form(coordinator: Coordinator, run: _Run, checkpoints: CheckpointUtil) -> None:
+    """Form the group (the rendezvous, the process group), load the newest checkpoint, and
+    bring every worker to one view (``state.sync``)."""
+    t0 = time.time()
+    # Waiting for peers here is not a hang: the rendezvous and the group's timeout bound it,
+    # not the launcher's hang detection.
+    with elastic_core.quiet():
+        _, run.rank, world_size = coordinator.rendezvous_barrier()
+        coordinator.init_process_group()
+        formed = time.time()
+        checkpoints.load_checkpoint(run.state, run.rank)
+        _user("sync", run.state.sync, world_size, run.rank)
+        checkpoints.set_checkpoint_loaded()
+        coordinator.barrier()
+    synced = time.time()
+    metrics.publish_metric(GROUP, "rendezvous.duration.ms", (formed - t0) * 1000)
+    metrics.publish_metric(GROUP, "state_sync.duration.ms", (synced - formed) * 1000)
+    metrics.event(
+        "train_loop_round",
+        rank=run.rank,
+        world_size=world_size,
+        rendezvous_seconds=formed - t0,
+        sync_seconds=synced - formed,
+        failures=run.failures,
+    )
+
+
+def _steps(
     coordinator: Coordinator,
-    state: State,
-    snapshot: Any,
-    e: BaseException,
-    failures: int,
-    max_failures: int,
-    rank: int,
+    train_step: Callable[[State], Any],
+    run: _Run,
+    checkpoints: CheckpointUtil,
 ) -> None:
+    """Run steps until the coordinator asks for a new round or says stop (a step's exception
+    goes up to the loop)."""
+    inner = time.time()
+    try:
+        while not coordinator.should_stop_training():
+            run.snapshot = _user("capture_snapshot", run.state.capture_snapshot)
+            began, beats = time.time(), elastic_core.current_step()
+            run.state, stats = _unpack(train_step(run.state), run.state)
+            metrics.publish_metric(GROUP, "train_step.duration.ms", (time.time() - began) * 1000)
+            if elastic_core.current_step() == beats:  # no optimizer step beat for it
+                elastic_core.beat()
+            coordinator.monitor_progress(run.state, stats)
+            checkpoints.save_checkpoint(run.state, run.rank)
+            if coordinator.should_rendezvous(run.state):
+                return
+            coordinator.report_progress(run.state)
+    finally:
+        ms = (time.time() - inner) * 1000
+        metrics.publish_metric(GROUP, "inner_train_loop.duration.ms", ms)
+
+
+def _recover(coordinator: Coordinator, run: _Run, e: BaseException, max_failures: int) -> None:
     """A retryable failure: report it, roll the state back; the caller re-forms the group."""
     began = time.time()
     coordinator.on_error(e)
@@ -207,10 +228,10 @@ def _recover(
         "of at most %d)",
         type(e).__name__,
         e,
-        failures,
+        run.failures,
         max_failures,
     )
-    _user("apply_snapshot", state.apply_snapshot, snapshot)
+    _user("apply_snapshot", run.state.apply_snapshot, run.snapshot)
     metrics.publish_metric(GROUP, "rollbacks", 1)
     metrics.publish_metric(GROUP, "rollback.duration.ms", (time.time() - began) * 1000)
-    metrics.event("train_loop_rollback", rank=rank, failures=failures, error=f"{e}"[:300])
+    metrics.event("train_loop_rollback", rank=run.rank, failures=run.failures, error=f"{e}"[:300])
