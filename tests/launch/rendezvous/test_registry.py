@@ -9,7 +9,7 @@ import pytest
 from elastic_launch.rendezvous import (
     RendezvousConfigError,
     RendezvousParameters,
-    backends,
+    backend_names,
     create_handler,
     register,
 )
@@ -26,7 +26,7 @@ def params(backend: str, **kw) -> RendezvousParameters:
 
 
 def test_built_in_backends():
-    assert {"embedded", "c10d", "etcd", "etcd-v2", "static"} <= set(backends())
+    assert {"embedded", "c10d", "etcd", "etcd-v2", "static"} <= set(backend_names())
     assert isinstance(create_handler(params("c10d")), LocalRendezvous), "one node: no service"
     assert isinstance(create_handler(params("static")), StaticRendezvous)
 
@@ -37,7 +37,7 @@ def test_registered_backend():
             self.p = p
 
     register("mine", Handler)
-    assert "mine" in backends()
+    assert "mine" in backend_names()
     assert isinstance(create_handler(params("mine")), Handler)
 
 
@@ -57,7 +57,7 @@ def test_entry_point_backend(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(pkg))
-    assert "zookeeper" in backends()
+    assert "zookeeper" in backend_names()
     assert create_handler(params("zookeeper")) == ("handler for", "r")
     sys.modules.pop("outside_rdzv", None)
 

@@ -9,6 +9,7 @@ relay thread cancels the token (waking every wait registered with it) outside an
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -18,6 +19,8 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from elastic_launch.api import Cancelled
+
+logger = logging.getLogger(__name__)
 
 
 class CancelToken:
@@ -120,6 +123,16 @@ def clock(deadline: Deadline) -> str:
     return time.strftime("%H:%M:%S", time.localtime(time.time() + deadline.left()))
 
 
+def join(thread: threading.Thread, timeout: float, what: str) -> bool:
+    """Wait (up to `timeout`) for `thread` to end; a thread that does not is said, by `what`
+    it is, since the launcher's stop then takes that long. True if it ended."""
+    thread.join(timeout=timeout)
+    if thread.is_alive():
+        logger.warning("%s did not end within %.0f s; going on without it", what, timeout)
+        return False
+    return True
+
+
 class Notice:
     """Says what a long wait waits for, where and until when: first once it has lasted `after`
     seconds, then every `every` seconds, so no wait is silent for long. `describe` builds the
@@ -208,7 +221,7 @@ class SignalRelay:
         if self._thread is not None:
             with contextlib.suppress(OSError):
                 os.write(self._w, b"\0")
-            self._thread.join(timeout=5)
+            join(self._thread, 5, "the signal relay thread")
             self._thread = None
         for fd in (self._r, self._w):
             if fd >= 0:

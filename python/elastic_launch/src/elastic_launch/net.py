@@ -12,6 +12,7 @@ import threading
 import time
 
 from elastic_launch.api import ConfigError
+from elastic_launch.cancel import join
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -149,7 +150,7 @@ class PresencePort:
         if self._thread.is_alive():
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"x")
-            self._thread.join(timeout=5)
+            join(self._thread, 5, "the presence port thread")
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()
 

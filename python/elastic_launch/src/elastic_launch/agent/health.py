@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastic_launch.api import ConfigError
+from elastic_launch.cancel import join
 from elastic_launch.net import host_port
 
 
@@ -62,7 +63,7 @@ class HealthServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.thread.join(timeout=5)
+        join(self.thread, 5, "the health server thread")
 
     def __enter__(self) -> HealthServer:
         return self

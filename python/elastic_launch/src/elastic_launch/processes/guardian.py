@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -82,6 +83,9 @@ class Guardian:
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
+            logging.getLogger("elastic_launch").warning(
+                "the guardian (pid %d) did not end within 5 s of being told: killed", self.pid
+            )
             self._proc.kill()
             self._proc.wait(timeout=5)
         self._sock.close()

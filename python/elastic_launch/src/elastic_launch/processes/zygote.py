@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
 from elastic_launch.processes.worker_main import Handover, run_forked
@@ -339,7 +340,7 @@ class Zygote:
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait(timeout=10)
-        self._reader.join(timeout=5)
+        join(self._reader, 5, "the zygote's reader thread")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
     RunIdInUseError,
 )
-from elastic_launch.rendezvous.registry import backends, create_handler, register
+from elastic_launch.rendezvous.registry import backend_names, create_handler, register
 
 __all__ = [
     "CloseReason",
@@ -40,7 +40,7 @@ __all__ = [
     "RendezvousVersionError",
     "RestartReason",
     "RunIdInUseError",
-    "backends",
+    "backend_names",
     "create_handler",
     "register",
 ]

@@ -104,15 +104,20 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self._host_lock.release()
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
-        if self.server is not None and self._finished_first and not cancel.cancelled:
-            # The others' last writes (done, the closing state) go through this service:
-            # keep it up until they finish, as torchrun's exit barrier does.
+        if self.server is not None and not cancel.cancelled and self.ended_here():
+            # The others' last requests (done, closing the job, reading how it ended) go
+            # through this service: keep it up until they have left (their leases ended), as
+            # torchrun's exit barrier does. A stopped launcher does not wait.
             logger.info(
-                "waiting up to %.0f s for the other nodes to finish (this node hosts the "
+                "waiting up to %.0f s for the other nodes to leave (this node hosts the "
                 "rendezvous service)",
                 HOST_LINGER_S,
             )
-            self.wait_for_others(HOST_LINGER_S, cancel)
+            if not self.server.wait_for_clients(self.store.leases, HOST_LINGER_S, cancel):
+                logger.warning(
+                    "other nodes still hold the rendezvous service after %.0f s: stopping it",
+                    HOST_LINGER_S,
+                )
         super().shutdown(cancel)
         self._stop_serving()
 

@@ -70,7 +70,6 @@ class ElasticRendezvous(RendezvousHandler):
         self._rounds = 0
         self._closed_phase = False
         self._follower: Follower | None = None
-        self._finished_first = False  # our workers succeeded while other members still ran
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -295,52 +294,21 @@ class ElasticRendezvous(RendezvousHandler):
             if state.version == ours and state.status == Status.FINAL:
                 state = self.job.with_members(state, every=True) or state
             if state.version != ours or not state.nodes or not rnd.everyone_done(state, done):
-                self._finished_first = True
                 return False
             if self.job.commit(rnd.close(state, CloseReason.SUCCEEDED), version):
                 return True
 
-    def wait_for_others(self, timeout: float, cancel: CancelToken = NEVER) -> bool:
-        """After this node succeeded: wait (up to `timeout`) until the job is closed or every
-        other member has gone. True if none is left running. A member that has finished but
-        is still there may yet be closing the job (the last to finish does): it counts."""
-        if not self._finished_first or self._round is None:
-            return True
-        self.session.use(cancel)
+    def ended_here(self) -> bool:
+        """True once the job is closed or this node's workers finished: the others then end
+        too, and their last requests (done, closing the job, how it ended) need the store."""
+        keys = self.job.keys
         try:
-            every = self.job.with_members(self._round, every=True)
-        except StoreError:
-            every = None
-        members = set((every or self._round).nodes) - {self.node}
-        try:
-            return self._await_others(members, timeout)
+            kvs, _ = self.store.range(keys.everything)
         except StoreError:
             return False
-
-    def _await_others(self, members: set[str], timeout: float) -> bool:
-        assert self._round is not None
-        keys = self.job.keys
-        join_prefix = keys.join(self._round.version)
-        deadline = Deadline(timeout)
-        kvs, revision = self.store.range(keys.everything)
         state, _ = self.job.state_in(kvs)
-        alive = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-        with self.session.watching([keys.state, join_prefix], revision) as inbox:
-            while True:
-                if state is None or state.status == Status.CLOSED or not members & alive:
-                    return True
-                if deadline.passed:
-                    logger.warning(
-                        "%d node(s) still running after %.0f s: stopping anyway",
-                        len(members & alive),
-                        timeout,
-                    )
-                    return False
-                for change in self.session.wait(inbox, deadline):
-                    if change.key == keys.state:
-                        state = RoundState.from_json(change.value) if change.value else None
-                    elif change.value is None:
-                        alive.discard(change.key[len(join_prefix) :])
+        closed = state is not None and state.status == Status.CLOSED
+        return closed or any(kv.key == keys.done + self.node for kv in kvs)
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
         self._stop_follower()

@@ -18,12 +18,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.net import host_port
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
@@ -41,6 +42,7 @@ class _Lease:
     ttl: int
     expires: float
     keys: set[bytes] = field(default_factory=set)
+    kept: bool = False  # renewed at least once
 
 
 @dataclass(eq=False)  # identity: found by its id, never by comparing fields
@@ -66,6 +68,9 @@ class _State:
         # written: three times cheaper than one per read, and a node's shard is 64 of them).
         self.data: dict[bytes, kv_pb2.KeyValue] = {}
         self.leases: dict[int, _Lease] = {}
+        # The leases kept alive (renewed at least once: a node's session, not a key's own
+        # expiry such as the closed job's state), told on every change.
+        self.on_kept: Callable[[frozenset[int]], None] = lambda ids: None
         self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque(
             maxlen=_HISTORY
         )
@@ -191,8 +196,24 @@ class _State:
             if lease.expires <= now:
                 self.revoke(lease_id)
 
+    def renew(self, lease_id: int) -> int:
+        """Keep a lease alive: its TTL, or 0 if it is gone."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return 0
+        lease.expires = time.monotonic() + lease.ttl
+        if not lease.kept:
+            lease.kept = True
+            self._tell_kept()
+        return lease.ttl
+
+    def _tell_kept(self) -> None:
+        self.on_kept(frozenset(i for i, lease in self.leases.items() if lease.kept))
+
     def revoke(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)
+        if lease is not None and lease.kept:
+            self._tell_kept()
         if lease is None or not lease.keys:
             return
         self.revision += 1
@@ -352,11 +373,7 @@ class _Service(
     ) -> AsyncIterator[Any]:
         await self._admit(context)
         async for request in request_iterator:
-            lease = self.s.leases.get(request.ID)
-            ttl = 0
-            if lease is not None:
-                lease.expires = time.monotonic() + lease.ttl
-                ttl = lease.ttl
+            ttl = self.s.renew(request.ID)
             yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=request.ID, TTL=ttl)
 
     @_answering
@@ -444,6 +461,9 @@ class EmbeddedServer:
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self.state = _State()
+        self._kept: frozenset[int] = frozenset()  # the state's, as its loop last told
+        self._kept_changed = threading.Condition()
+        self.state.on_kept = self._told
         self._service = _Service(self.state, token)
         self._address = host_port(host, port)
         self._loop = asyncio.new_event_loop()
@@ -503,6 +523,30 @@ class EmbeddedServer:
         await server.start()
         self._server = server
         started.set_result(port)
+
+    def _told(self, ids: frozenset[int]) -> None:
+        with self._kept_changed:
+            self._kept = ids
+            self._kept_changed.notify_all()
+
+    def wait_for_clients(self, own: set[int], timeout: float, cancel: CancelToken = NEVER) -> bool:
+        """Wait (up to `timeout`, or until `cancel`) until no lease but `own` is kept alive:
+        every other client has left (revoked its lease) or is gone (its lease expired). True
+        if none is left."""
+
+        def wake() -> None:
+            with self._kept_changed:
+                self._kept_changed.notify_all()
+
+        unregister = cancel.on_cancel(wake)
+        try:
+            with self._kept_changed:
+                self._kept_changed.wait_for(
+                    lambda: not self._kept - own or cancel.cancelled, timeout
+                )
+                return not self._kept - own
+        finally:
+            unregister()
 
     async def _expire(self) -> None:
         while True:

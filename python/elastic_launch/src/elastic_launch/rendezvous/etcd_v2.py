@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.cancel import NEVER, CancelToken, join
 from elastic_launch.rendezvous.store import (
     Change,
     Inbox,
@@ -260,7 +260,7 @@ class EtcdV2Store(Store):
             return  # closed already
         self._stop.set()
         if self._refresher is not None:
-            self._refresher.join(timeout=15)
+            join(self._refresher, 15, "the lease refresher thread")
         with self._lock:
             keys = list(self._ephemeral)
         for key in keys:  # what a revoked lease would do

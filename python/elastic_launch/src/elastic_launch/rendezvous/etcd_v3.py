@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from elastic_launch.api import Cancelled
-from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.cancel import NEVER, CancelToken, join
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     Change,
@@ -330,6 +330,15 @@ class EtcdV3Store(Store):
         )
         self._keeper.start()
 
+    @property
+    def leases(self) -> set[int]:
+        """The ids of the leases this connection holds (the one in use, one asked for early)."""
+        held = {self._lease_id} if self._lease_id else set()
+        early = self._early_grant
+        if early is not None and early[2].done() and early[2].exception() is None:
+            held.add(early[2].result().ID)
+        return held
+
     def request_lease(self, ttl: float) -> None:
         if self._early_grant is None and not self._lease_id:
             self._count()
@@ -478,7 +487,7 @@ class EtcdV3Store(Store):
         if self._keep_call is not None:
             self._keep_call.cancel()
         if self._keeper is not None:
-            self._keeper.join(timeout=self.read_timeout + 1)
+            join(self._keeper, self.read_timeout + 1, "the lease keep-alive thread")
         self._channel.close()
 
 
@@ -645,7 +654,7 @@ class _EtcdWatch(Watch):
         if self._call is not None:
             self._call.cancel()
         self.inbox.wake()  # a waiter reading this watch returns now
-        self._thread.join(timeout=5)
+        join(self._thread, 5, "a store watch thread")
 
 
 @dataclass

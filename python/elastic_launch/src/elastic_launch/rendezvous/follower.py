@@ -14,6 +14,7 @@ import logging
 import threading
 
 from elastic_launch.api import Cancelled
+from elastic_launch.cancel import join
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import RestartReason
 from elastic_launch.rendezvous.job import Job
@@ -72,7 +73,7 @@ class Follower:
         with self._lock:
             if self._inbox is not None:
                 self._inbox.wake()
-        self._thread.join(timeout=5)
+        join(self._thread, 5, "the rendezvous follower thread")
 
     def _run(self) -> None:
         try:

@@ -72,7 +72,7 @@ def register(name: str, factory: HandlerFactory) -> None:
     _factories[name] = factory
 
 
-def backends() -> list[str]:
+def backend_names() -> list[str]:
     """Every backend name: built-in, registered and from entry points."""
     return sorted(set(_BUILTIN) | set(_factories) | set(_entry_points()))
 
@@ -91,7 +91,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         if ep is None:
             raise RendezvousConfigError(
                 f"--rdzv-backend '{params.backend}' is not a rendezvous backend: choose one of "
-                f"{', '.join(backends())}"
+                f"{', '.join(backend_names())}"
             )
         factory = ep.load()  # type: ignore[attr-defined]
     return factory(params)
