@@ -47,7 +47,10 @@ from launcher_util import run, worker_args
         (["--monitor-interval", "0"], "--monitor-interval '0' is not valid"),
         (["--max-restarts", "-1"], "--max-restarts '-1' is not valid"),
         (["--preload", "torch,not a module"], "'not a module' is not a module name"),
-        (["--logs-specs", "custom"], "--logs-specs 'custom' is not supported"),
+        (
+            ["--logs-specs", "custom"],
+            "Could not find entrypoint under 'torchrun.logs_specs[custom]'",
+        ),
         (["--numa-binding", "node"], "--numa-binding node is not supported"),
         (["--event-log-handler", "kafka"], "--event-log-handler 'kafka' is not supported"),
         (["--module", "--no-python"], "Don't use both the '--no-python' flag and the '--module'"),

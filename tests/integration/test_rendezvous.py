@@ -112,6 +112,35 @@ def test_two_node_job(nodes, backend):
     assert ranks == {0, 1}
 
 
+def test_nodes_of_several_roles_rank_their_workers_by_role(nodes):
+    """ROLE_RANK and ROLE_WORLD_SIZE as torch's agent assigns them: within each role, in group
+    rank order; RANK and GROUP_RANK over every node."""
+    rdzv = rdzv_args("c10d", f"127.0.0.1:{free_port()}")
+    jobs = [
+        nodes(name, rdzv, "--dist", nnodes="3", extra=["--role", role, "--nproc-per-node", n])
+        for name, role, n in (("t1", "trainer", "2"), ("ps", "ps", "1"), ("t2", "trainer", "2"))
+    ]
+    for proc, _ in jobs:
+        code, _, err = finish(proc)
+        assert code == 0, err[-3000:]
+    seen = [e for _, out in jobs for e in envs(out)]
+    assert sorted(int(e["RANK"]) for e in seen) == list(range(5))
+    by_role: dict[str, list[dict[str, str]]] = {}
+    for e in seen:
+        by_role.setdefault(e["ROLE_NAME"], []).append(e)
+    for role, workers in by_role.items():
+        assert sorted(int(e["ROLE_RANK"]) for e in workers) == list(range(len(workers))), role
+        assert {int(e["ROLE_WORLD_SIZE"]) for e in workers} == {len(workers)}, role
+        # Role ranks follow the global ranks' order (group rank order, then local rank).
+        workers.sort(key=lambda e: int(e["RANK"]))
+        assert [int(e["ROLE_RANK"]) for e in workers] == list(range(len(workers))), role
+    assert sorted(len(w) for w in by_role.values()) == [1, 4]
+    for e in seen:
+        local = int(e["LOCAL_RANK"])
+        lower = [o for o in seen if int(o["GROUP_RANK"]) < int(e["GROUP_RANK"])]
+        assert int(e["RANK"]) - local == len(lower), "RANK counts lower group ranks' workers"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("store", ["embedded", "etcd"])
 def test_scale_up_while_training(nodes, store, request):

@@ -98,7 +98,7 @@ def test_a_flag_given_overrides_and_is_named_over_its_variable(monkeypatch):
 
 
 def test_main_exits_2_and_starts_nothing(capsys):
-    assert cli.main(["--monitor-interval", "inf", "train.py"]) == 2
+    assert cli.exit_status(["--monitor-interval", "inf", "train.py"]) == 2
     assert "elasticrun: error: --monitor-interval 'inf' is not valid" in capsys.readouterr().err
 
 
@@ -114,7 +114,7 @@ def test_main_exits_2_and_starts_nothing(capsys):
         ("monitor_interval", "0.1", "it takes float"),
         ("hang_timeout", "auto", "it takes float or None"),
         ("preload", "torch", "it takes list[str]"),
-        ("rdzv_configs", {"a": 1}, "it takes dict[str, str]"),
+        ("rdzv_configs", ["a=1"], "it takes dict[str, Any]"),
         ("virtual_local_rank", 1, "it takes bool"),
     ],
 )

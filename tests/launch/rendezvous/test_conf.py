@@ -34,7 +34,9 @@ def test_defaults_and_torch_names():
 def test_an_unknown_key_lists_the_valid_ones_for_that_backend():
     with pytest.raises(RendezvousConfigError) as info:
         parse_conf("static", {"color": "red"})
-    assert "'color' is not an option of the static rendezvous (it takes: rank)" in str(info.value)
+    assert "'color' is not an option of the static rendezvous (it takes: rank, timeout)" in str(
+        info.value
+    )
     with pytest.raises(
         RendezvousConfigError, match="'is_host' is not an option of the etcd"
     ) as info:
@@ -74,7 +76,7 @@ def test_protocol_and_token_from_the_environment(monkeypatch):
 def test_every_key_is_documented_and_taken_by_some_backend():
     for key in KEYS:
         assert key.help and key.backends, key.name
-    assert keys_for("static") == ["rank"]
+    assert keys_for("static") == ["rank", "timeout"], "torch's static takes a timeout too"
     assert "token" in keys_for("embedded") and "token" not in keys_for("etcd")
 
 

@@ -526,6 +526,23 @@ def test_failures_spend_the_job_wide_budget_then_close_it(endpoint, request):
             h.shutdown()
 
 
+def test_the_node_that_created_the_job_is_told_it_failed_not_that_its_id_is_taken(
+    endpoint, request
+):
+    """The node that wrote the job's first state and then spent its budget sees its own job
+    closed, not the run id of an ended job."""
+    run_id = f"creator-{request.node.callspec.id}-{time.monotonic_ns()}"
+    (only,) = handlers(endpoint, 1, run_id, min_nodes=1, max_restarts=0)
+    try:
+        only.next_rendezvous()
+        with pytest.raises(RendezvousClosedError) as info:
+            only.next_rendezvous(RestartReason.FAILURE, failure="rank 0 exit code 1")
+        assert not isinstance(info.value, RunIdInUseError)
+        assert info.value.closed.reason == CloseReason.FAILED
+    finally:
+        only.shutdown()
+
+
 def test_a_spare_abandons_a_round_whose_members_are_all_gone(endpoint, request):
     """A job whose nodes all died leaves a final round behind: a new node does not wait for it
     forever."""

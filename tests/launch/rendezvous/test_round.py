@@ -55,6 +55,30 @@ def test_freeze_takes_the_first_max_nodes_and_the_rest_are_spares():
     assert rnd.spares(joined, 2) == ["n3"]
 
 
+def test_role_ranks_count_within_each_role_in_group_rank_order():
+    """As torch's agent assigns them (``_assign_worker_ranks``): RANK over every node, ROLE_RANK
+    over the nodes of the same role, both in group rank order; ROLE_WORLD_SIZE is the role's
+    workers."""
+    joined = {"t1": 1, "ps": 2, "t2": 3}
+    infos = {
+        "t1": replace(member(lws=2), role="trainer"),
+        "ps": replace(member(lws=1), role="ps"),
+        "t2": replace(member(lws=2), role="trainer"),
+    }
+    frozen = rnd.freeze(joinable(), joined, infos, 3, 3)
+    assert frozen is not None
+    assert dict(frozen.ranks) == {"t1": 0, "ps": 1, "t2": 2}
+    got = {n: rnd.round_info(frozen, n) for n in joined}
+    assert {n: i.rank_offset for n, i in got.items()} == {"t1": 0, "ps": 2, "t2": 3}
+    assert {n: i.role_rank_offset for n, i in got.items()} == {"t1": 0, "ps": 0, "t2": 2}
+    assert {n: i.role_world_size for n, i in got.items()} == {"t1": 4, "ps": 1, "t2": 4}
+    # A node that reads only its own shard of the membership learns the same.
+    for n in joined:
+        shard = frozen.shard_values()[rnd.shard_of(n, frozen.shards)]
+        alone = replace(frozen, nodes={}, ranks={}, offsets={}).with_shards([shard])
+        assert rnd.round_info(alone, n) == got[n]
+
+
 def test_freeze_needs_min_nodes_with_their_information():
     joined = {"n1": 1, "n2": 2}
     assert rnd.freeze(joinable(), joined, {"n1": member()}, 2, 4) is None, "n2 has no info"

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_launch.errors import NOT_AVAILABLE, ChildFailedError, ProcessFailure
+
 #: Launcher exit codes (documented in the README).
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job failed: a worker failed with no restart left, or rendezvous failed
@@ -49,7 +51,9 @@ class LaunchConfig:
     role: str = "default"
     rdzv_endpoint: str = ""
     rdzv_backend: str = "embedded"
-    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    # Values are strings from the command line; from Python any value whose str() is the
+    # option's text (torch's launcher takes {"rank": 0}).
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
     max_restarts: int = 0
     monitor_interval: float = 0.1
     start_method: str = "spawn"
@@ -205,24 +209,64 @@ class ConfigError(LaunchError, ValueError):
     """A bad flag, value or setting; the message quotes it and says what to do."""
 
 
-class WorkerFailedError(LaunchError):
-    """The job failed: a worker failed and no restart was left. Carries the run's result."""
+class WorkerFailedError(ChildFailedError, LaunchError):
+    """The job failed: a worker failed and no restart was left. Carries the run's result
+    (`result`, with :attr:`RunResult.root_cause`); as torch's ``ChildFailedError``, `failures`
+    are the failed processes by global rank, and :meth:`get_first_failure` the root cause."""
 
-    def __init__(self, message: str, result: RunResult) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, result: RunResult, name: str = "") -> None:
         self.result = result
+        self.name = name
+        self.failures = process_failures(result)
+        Exception.__init__(self, message)
 
-    @property
-    def failures(self) -> list[WorkerFailure]:
-        return self.result.failures
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        if self.failures:
+            return super().get_first_failure()
+        # No worker of this node failed (another node's did, or the rendezvous): a placeholder
+        # that says so, for code that expects one.
+        none = ProcessFailure(-1, 0, 1, NOT_AVAILABLE)
+        none.message = self.result.message or str(self)
+        return -1, none
+
+
+def process_failures(result: RunResult) -> dict[int, ProcessFailure]:
+    """The failures of `result` as torch's ProcessFailures, by global rank (a rank's first)."""
+    out: dict[int, ProcessFailure] = {}
+    for f in sorted(result.failures, key=lambda f: f.time_ns):
+        if f.rank in out:
+            continue
+        code = -f.signal if f.signal else (f.exit_code if f.exit_code is not None else 1)
+        pf = ProcessFailure(f.local_rank, f.pid, code, f.error_file or NOT_AVAILABLE)
+        if pf.error_file == NOT_AVAILABLE and f.message:
+            # The file was read when the failure was seen; the run's log directory, a
+            # temporary one, is gone since: what it held is given as torch reads it.
+            pf.error_file = f.error_file or NOT_AVAILABLE
+            pf.message = {
+                "message": f.message,
+                "extraInfo": {"py_callstack": f.traceback, "timestamp": str(int(f.wall_time))},
+            }
+            pf.error_file_data = {"message": pf.message}
+            pf.timestamp = int(f.wall_time)
+        elif pf.error_file == NOT_AVAILABLE:
+            pf.timestamp = int(f.wall_time)
+            if f.kind != FailureKind.EXIT_CODE and f.detail:
+                pf.message = f"{f.kind.value}: {f.detail}"
+        out[f.rank] = pf
+    return out
 
 
 class LauncherStopped(LaunchError):  # noqa: N818 - torch calls its equivalent SignalException
-    """The launcher was asked to stop by a signal; workers were stopped."""
+    """The launcher was asked to stop by a signal; workers were stopped (torch's
+    ``SignalException``: ``sigval`` is the signal)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
+
+    @property
+    def sigval(self) -> int:
+        return self.signum
 
 
 class Cancelled(LaunchError):  # noqa: N818 - a state, like asyncio.CancelledError

@@ -17,9 +17,9 @@ from collections.abc import Iterator, Mapping
 from string import Template
 
 from elastic_launch.api import ConfigError
+from elastic_launch.errors import ERROR_FILE_ENV
 
 PET_PREFIX = "PET_"
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 LOG_LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -149,19 +149,22 @@ def worker_env(
     signals_to_handle: str,
     error_file: str,
     environ: Mapping[str, str] | None = None,
+    role_rank: int | None = None,
+    role_world_size: int | None = None,
 ) -> dict[str, str]:
-    """The variables torchrun sets in each worker."""
+    """The variables torchrun sets in each worker. The role's rank and size default to the
+    global ones (every node runs one role)."""
     env = os.environ if environ is None else environ
     return {
         "LOCAL_RANK": str(local_rank),
         "RANK": str(rank),
         "GROUP_RANK": str(group_rank),
-        "ROLE_RANK": str(rank),
+        "ROLE_RANK": str(rank if role_rank is None else role_rank),
         "ROLE_NAME": role,
         "LOCAL_WORLD_SIZE": str(local_world_size),
         "WORLD_SIZE": str(world_size),
         "GROUP_WORLD_SIZE": str(group_world_size),
-        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size if role_world_size is None else role_world_size),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restarts),

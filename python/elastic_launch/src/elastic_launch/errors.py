@@ -1,7 +1,8 @@
-"""Error files: how a worker's exception reaches the launcher's failure summary.
+"""Error files: how a worker's exception reaches the launcher's failure summary; and the failure
+types of torch's ``torch.distributed.elastic.multiprocessing.errors`` (:class:`ProcessFailure`,
+:class:`ChildFailedError`), so that code written against torch's catches ours.
 
-The format is torch's (``torch.distributed.elastic.multiprocessing.errors``), so files written by
-torch's ``@record`` and by ours read the same::
+The format is torch's, so files written by torch's ``@record`` and by ours read the same::
 
     {"message": {"message": "ValueError: bad batch",
                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000",
@@ -13,19 +14,34 @@ failure-to-detection metric.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
+import signal
+import socket
 import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from elastic_launch.compat import ERROR_FILE_ENV
+__all__ = [
+    "ERROR_FILE_ENV",
+    "ChildFailedError",
+    "ErrorFileData",
+    "ProcessFailure",
+    "read_error_file",
+    "record",
+    "write_error_file",
+]
 
-__all__ = ["ERROR_FILE_ENV", "ErrorFileData", "read_error_file", "record", "write_error_file"]
+#: Where a worker writes its uncaught exception (torch's variable).
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: torch's value for "no error file".
+NOT_AVAILABLE = "<N/A>"
+NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,7 +78,10 @@ def write_error_file(error: BaseException, tb: types.TracebackType | None = None
 
 
 def record(fn: F) -> F:
-    """Decorate a worker's main function: an exception it raises is written to its error file.
+    """Decorate a worker's (or a launcher's) main function, as torch's ``@record`` does: its
+    return value is returned; an exception it raises is written to its error file and raised
+    again; ``SystemExit(0)`` returns None (another exit code goes up, unrecorded); a
+    :class:`ChildFailedError` copies its root cause's error file to this process's own.
 
     Drop-in for torch's ``torch.distributed.elastic.multiprocessing.errors.record``. Under
     ``elasticrun`` an uncaught exception is recorded even without it; with it, the traceback
@@ -74,14 +93,36 @@ def record(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except SystemExit as e:
-            if e.code not in (None, 0):
-                write_error_file(e)
+            if e.code == 0:
+                return None
             raise
         except BaseException as e:
-            write_error_file(e)
+            first = getattr(e, "get_first_failure", None)
+            if callable(first):  # ours or torch's ChildFailedError
+                _, failure = first()
+                dump_error_file(failure.error_file, failure.exitcode)
+            elif isinstance(e, Exception):
+                write_error_file(e)
             raise
 
     return wrapper  # type: ignore[return-value]
+
+
+def dump_error_file(child_file: str, error_code: int = 0) -> None:
+    """A child's error file, as this process's own (with the child's exit code), for a launcher
+    that is itself run by a launcher."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or child_file == NOT_AVAILABLE:
+        return
+    try:
+        with open(child_file) as f:
+            data = json.load(f)
+        if error_code and isinstance(data.get("message"), dict):
+            data["message"]["errorCode"] = error_code
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except (OSError, ValueError, AttributeError):
+        return  # never let error reporting hide the error itself
 
 
 @dataclass
@@ -119,3 +160,102 @@ def _number(value: object) -> float | None:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+
+
+@dataclass
+class ProcessFailure:
+    """One failed worker process, as torch describes it: from its exit code and its error file
+    (what that holds: the message, and when; or, without one, the signal or a hint)."""
+
+    local_rank: int
+    pid: int
+    exitcode: int  # negative: killed by that signal
+    error_file: str
+    error_file_data: dict[str, Any] = field(init=False)
+    message: Any = field(init=False)  # a str, or the error file's structured message
+    timestamp: int = field(init=False)  # Unix seconds
+
+    def __post_init__(self) -> None:
+        self.error_file_data = {"message": "<NONE>"}
+        self.message = ""
+        self.timestamp = int(time.time())
+        if os.path.isfile(self.error_file):
+            with open(self.error_file) as f:
+                self.error_file_data = json.load(f)
+            message = self.error_file_data["message"]  # a file without one is not an error file
+            if isinstance(message, str):
+                self.message = message
+                self.timestamp = int(self.error_file_data.get("timestamp", 0))
+            else:
+                self.message = message
+                self.timestamp = int(message["extraInfo"]["timestamp"])
+        else:
+            self.error_file = NOT_AVAILABLE
+        if not self.message:
+            if self.exitcode < 0:
+                self.message = (
+                    f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+                )
+            else:
+                self.message = NO_TRACEBACK
+
+    def signal_name(self) -> str:
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return NOT_AVAILABLE
+        return NOT_AVAILABLE
+
+    def timestamp_isoformat(self) -> str:
+        return datetime.datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+
+class ChildFailedError(Exception):
+    """Workers failed: `failures` by global rank (torch's exception, field for field)."""
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+        if not failures:
+            raise AssertionError("ChildFailedError needs at least one failure")
+        self.name = name
+        self.failures = failures
+        super().__init__(self.format_msg())
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        """The root cause: the failure seen first (ties: the first given)."""
+        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+        return rank, self.failures[rank]
+
+    def format_msg(self) -> str:
+        root_rank, root = self.get_first_failure()
+        others = [
+            self._block(i, r, f) for i, (r, f) in enumerate(self.failures.items()) if r != root_rank
+        ]
+        lines = [
+            f"{self.name} FAILED",
+            "Failures:",
+            *(others or ["  <NO_OTHER_FAILURES>"]),
+            "Root Cause (first observed failure):",
+            self._block(0, root_rank, root),
+        ]
+        width = min(max(len(line) for text in lines for line in text.splitlines()), 60)
+        return "\n".join(["=" * width, *lines, "=" * width])
+
+    @staticmethod
+    def _block(index: int, rank: int, f: ProcessFailure) -> str:
+        signal = f" ({f.signal_name()})" if f.exitcode < 0 else ""
+        message = f.message
+        if isinstance(message, dict):
+            extra = message.get("extraInfo", {})
+            message = extra.get("py_callstack") or message.get("message", "")
+        return "\n".join(
+            [
+                f"[{index}]:",
+                f"  time      : {f.timestamp_isoformat()}",
+                f"  host      : {socket.getfqdn()}",
+                f"  rank      : {rank} (local_rank: {f.local_rank})",
+                f"  exitcode  : {f.exitcode} (pid: {f.pid}){signal}",
+                f"  error_file: {f.error_file}",
+                f"  traceback : {message}",
+            ]
+        )

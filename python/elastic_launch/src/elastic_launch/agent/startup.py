@@ -138,6 +138,10 @@ class Startup:
                 run_id=self.run_id,
                 signals_to_handle=c.signals_to_handle,
                 error_file=w.error_file,
+                role_rank=None
+                if info.role_rank_offset is None
+                else info.role_rank_offset + w.local_rank,
+                role_world_size=info.role_world_size,
             )
         )
         env.update(

@@ -18,6 +18,7 @@ from typing import Any
 
 from elastic_launch import api, compat
 from elastic_launch.api import AgentState, ConfigError, LaunchConfig
+from elastic_launch.errors import record
 from elastic_launch.launcher.config import (
     check_range,
     parse_hang_timeout,
@@ -211,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "master-addr", default="127.0.0.1", help="rank 0's address (static rendezvous)")
     _add(g, "master-port", default=None, help="rank 0's port (static; default 29500)")
     _add(g, "local-addr", default=None, help="this node's address, as others reach it")
-    _add(g, "logs-specs", default=None, help="(not supported: elasticrun's log layout is fixed)")
+    _add(
+        g,
+        "logs-specs",
+        default=None,
+        help="default (elasticrun's log layout is torch's default; others are refused)",
+    )
     _add(
         g,
         "numa-binding",
@@ -344,16 +350,30 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
-    if args.logs_specs:
-        raise ConfigError(
-            f"--logs-specs '{args.logs_specs}' is not supported: elasticrun keeps its own log "
-            "layout (see --log-dir, --redirects, --tee)"
-        )
+    if args.logs_specs and args.logs_specs != "default":
+        _refuse_logs_specs(args.logs_specs)
     if args.numa_binding:
         raise ConfigError(
             f"--numa-binding {args.numa_binding} is not supported by elasticrun yet; bind "
             "workers with numactl in your script, or leave the flag out"
         )
+
+
+def _refuse_logs_specs(name: str) -> None:
+    """torchrun's ``--logs-specs NAME`` loads a class from the ``torchrun.logs_specs`` entry
+    points; elasticrun keeps its own layout (torch's ``default``, which it takes)."""
+    from importlib import metadata
+
+    found = [e for e in metadata.entry_points(group="torchrun.logs_specs") if e.name == name]
+    if not found:
+        raise ConfigError(
+            f"--logs-specs '{name}': Could not find entrypoint under "
+            f"'torchrun.logs_specs[{name}]' key"
+        )
+    raise ConfigError(
+        f"--logs-specs '{name}' is not supported: elasticrun keeps its own log layout (torch's "
+        "'default'; see --log-dir, --redirects, --tee)"
+    )
 
 
 def _rendezvous_target(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
@@ -399,36 +419,53 @@ def _numbers(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse, launch, report. Returns the exit status."""
+@record
+def main(args: Sequence[str] | None = None) -> None:
+    """Parse, launch, report, as ``torch.distributed.run.main``: None when the job succeeded.
+
+    Raises :class:`~elastic_launch.api.ConfigError` (a ValueError) for a bad value before
+    anything starts, ``SystemExit(2)`` for what argparse refuses,
+    :class:`~elastic_launch.api.WorkerFailedError` (a ``ChildFailedError``: the failed
+    processes by rank, the summary as its message) when the job fails,
+    :class:`~elastic_launch.api.LauncherStopped` when a signal stopped it, and the
+    rendezvous' errors (:class:`~elastic_launch.api.LaunchError`) when it cannot be formed.
+    """
     logging.basicConfig(level=logging.WARNING, format="elasticrun: %(levelname)s: %(message)s")
     from elastic_launch.agent.summary import format_summary
     from elastic_launch.launcher.runner import run
 
+    config, entrypoint = config_from_args(build_parser().parse_args(args))
+    result = run(config, entrypoint)
+    if result.state == AgentState.SUCCEEDED:
+        return
+    if result.state == AgentState.STOPPED:
+        raise api.LauncherStopped(result.signal or 0)
+    raise api.WorkerFailedError(format_summary(entrypoint.name, result), result, entrypoint.name)
+
+
+def exit_status(argv: Sequence[str] | None = None) -> int:
+    """:func:`main`, as the ``elasticrun`` command: its exit status, the error on stderr
+    (0 success, 1 the job failed, 2 a usage error, 128 + N stopped by signal N)."""
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        config, entrypoint = config_from_args(args)
-        result = run(config, entrypoint)
+        main(argv)
     except ConfigError as e:
         print(f"elasticrun: error: {e}", file=sys.stderr)
         return api.EXIT_USAGE
+    except api.WorkerFailedError as e:
+        print(str(e), file=sys.stderr)
+        return api.EXIT_FAILED
+    except api.LauncherStopped as e:
+        print(f"elasticrun: stopped by signal {e.signum}; workers stopped", file=sys.stderr)
+        return api.EXIT_SIGNAL_BASE + e.signum
     except (api.LaunchError, OSError) as e:  # rendezvous, log directory, ports...
         print(f"elasticrun: error: {type(e).__name__}: {e}", file=sys.stderr)
         return api.EXIT_FAILED
     except KeyboardInterrupt:  # SIGINT left out of --signals-to-handle: everything was released
         print("elasticrun: interrupted", file=sys.stderr)
         return api.EXIT_SIGNAL_BASE + signal.SIGINT
-    if result.state == AgentState.SUCCEEDED:
-        return api.EXIT_OK
-    if result.state == AgentState.STOPPED:
-        sig = result.signal or 0
-        print(f"elasticrun: stopped by signal {sig}; workers stopped", file=sys.stderr)
-        return api.EXIT_SIGNAL_BASE + sig
-    print(format_summary(entrypoint.name, result), file=sys.stderr)
-    return api.EXIT_FAILED
+    return api.EXIT_OK
 
 
 def console_main() -> None:
     """Entry point of the ``elasticrun`` console script."""
-    sys.exit(main())
+    sys.exit(exit_status())

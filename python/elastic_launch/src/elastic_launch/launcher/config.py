@@ -25,6 +25,10 @@ from elastic_launch.rendezvous.api import RendezvousParameters
 logger = logging.getLogger("elasticrun")
 
 
+class NnodesError(ConfigError, RuntimeError):
+    """A malformed ``--nnodes`` (a RuntimeError too, as torchrun raises)."""
+
+
 def parse_nnodes(value: str, name: str = "--nnodes") -> tuple[int, int]:
     """``"N"`` or ``"MIN:MAX"`` with 1 <= MIN <= MAX (at most :data:`MAX_NODES`)."""
     parts = value.split(":")
@@ -33,7 +37,7 @@ def parse_nnodes(value: str, name: str = "--nnodes") -> tuple[int, int]:
             raise ValueError
         lo, hi = (int(parts[0]), int(parts[-1]))
     except ValueError:
-        raise ConfigError(
+        raise NnodesError(
             f"{name} '{value}' is not a node count: give N or MIN:MAX, for example 2 or 1:4"
         ) from None
     if lo < 1 or hi < lo or hi > MAX_NODES:
@@ -211,14 +215,16 @@ def parse_list(value: str) -> list[str]:
 
 
 def parse_rdzv_conf(value: str) -> dict[str, str]:
-    """``--rdzv-conf key=value,key=value``; values stay strings, each backend checks its keys."""
+    """``--rdzv-conf key=value,key=value``; values stay strings, each backend checks its keys.
+    A pair of quotes around the whole (``'a=1,b=2'``) or around a value (``a='1'``), which a
+    shell or a YAML file leaves in place, is taken off."""
     out: dict[str, str] = {}
-    text = value.strip()
+    text = unquote(value.strip())
     if not text:
         return out
     for item in text.split(","):
         key, sep, val = item.partition("=")
-        key, val = key.strip(), val.strip()
+        key, val = key.strip(), unquote(val.strip())
         if not key or not sep:
             raise ConfigError(
                 f"--rdzv-conf '{value}': '{item}' is not key=value; write it like "
@@ -228,6 +234,13 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
             raise ConfigError(f"--rdzv-conf '{value}': option '{key}' needs a value")
         out[key] = val
     return out
+
+
+def unquote(text: str) -> str:
+    """`text` without one pair of matching quotes around it."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
 
 
 def parse_preload(values: Iterable[str]) -> list[str]:
@@ -358,6 +371,8 @@ def _is(value: object, hint: object) -> bool:
     import typing
 
     origin = typing.get_origin(hint)
+    if hint is typing.Any:
+        return True
     if origin in (typing.Union, types.UnionType):
         return any(_is(value, h) for h in typing.get_args(hint))
     if hint in _SCALARS:
@@ -430,6 +445,7 @@ def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
         max_nodes=config.max_nodes,
         max_restarts=config.max_restarts,
         local_world_size=config.nproc_per_node,
+        role=config.role,
         config=config.rdzv_configs,
         local_addr=config.local_addr,
         node_rank=config.node_rank,

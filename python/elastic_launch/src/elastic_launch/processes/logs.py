@@ -225,5 +225,26 @@ class OutputPump:
 
 
 def console_streams() -> tuple[IO[bytes], IO[bytes]]:
-    """The launcher's stdout and stderr as binary streams (for prefixed tee lines)."""
-    return sys.stdout.buffer, sys.stderr.buffer
+    """The launcher's stdout and stderr as binary streams (for prefixed tee lines), whatever
+    they are now: a text stream without a buffer (a ``StringIO`` that a caller or a test
+    framework put there) gets the lines decoded."""
+    return _binary(sys.stdout), _binary(sys.stderr)
+
+
+def _binary(stream: IO[str]) -> IO[bytes]:
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else _TextSink(stream)  # type: ignore[return-value]
+
+
+class _TextSink:
+    """Bytes written to a text stream (the pump's lines are whole, so each decodes alone)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        self.stream.write(data.decode(errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        self.stream.flush()

@@ -58,7 +58,13 @@ class SpawnRequest:
         if self.call is not None and self.argv[:1] == ["--function"]:
             import pickle
 
-            spec = {"main": main_path(self.call[0]), "call": pickle.dumps(self.call)}
+            # The caller's import path too, as multiprocessing's spawn sends it: a function
+            # of a module found through it (a test's directory) is found again.
+            spec = {
+                "main": main_path(self.call[0]),
+                "sys_path": list(sys.path),
+                "call": pickle.dumps(self.call),
+            }
             with open(self.argv[1], "wb") as f:
                 pickle.dump(spec, f)
 

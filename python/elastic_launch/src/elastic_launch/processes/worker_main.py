@@ -262,6 +262,7 @@ def _run_function(spec_path: str, call: FunctionCall | None) -> None:
     if call is None:
         with open(spec_path, "rb") as f:
             spec = pickle.load(f)
+        sys.path[:] = spec.get("sys_path") or sys.path
         if spec["main"]:
             _main_from(spec["main"])
         call = pickle.loads(spec["call"])

@@ -90,6 +90,7 @@ class RendezvousParameters:
     config: Mapping[str, str] = field(default_factory=dict)
     local_addr: str | None = None
     max_restarts: int = 0  # the job-wide restart budget
+    role: str = ""  # this node's workers' role (ROLE_NAME)
     # Only the static backend uses these.
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -108,6 +109,10 @@ class RendezvousInfo:
     master_addr: str
     master_port: int
     restart_count: int = 0  # restarts after failures so far (job-wide where the store allows)
+    # Within this node's role (ROLE_RANK of local rank 0, ROLE_WORLD_SIZE); None: one role,
+    # the same as rank_offset and world_size.
+    role_rank_offset: int | None = None
+    role_world_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,15 @@ class Key:
 
 KEYS: tuple[Key, ...] = (
     Key("join_timeout", positive_seconds, 600.0, ELASTIC, "seconds to gather MIN nodes"),
-    Key("timeout", positive_seconds, _ALIAS, ELASTIC, "torch's name", "join_timeout", url=True),
+    Key(
+        "timeout",
+        positive_seconds,
+        _ALIAS,
+        ELASTIC | {STATIC},
+        "torch's name (static: unused)",
+        "join_timeout",
+        url=True,
+    ),
     Key(
         "last_call_timeout", positive_seconds, 3.0, ELASTIC, "after MIN joined, for more", url=True
     ),
@@ -238,12 +246,14 @@ def keys_for(kind: str) -> list[str]:
     return sorted(k.name for k in KEYS if kind in k.backends)
 
 
-def parse_conf(backend: str, raw: Mapping[str, str]) -> RendezvousConf:
-    """Check ``--rdzv-conf`` against `backend`'s keys and convert the values."""
+def parse_conf(backend: str, raw: Mapping[str, Any]) -> RendezvousConf:
+    """Check ``--rdzv-conf`` against `backend`'s keys and convert the values (strings, or from
+    Python any value whose ``str()`` is the option's text: ``{"rank": 0}``)."""
     kind = kind_of(backend, 0)
     by_name = {k.name: k for k in KEYS}
     values: dict[str, Any] = {}
-    for name, text in raw.items():
+    for name, given in raw.items():
+        text = given if isinstance(given, str) else str(given)
         key = by_name.get(name)
         if key is None or kind not in key.backends:
             known = ", ".join(keys_for(kind)) or "none"

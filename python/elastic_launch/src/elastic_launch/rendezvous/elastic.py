@@ -89,6 +89,7 @@ class ElasticRendezvous(RendezvousHandler):
             lws=self.params.local_world_size,
             release=self.release,
             presence=self._presence.port,
+            role=self.params.role,
         ).to_json()
 
     # ---- the interface ---------------------------------------------------------------------
@@ -133,6 +134,7 @@ class ElasticRendezvous(RendezvousHandler):
         if state is None:
             first = rnd.initial(self.release)
             written = self.job.commit(first, 0)
+            self._seen_open = self._seen_open or bool(written)  # this job is ours, not a past one
             return (first, written) if written else (None, 0)
         if state.status == Status.CLOSED:
             raise self._closed_error(state)

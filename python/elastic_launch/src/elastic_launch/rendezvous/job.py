@@ -188,7 +188,14 @@ class Job:
         assert cached is not None
         # Parsed once per round: the state's other fields may have moved on (notes).
         m = cached[1]
-        return dataclasses.replace(state, nodes=m.nodes, ranks=m.ranks, offsets=m.offsets)
+        return dataclasses.replace(
+            state,
+            nodes=m.nodes,
+            ranks=m.ranks,
+            offsets=m.offsets,
+            role_offsets=m.role_offsets,
+            role_worlds=m.role_worlds,
+        )
 
     def _read_members(self, state: RoundState, every: bool, confirm: bool) -> list[bytes]:
         prefix = self.keys.members(state.version)

@@ -72,6 +72,7 @@ class Member:
     release: str = ""  # its elasticrun version
     protocol: int = PROTOCOL
     presence: int = 0  # a port that refuses connections once its agent is gone
+    role: str = ""  # its workers' role (ROLE_NAME): ranks within a role count apart
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -111,6 +112,8 @@ class RoundState:
     notes: Mapping[str, str] = field(default_factory=dict)  # a final round's notes
     left: str = ""  # a joinable round's: the member whose leaving ended the round before
     offsets: Mapping[str, int] = field(default_factory=dict)  # global rank of local rank 0
+    role_offsets: Mapping[str, int] = field(default_factory=dict)  # its role's rank of it
+    role_worlds: Mapping[str, int] = field(default_factory=dict)  # workers by role
     world: int = 0  # a frozen or final round's workers, all nodes together
     master: tuple[str, int] = ("", 0)  # rank 0's address and port
     shards: int = 0  # the members shards of a frozen or final round
@@ -139,7 +142,8 @@ class RoundState:
 
     def shard_values(self) -> dict[int, bytes]:
         """The membership, by shard: each shard's nodes as {name: [rank, offset, addr, port,
-        lws, presence]} (release and protocol are the job's)."""
+        lws, presence, role, role offset, role's workers]} (release and protocol are the
+        job's)."""
         rows: dict[int, dict[str, list[Any]]] = {i: {} for i in range(self.shards)}
         for n, m in self.nodes.items():
             rows[shard_of(n, self.shards)][n] = [
@@ -149,6 +153,9 @@ class RoundState:
                 m.port,
                 m.lws,
                 m.presence,
+                m.role,
+                self.role_offsets.get(n, self.offsets[n]),
+                self.role_worlds.get(m.role, self.world),
             ]
         return {i: json.dumps(nodes, separators=(",", ":")).encode() for i, nodes in rows.items()}
 
@@ -157,8 +164,11 @@ class RoundState:
         nodes: dict[str, Member] = {}
         ranks: dict[str, int] = {}
         offsets: dict[str, int] = {}
+        role_offsets: dict[str, int] = {}
+        role_worlds: dict[str, int] = {}
         for value in values:
-            for n, (rank, offset, addr, port, lws, presence) in json.loads(value).items():
+            for n, row in json.loads(value).items():
+                rank, offset, addr, port, lws, presence, role, role_offset, role_world = row
                 nodes[n] = Member(
                     addr=addr,
                     port=int(port),
@@ -166,9 +176,18 @@ class RoundState:
                     release=self.release,
                     protocol=self.protocol,
                     presence=int(presence),
+                    role=str(role),
                 )
                 ranks[n], offsets[n] = int(rank), int(offset)
-        return replace(self, nodes=nodes, ranks=ranks, offsets=offsets)
+                role_offsets[n], role_worlds[str(role)] = int(role_offset), int(role_world)
+        return replace(
+            self,
+            nodes=nodes,
+            ranks=ranks,
+            offsets=offsets,
+            role_offsets=role_offsets,
+            role_worlds=role_worlds,
+        )
 
     @property
     def members_complete(self) -> bool:
@@ -302,10 +321,14 @@ def freeze(
     ranks = assign_ranks(order, state.prev_ranks)
     by_rank = sorted(order, key=lambda n: ranks[n])
     offsets: dict[str, int] = {}
+    role_offsets: dict[str, int] = {}
+    role_worlds: dict[str, int] = {}
     world = 0
-    for n in by_rank:
-        offsets[n] = world
+    for n in by_rank:  # global and role ranks both count in group rank order, as torch's
+        role = members[n].role
+        offsets[n], role_offsets[n] = world, role_worlds.get(role, 0)
         world += members[n].lws
+        role_worlds[role] = role_offsets[n] + members[n].lws
     master = members[by_rank[0]]
     return replace(
         state,
@@ -314,6 +337,8 @@ def freeze(
         size=len(members),
         ranks=ranks,
         offsets=offsets,
+        role_offsets=role_offsets,
+        role_worlds=role_worlds,
         world=world,
         master=(master.addr, master.port),
         shards=shard_count(len(members)),
@@ -383,7 +408,17 @@ def reopen(
 
 def _no_members() -> dict[str, Any]:
     """A joinable round's membership fields: none."""
-    return dict(nodes={}, ranks={}, offsets={}, size=0, world=0, master=("", 0), shards=0)
+    return dict(
+        nodes={},
+        ranks={},
+        offsets={},
+        role_offsets={},
+        role_worlds={},
+        size=0,
+        world=0,
+        master=("", 0),
+        shards=0,
+    )
 
 
 def admissible(waiting: set[str], size: int, max_nodes: int) -> bool:
@@ -421,4 +456,6 @@ def round_info(state: RoundState, node: str) -> RendezvousInfo:
         master_addr=state.master[0],
         master_port=state.master[1],
         restart_count=state.restarts,
+        role_rank_offset=state.role_offsets.get(node),
+        role_world_size=state.role_worlds.get(state.nodes[node].role),
     )
