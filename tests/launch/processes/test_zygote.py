@@ -77,6 +77,20 @@ def test_a_forked_worker_is_a_worker(zygote, tmp_path, monkeypatch):
     assert seen["sigterm"] == int(signal.SIG_DFL)
 
 
+def test_a_stop_signal_sent_as_a_worker_is_forked_is_not_lost(zygote, tmp_path):
+    """The zygote ignores SIGTERM; a child that took it before setting its own handlers back
+    would sleep on (a job that fails as its workers start waited out the stop timeout)."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    for _ in range(5):
+        pid = zygote.spawn(["--", str(script)], dict(os.environ), DEVNULL, DEVNULL)
+        os.kill(pid, signal.SIGTERM)  # at once: the child is still becoming a worker
+        zygote.acknowledge(pid)
+        status = zygote.wait_status(pid, 20)
+        assert status is not None, "the worker slept on: the signal was lost"
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
 def test_a_dead_zygote_is_unavailable(zygote):
     os.kill(zygote.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10

@@ -52,6 +52,8 @@ KEEP = -1  # the stream the parent has (the launcher's console)
 DEVNULL = -2
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGCHLD", "SIGALRM")
+#: What a zygote ignores (the agent ends it) and holds blocked across a worker's fork.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 _stack_file: Any = None  # kept open for faulthandler
 
@@ -161,6 +163,8 @@ def _reset_signals() -> None:
                 signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    # A zygote forks with these blocked: one sent since is delivered now, to the handlers set.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _take_over(h: Handover) -> None:

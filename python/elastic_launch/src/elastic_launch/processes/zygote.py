@@ -34,7 +34,7 @@ from typing import Any
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
-from elastic_launch.processes.worker_main import Handover, run_forked
+from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_forked
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def serve(fd: int, modules: list[str]) -> None:
     import elastic_core
 
     elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # the agent ends us (end of file, or SIGKILL)
     start = time.monotonic()
     failed = {}
@@ -174,9 +174,14 @@ class _Forks:
                 self.children[request["pid"]] = True
                 self._reap_if_exited(request["pid"])
             return
+        # The zygote ignores the stop signals; a child would too until it sets them back, and
+        # one sent in between (a job that fails as it starts) would be lost. Held blocked
+        # across the fork, it waits in the child until the worker unblocks it.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
             _fork_worker(self.sock, self.sel, self.wakeup, request, fds)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for f in fds:
             os.close(f)
         self.children[pid] = False
