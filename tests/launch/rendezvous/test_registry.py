@@ -32,13 +32,22 @@ def test_built_in_backends():
 
 
 def test_registered_backend():
-    class Handler:
-        def __init__(self, p):
-            self.p = p
+    class Handler(LocalRendezvous):
+        pass
 
     register("mine", Handler)
     assert "mine" in backend_names()
     assert isinstance(create_handler(params("mine")), Handler)
+
+
+def test_a_backend_that_gives_no_handler_is_a_clear_error():
+    class NotAHandler:
+        def __init__(self, p):
+            self.p = p
+
+    register("broken", NotAHandler)
+    with pytest.raises(RendezvousConfigError, match="'broken' gave NotAHandler, which lacks"):
+        create_handler(params("broken"))
 
 
 def test_entry_point_backend(tmp_path, monkeypatch):
@@ -52,13 +61,19 @@ def test_entry_point_backend(tmp_path, monkeypatch):
     )
     (pkg / "outside_rdzv.py").write_text(
         textwrap.dedent("""
+        from elastic_launch.rendezvous.local import LocalRendezvous
+
+        class Zookeeper(LocalRendezvous):
+            pass
+
         def create(params):
-            return ("handler for", params.run_id)
+            return Zookeeper(params)
     """)
     )
     monkeypatch.syspath_prepend(str(pkg))
     assert "zookeeper" in backend_names()
-    assert create_handler(params("zookeeper")) == ("handler for", "r")
+    handler = create_handler(params("zookeeper"))
+    assert type(handler).__name__ == "Zookeeper" and handler.get_run_id() == "r"
     sys.modules.pop("outside_rdzv", None)
 
 

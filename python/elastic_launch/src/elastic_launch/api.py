@@ -233,7 +233,10 @@ class WorkerFailedError(ChildFailedError, LaunchError):
 def process_failures(result: RunResult) -> dict[int, ProcessFailure]:
     """The failures of `result` as torch's ProcessFailures, by global rank (a rank's first)."""
     out: dict[int, ProcessFailure] = {}
-    for f in sorted(result.failures, key=lambda f: f.time_ns):
+    # torch's failures are the processes that failed, not those it stopped after them; a
+    # node whose workers were all stopped (the job failed elsewhere) gives those.
+    own = [f for f in result.failures if f.kind != FailureKind.STOPPED] or result.failures
+    for f in sorted(own, key=lambda f: f.time_ns):
         if f.rank in out:
             continue
         code = -f.signal if f.signal else (f.exit_code if f.exit_code is not None else 1)

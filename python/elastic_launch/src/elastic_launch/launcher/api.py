@@ -66,19 +66,24 @@ class LaunchConfig(api.LaunchConfig):
                 "elasticrun; bind workers with numactl in the script, or leave it out"
             )
         if self.logs_specs is not None:
-            self._take_logs_specs(self.logs_specs)
+            take_logs_specs(self, self.logs_specs)
 
-    def _take_logs_specs(self, specs: object) -> None:
-        """torch's logs specs, read by attribute: where logs go and which streams."""
-        root = getattr(specs, "root_log_dir", None) or getattr(specs, "_root_log_dir", None)
-        if isinstance(root, str):
-            self.log_dir = root
-        for ours, theirs in (("redirects", "_redirects"), ("tee", "_tee")):
-            value = getattr(specs, theirs, None)
-            if isinstance(value, dict):
-                setattr(self, ours, {int(k): Std(int(v)) for k, v in value.items()})
-            elif value is not None:
-                setattr(self, ours, Std(int(value)))
+
+def take_logs_specs(config: api.LaunchConfig, specs: object) -> None:
+    """torch's logs specs (``DefaultLogsSpecs``, torch's or ours), read by attribute: where
+    logs go, which streams, which local ranks."""
+    root = getattr(specs, "root_log_dir", None) or getattr(specs, "_root_log_dir", None)
+    if isinstance(root, str):
+        config.log_dir = root
+    for name in ("redirects", "tee"):
+        value = getattr(specs, name, getattr(specs, f"_{name}", None))
+        if isinstance(value, dict):
+            setattr(config, name, {int(k): Std(int(v)) for k, v in value.items()})
+        elif value is not None:
+            setattr(config, name, Std(int(value)))
+    ranks = getattr(specs, "local_ranks_filter", getattr(specs, "_local_ranks_filter", None))
+    if ranks is not None:
+        config.local_ranks_filter = set(ranks)
 
 
 class elastic_launch:  # noqa: N801 - torch's name

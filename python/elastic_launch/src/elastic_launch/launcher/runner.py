@@ -37,6 +37,7 @@ from elastic_launch.processes.guardian import Guardian
 from elastic_launch.processes.logs import LogLayout
 from elastic_launch.processes.spawn import FunctionFork, spawner_for
 from elastic_launch.rendezvous import create_handler
+from elastic_launch.rendezvous.api import RendezvousHandler
 from elastic_launch.rendezvous.team import TEAM_ENV, serve_team
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,13 @@ def run(
     config: LaunchConfig,
     entrypoint: Entrypoint,
     on_agent: Callable[[ElasticAgent], Any] | None = None,
+    rdzv: RendezvousHandler | None = None,
 ) -> RunResult:
     """Run `entrypoint` on this node under `config` until the job succeeds, fails or is
     stopped. Raises ConfigError for bad settings before starting anything, and the rendezvous'
     errors (LaunchError) when the job cannot be formed. `on_agent` sees the agent before it
-    runs (tests, embedding)."""
+    runs (tests, embedding). `rdzv`, a handler the caller made (the agent API's spec), is used
+    instead of one built from `config`, and the caller shuts it down, as with torch's agent."""
     plan = plan_launch(config, entrypoint)
     c, run_id = plan.config, plan.run_id
     with contextlib.ExitStack() as stack:
@@ -70,8 +73,9 @@ def run(
         timer_env = stack.enter_context(compat.file_timer(layout.run_dir, run_id, random_id()))
         can_serve = not isinstance(spawner, FunctionFork)
         team = stack.enter_context(serve_team(c, run_id, layout.run_dir, can_serve=can_serve))
-        rdzv = create_handler(plan.rendezvous)
-        stack.callback(rdzv.shutdown, cancel)
+        if rdzv is None:
+            rdzv = create_handler(plan.rendezvous)
+            stack.callback(rdzv.shutdown, cancel)
         env = {**timer_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
         group = WorkerGroup(c, entrypoint, run_id, layout, node, spawner, guardian, env)
         stack.enter_context(group)

@@ -3,7 +3,8 @@
 Owns: the handler interface and registry (``api``, ``registry``), the round's pure decisions
 (``round``), the algorithm over a store (``elastic``), the stores (``etcd_v3``, ``etcd_v2``,
 ``embedded_server``), the fixed backends (``local``, ``static``), the configuration keys
-(``conf``) and the train loop's own rendezvous of workers (``team``).
+(``conf``), handlers in torch's shape (``torch_shaped``) and the train loop's own rendezvous
+of workers (``team``).
 May import: the foundation only (``api``, ``cancel``, ``net``); never the agent or the launcher.
 """
 

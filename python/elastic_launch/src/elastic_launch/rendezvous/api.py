@@ -13,6 +13,7 @@ import abc
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic_launch.api import ConfigError, LaunchError
 from elastic_launch.cancel import NEVER, CancelToken
@@ -87,7 +88,7 @@ class RendezvousParameters:
     min_nodes: int
     max_nodes: int
     local_world_size: int
-    config: Mapping[str, str] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
     local_addr: str | None = None
     max_restarts: int = 0  # the job-wide restart budget
     role: str = ""  # this node's workers' role (ROLE_NAME)
@@ -95,6 +96,32 @@ class RendezvousParameters:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+
+    # torch's accessors, for backends written against torch's RendezvousParameters.
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of `key` in the backend's configuration (``--rdzv-conf``), or `default`."""
+        return self.config.get(key, default)
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        value = self.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "t", "yes", "y"):
+            return True
+        if text in ("0", "false", "f", "no", "n"):
+            return False
+        raise ValueError(f"--rdzv-conf {key}={value!r} is not a valid boolean: give true or false")
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"--rdzv-conf {key}={value!r} is not a valid integer") from None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 An outside package provides a backend with an entry point in the group
 ``elastic_launch.rendezvous`` whose object is a factory ``(RendezvousParameters) ->
-RendezvousHandler``::
+RendezvousHandler``, elasticrun's or one in torch's shape (:mod:`.torch_shaped`)::
 
     [project.entry-points."elastic_launch.rendezvous"]
     mystore = "my_package.rdzv:create_handler"
@@ -94,4 +94,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
                 f"{', '.join(backend_names())}"
             )
         factory = ep.load()  # type: ignore[attr-defined]
-    return factory(params)
+    return adapt(params, factory(params))
+
+
+def adapt(params: RendezvousParameters, handler: object) -> RendezvousHandler:
+    """`handler` as elasticrun's agent runs it: one in torch's shape is adapted."""
+    if isinstance(handler, RendezvousHandler):
+        return handler
+    from elastic_launch.rendezvous.torch_shaped import TorchShapedRendezvous
+
+    return TorchShapedRendezvous(params, handler)
