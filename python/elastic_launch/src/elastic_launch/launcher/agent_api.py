@@ -119,10 +119,12 @@ class RendezvousParameters:
         return self.ours().get(key, default)
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
-        return self.ours().get_as_bool(key, default)
+        value: bool | None = self.ours().get_as_bool(key, default)
+        return value
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
-        return self.ours().get_as_int(key, default)
+        value: int | None = self.ours().get_as_int(key, default)
+        return value
 
 
 class RendezvousHandle:

@@ -28,6 +28,7 @@ from elastic_launch.rendezvous.store import Store
 
 if TYPE_CHECKING:
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             read_timeout=conf.read_timeout,
             watch_from_now=False,  # it replays a watch's past at once (etcd: every 100 ms)
         )
+        self._v3: EtcdV3Store = store  # its leases tell the host who is still here
         try:
             super().__init__(params, store, conf, host)
         except BaseException:
@@ -113,7 +115,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 "rendezvous service)",
                 HOST_LINGER_S,
             )
-            if not self.server.wait_for_clients(self.store.leases, HOST_LINGER_S, cancel):
+            if not self.server.wait_for_clients(self._v3.leases, HOST_LINGER_S, cancel):
                 logger.warning(
                     "other nodes still hold the rendezvous service after %.0f s: stopping it",
                     HOST_LINGER_S,
