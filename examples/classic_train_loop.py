@@ -151,11 +151,11 @@ def say(line: str) -> None:
 
 
 def fault(args: argparse.Namespace, state: LinearState) -> None:
-    """The failures to watch, on the first generation of rank --fault-rank only (the rank
+    """The failures to watch, on the first generation of the --fault-rank ranks only (the rank
     elasticrun gave the process, which a re-formed group may renumber)."""
     if os.environ.get("ELASTICRUN_REPLACEMENT", "0") != "0":
         return
-    if int(os.environ.get("RANK", state.rank)) != args.fault_rank:
+    if int(os.environ.get("RANK", state.rank)) not in args.fault_rank:
         return
     if state.steps == args.kill_at_step:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -184,7 +184,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-seconds", type=float, default=0.0)
-    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument(
+        "--fault-rank",
+        type=lambda v: {int(r) for r in v.split(",")},
+        default={1},
+        help="the rank (or comma-separated ranks) the injected faults hit",
+    )
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--raise-at-step", type=int, default=-1)
     parser.add_argument("--stop-at-step", type=int, default=-1)

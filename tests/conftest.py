@@ -25,10 +25,31 @@ ETCD_PARAMS = [
 ]
 
 
+#: Files that take the longest (mostly waiting: phases that must outlast a limit, clusters that
+#: start): run first, so that `-n 2 --dist loadfile` does not end with one of them alone.
+LONGEST_FIRST = (
+    "integration/test_hang_detection.py",
+    "core/test_wheel.py",
+    "deploy/test_slurm.py",
+    "compat/test_local_elastic_agent.py",
+    "faults/test_faults.py",
+    "compat/test_p2p.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = Path(str(item.fspath)).as_posix()
+    for i, name in enumerate(LONGEST_FIRST):
+        if path.endswith(name):
+            return i
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`slow` marks the real thing: everything under integration/ and faults/ (real launchers,
-    workers, clusters, injected faults) and every test that starts an etcd server. `pytest -m "not slow"` is the unit
-    suite."""
+    workers, clusters, injected faults) and every test that starts an etcd server. `pytest -m
+    "not slow"` is the unit suite. The longest files go first (:data:`LONGEST_FIRST`)."""
+    items.sort(key=_longest_first)  # stable: the rest keep their order
     real = (REPO / "tests" / "integration", REPO / "tests" / "faults")
     for item in items:
         path = Path(str(item.fspath))
@@ -303,6 +324,15 @@ def etcd_v6(tmp_path: Path) -> Iterator[EtcdServer]:
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd (v3 API only, like etcd 3.6) for one test."""
     server = EtcdServer(tmp_path / "etcd-data", enable_v2=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd (both APIs) for a module whose tests each take their own run ids."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data", enable_v2=True)
     server.start()
     yield server
     server.stop()

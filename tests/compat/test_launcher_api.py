@@ -89,23 +89,23 @@ def dist_sum() -> int:
     return int(t.item())
 
 
-def test_launch_script_python(etcd, out):
+def test_launch_script_python(etcd_shared, out):
     """upstream: test_launch_script_python, test_launch_script_python_local_rank_transfer"""
-    elastic_launch(config(etcd.endpoint, 1, 1, 4), sys.executable)(
+    elastic_launch(config(etcd_shared.endpoint, 1, 1, 4), sys.executable)(
         "-u", SCRIPT, f"--touch-file-dir={out}"
     )
     assert touched(out) == ranks(4)
 
 
-def test_launch_script_bash(etcd, out):
+def test_launch_script_bash(etcd_shared, out):
     """upstream: test_launch_script_bash"""
-    elastic_launch(config(etcd.endpoint, 1, 1, 4), str(BIN / "touch_rank.sh"))(str(out))
+    elastic_launch(config(etcd_shared.endpoint, 1, 1, 4), str(BIN / "touch_rank.sh"))(str(out))
     assert touched(out) == ranks(4)
 
 
-def test_launch_function(etcd):
+def test_launch_function(etcd_shared):
     """upstream: test_launch_function: the return values by global rank"""
-    res = elastic_launch(config(etcd.endpoint, 1, 1, 4), rank_plus_ten)()
+    res = elastic_launch(config(etcd_shared.endpoint, 1, 1, 4), rank_plus_ten)()
     assert sorted(res.values()) == [10, 11, 12, 13]
     assert sorted(res) == [0, 1, 2, 3]
 
@@ -118,18 +118,20 @@ def test_launch_dist_sum_with_static_rdzv():
     assert sorted(elastic_launch(cfg, dist_sum)().values()) == [6, 6, 6, 6]
 
 
-def test_launch_elastic(etcd, out):
+def test_launch_elastic(etcd_shared, out):
     """upstream: test_launch_elastic: 1 to 2 nodes, one comes"""
-    elastic_launch(config(etcd.endpoint, 1, 2, 4), sys.executable)(
+    elastic_launch(config(etcd_shared.endpoint, 1, 2, 4), sys.executable)(
         "-u", SCRIPT, f"--touch-file-dir={out}"
     )
     assert touched(out) == ranks(4)
 
 
-def test_launch_elastic_worker_raise_exception(etcd):
+def test_launch_elastic_worker_raise_exception(etcd_shared):
     """upstream: test_launch_elastic_worker_raise_exception"""
     with pytest.raises(ChildFailedError) as info:
-        elastic_launch(config(etcd.endpoint, 1, 2, 4), sys.executable)("-u", SCRIPT, "--fail")
+        elastic_launch(config(etcd_shared.endpoint, 1, 2, 4), sys.executable)(
+            "-u", SCRIPT, "--fail"
+        )
     _, first = info.value.get_first_failure()
     assert first.exitcode == 1
     assert "raising exception since --fail flag was set" in str(first.message)
@@ -142,15 +144,15 @@ def _launch_in_child(out: str, endpoint: str, run_id: str) -> None:
     )
 
 
-def test_launch_elastic_multiple_agents(etcd, out):
+def test_launch_elastic_multiple_agents(etcd_shared, out):
     """upstream: test_launch_elastic_multiple_agents: two agents of one run id, 8 workers"""
     run_id = str(uuid.uuid4().int)
     other = multiprocessing.get_context("spawn").Process(
-        target=_launch_in_child, args=(str(out), etcd.endpoint, run_id)
+        target=_launch_in_child, args=(str(out), etcd_shared.endpoint, run_id)
     )
     other.start()
     try:
-        _launch_in_child(str(out), etcd.endpoint, run_id)
+        _launch_in_child(str(out), etcd_shared.endpoint, run_id)
         other.join(120)
         assert other.exitcode == 0
     finally:

@@ -144,6 +144,62 @@ def test_nproc_launch_auto_configurations(tmp_path):
     assert touched(tmp_path) == ranks(len(os.sched_getaffinity(0)))
 
 
+def test_nproc_launch_number_configurations(tmp_path):
+    """upstream: test_nproc_launch_number_configurations"""
+    main(["--nproc-per-node=4", "--no-python", *COMMON, BASH, str(tmp_path)])
+    assert touched(tmp_path) == ranks(4)
+
+
+@pytest.mark.parametrize("nproc", ["auto", "gpu"])
+def test_nproc_gpu_launch_configurations(tmp_path, monkeypatch, fake_nvml, nvml_script, nproc):
+    """upstream: test_nproc_gpu_launch_configurations: three GPUs (torch mocks its CUDA
+    module; elasticrun counts through NVML, here the test's fake one)"""
+    monkeypatch.setenv("ELASTIC_NVML_LIBRARY", str(fake_nvml))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml_script.write_text("devices 3\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    main([f"--nproc-per-node={nproc}", "--no-python", *COMMON, BASH, str(out)])
+    assert touched(out) == ranks(3)
+
+
+def test_nproc_xpu_launch_configurations_is_refused(tmp_path):
+    """upstream: test_nproc_xpu_launch_configurations. Deliberate difference: elasticrun has
+    no XPU support, and says so (docs/compat.md)."""
+    with pytest.raises(ValueError, match="XPUs are not supported"):
+        main(["--nproc-per-node=xpu", "--no-python", BASH, str(tmp_path)])
+
+
+class AgentBrokeError(Exception):
+    pass
+
+
+def test_launch_elastic_agent_raise_exception(tmp_path, monkeypatch):
+    """upstream: test_launch_elastic_agent_raise_exception: the agent's exception reaches the
+    caller unchanged"""
+
+    def broken(self, *a, **kw):
+        raise AgentBrokeError("from the agent")
+
+    monkeypatch.setattr("elastic_launch.agent.agent.ElasticAgent.run", broken)
+    args = ["--nnodes=1:2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--max-restarts=0"]
+    args += [f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv_conf=timeout=5", *COMMON]
+    with pytest.raises(AgentBrokeError, match="from the agent"):
+        main([*args, SCRIPT, f"--touch-file-dir={tmp_path}"])
+
+
+def test_is_not_torchelastic_launched(tmp_path, monkeypatch):
+    """upstream: test_is_not_torchelastic_launched: the same script run without a launcher"""
+    import runpy
+
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [str(BIN / "launched.py"), f"--out-file={out}"])
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    assert out.read_text() == "False"
+
+
 def test_launch_elastic_worker_raise_exception(tmp_path):
     """upstream: test_launch_elastic_worker_raise_exception: a ChildFailedError, by rank"""
     args = ["--nnodes=1:1", "--nproc-per-node=4", "--max-restarts=0", "--rdzv-backend=c10d"]

@@ -67,19 +67,27 @@ def start(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     launcher: list[str] | None = None,
+    log: Path | None = None,
 ) -> subprocess.Popen[str]:
+    """The launcher with `args`; its output in pipes (read them with finish()), or in the file
+    `log` for a job the test does not finish by reading (a full pipe would stall it)."""
     full_env = dict(os.environ)
     full_env.pop("OMP_NUM_THREADS", None)
     full_env.update(env or {})
-    return subprocess.Popen(
-        [*(launcher or ELASTICRUN), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    sink = open(log, "w") if log is not None else None  # noqa: SIM115 - closed below
+    try:
+        return subprocess.Popen(
+            [*(launcher or ELASTICRUN), *args],
+            stdout=sink or subprocess.PIPE,
+            stderr=subprocess.STDOUT if sink else subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    finally:
+        if sink is not None:
+            sink.close()  # the launcher has its own copy
 
 
 def run(

@@ -3,6 +3,8 @@ the budget. No process, no agent: :func:`decide` is a pure function of its snaps
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from elastic_launch.agent.decide import Action, Decision, Happening, Loop, Snapshot, decide
 from elastic_launch.api import FailureKind, RestartBudget
@@ -56,6 +58,27 @@ ROWS = [
             Action.FAIL_JOB,
             FailureKind.EXIT_CODE,
             detail="restarts exhausted (3); rank 0 exit code 1",
+        ),
+    ),
+    (
+        "a loop worker dies, --max-restarts spent, the loop's own budget (5) not: replaced",
+        Snapshot(H.FAILED, SPENT, loop=Loop.RUNNING, loop_budget=5, node_in_loop=True),
+        Decision(Action.REPLACE_ONE, FailureKind.EXIT_CODE, budget=RestartBudget(4, 5)),
+    ),
+    (
+        "a loop worker dies with both budgets spent: the job fails, naming the larger",
+        Snapshot(
+            H.FAILED,
+            RestartBudget(5, 0),
+            failure="rank 2 exit code 1",
+            loop=Loop.RUNNING,
+            loop_budget=5,
+            node_in_loop=True,
+        ),
+        Decision(
+            Action.FAIL_JOB,
+            FailureKind.EXIT_CODE,
+            detail="restarts exhausted (5); rank 2 exit code 1",
         ),
     ),
     (
@@ -191,3 +214,13 @@ def test_a_replacement_never_spends_past_the_budget():
         spent += 1
         snapshot = Snapshot(H.FAILED, d.budget, loop=Loop.RUNNING, node_in_loop=True)
     assert spent == 2 and d.action == Action.FAIL_JOB
+
+
+def test_a_replacement_spends_the_loops_budget_when_it_is_the_larger():
+    snapshot = Snapshot(H.FAILED, RestartBudget(0, 0), loop=Loop.RUNNING, node_in_loop=True)
+    replaced = 0
+    while (d := decide(dataclasses.replace(snapshot, loop_budget=3))).action == Action.REPLACE_ONE:
+        assert d.budget is not None
+        replaced += 1
+        snapshot = dataclasses.replace(snapshot, budget=d.budget)
+    assert replaced == 3 and d.detail == "restarts exhausted (3)"

@@ -131,6 +131,19 @@ def test_the_classic_constructor_follows_elasticrun_not_its_url(monkeypatch, tmp
         CoordinatorP2P("gloo", "etcd://h:1/r?min_workers=1", 4, process_group_timeout=0)
 
 
+def test_max_num_trainers_may_be_an_int_like_str_as_0_1_took_it(monkeypatch):
+    """The classic imagenet example reads it from the environment and passes the str."""
+    monkeypatch.setattr(
+        "elastic_launch.train_loop.coordinator.create_handler", lambda params: FakeTeam()
+    )
+    url = "etcd://h:1/r?min_workers=1"
+    assert CoordinatorP2P("gloo", url, "4").max_num_trainers == 4
+    assert CoordinatorP2P("gloo", url, " 8 ").max_num_trainers == 8
+    for bad in ("four", "0", 2.5, True):
+        with pytest.raises(ConfigError, match=f"max_num_trainers={bad!r}: give a whole number"):
+            CoordinatorP2P("gloo", url, bad)
+
+
 # ---- rounds, growth, the end ----------------------------------------------------------------
 
 
@@ -224,6 +237,52 @@ def test_a_retryable_failure_is_told_to_the_next_round_and_a_fatal_one_to_the_ag
     assert c.should_stop_training() and loop.read_text() == RUNNING
     c.on_error(ValueError("a bug"))
     assert loop.read_text() == FATAL, "the agent must not replace it"
+
+
+def test_the_loops_failure_budget_reaches_the_agent_through_the_loop_file(tmp_path):
+    """The agent replaces up to the loop's max_failures workers: the loop tells it."""
+    from elastic_launch.agent.worker import Worker
+    from elastic_launch.train_loop import State, train
+
+    class Nothing(State):
+        def sync(self, world_size, rank):
+            pass
+
+        def capture_snapshot(self):
+            return None
+
+        def apply_snapshot(self, capture_snapshot):
+            pass
+
+    team, loop = FakeTeam(), tmp_path / "loop"
+    c = coordinator(0, 1, team, loop_file=str(loop))
+    team.raise_next = RendezvousClosedError("done", JobClosed(CloseReason.SUCCEEDED))
+    train(c, lambda state: state, Nothing(), max_failures=7)
+    assert loop.read_text() == "running 7"
+    worker = Worker.__new__(Worker)
+    worker.loop_file = str(loop)
+    assert worker.loop_budget() == 7 and worker.train_loop().value == "running"
+    c.on_error(ValueError("a bug"))
+    assert worker.loop_budget() == 0 and worker.train_loop().value == "fatal"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("running", ("running", 0)),
+        ("running 12\n", ("running", 12)),
+        ("fatal", ("fatal", 0)),
+        ("running 99999999999", ("running", 0)),  # out of range: not said
+        ("running \u00b2", ("running", 0)),  # a Unicode digit is no number
+        ("running -3", ("running", 0)),
+        ("walking 3", ("", 0)),
+        ("", ("", 0)),
+    ],
+)
+def test_what_a_worker_writes_to_its_loop_file_is_read_defensively(text, said):
+    from elastic_launch.rendezvous.team import read_loop_file
+
+    assert read_loop_file(text) == said
 
 
 def test_a_job_that_failed_ends_the_worker_as_non_retryable(tmp_path):

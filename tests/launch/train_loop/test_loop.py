@@ -4,6 +4,7 @@ and the user's methods that fail (no processes, no store)."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from elastic_launch.train_loop import (
@@ -180,7 +181,7 @@ def test_the_failure_budget_is_enforced():
     def always(state):
         raise RuntimeError("Connection closed by peer")
 
-    with pytest.raises(RuntimeError, match="maximum of 3 recoverable failures"):
+    with pytest.raises(RuntimeError, match="Exceeded max number of recoverable failures: 3"):
         train(c, always, s, max_failures=3)
     assert c.rounds == 3 and len(s.applied) == 3
 
@@ -213,6 +214,80 @@ def test_sync_failing_because_a_peer_died_is_retried():
     c, s = FakeCoordinator(), PeerDiesInSync()
     train(c, stepper(), s)
     assert c.rounds == 2 and s.seen == [0, 1, 2, 3, 4, 5]
+
+
+def test_any_runtime_error_from_sync_is_retried_as_in_0_1():
+    """torchelastic 0.1 retried every RuntimeError of the round's forming (its
+    test_sync_retryable_exception): a state's own RuntimeError in sync too."""
+    failures = [RuntimeError("sync throws RuntimeError (retryable exception)")]
+
+    class FailsOnce(Counter):
+        def sync(self, world_size, rank):
+            super().sync(world_size, rank)
+            if failures:
+                raise failures.pop()
+
+    c, s = FakeCoordinator(), FailsOnce()
+    train(c, stepper(), s)
+    assert c.rounds == 2 and s.seen == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_strict_mode_fails_a_runtime_error_from_sync_at_once(monkeypatch):
+    from elastic_launch.train_loop.loop import STRICT_SYNC_ENV
+
+    monkeypatch.setenv(STRICT_SYNC_ENV, "1")
+
+    class Buggy(Counter):
+        def sync(self, world_size, rank):
+            raise RuntimeError("shape mismatch in my own code")
+
+    with pytest.raises(UserMethodError, match="sync raised RuntimeError: shape mismatch"):
+        train(FakeCoordinator(), stepper(), Buggy())
+
+
+@pytest.mark.parametrize("where", ["elastic_launch.train_loop.loop", "elastic_launch.train_loop"])
+def test_max_failures_set_on_the_module_or_the_package_takes_effect(monkeypatch, where):
+    """torchelastic 0.1's test_process_max_retryable_failures patches MAX_FAILURES."""
+    monkeypatch.setattr(f"{where}.MAX_FAILURES", 2)
+    c, s = FakeCoordinator(), Counter(steps=50)
+
+    def always(state):
+        raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match="Exceeded max number of recoverable failures: 2"):
+        train(c, always, s)
+    assert c.rounds == 2
+
+
+def test_a_coordinator_written_for_0_1_needs_no_barrier_and_may_ask_for_checkpoints(tmp_path):
+    """0.1's Coordinator had no barrier() and had should_save_checkpoint()."""
+    from elastic_launch.train_loop import FileSystemCheckpointManager, set_checkpoint_manager
+
+    class Classic(Coordinator):
+        done = False
+
+        def rendezvous_barrier(self):
+            return None, 0, 1
+
+        def should_rendezvous(self, state):
+            return False
+
+        def should_stop_training(self):
+            return self.done
+
+        def signal_training_done(self):
+            self.done = True
+
+        def should_save_checkpoint(self):
+            return True  # a platform asked for one (a preemption)
+
+    manager = FileSystemCheckpointManager(tmp_path)
+    set_checkpoint_manager(manager)
+    try:
+        train(Classic(), stepper(), Counter(steps=3))
+    finally:
+        set_checkpoint_manager(None)
+    assert len(manager.list_checkpoints()) == 3, "one after every step"
 
 
 @pytest.mark.parametrize("bad", [42, "state", (1, 2), [None]])
@@ -299,10 +374,15 @@ def checkpoints(tmp_path):
     set_checkpoint_manager(None)
 
 
+def saved(manager) -> list[int]:
+    """The committed checkpoints' numbers, oldest first."""
+    return sorted(c.sequence_id for c in manager.list_checkpoints())
+
+
 def test_rank_zero_saves_when_the_state_asks_and_a_new_run_resumes_from_it(checkpoints):
     c, s = FakeCoordinator(), Saved(steps=5)
     train(c, stepper(), s)
-    assert checkpoints.steps() == [0, 1], "after steps 2 and 4"
+    assert saved(checkpoints) == [0, 1], "after steps 2 and 4"
     assert c.calls.count("barrier") == 1 + 2, "the first sync, then one per checkpoint"
     resumed = Saved(steps=7)
     train(FakeCoordinator(), stepper(), resumed)
@@ -318,7 +398,7 @@ def test_only_rank_zero_writes_and_every_rank_meets_at_the_barrier(checkpoints):
 
     c = Rank1()
     train(c, stepper(), Saved(steps=4))
-    assert checkpoints.steps() == [] and c.calls.count("barrier") == 1 + 2
+    assert saved(checkpoints) == [] and c.calls.count("barrier") == 1 + 2
 
 
 def test_a_save_that_fails_fails_at_once_and_keeps_the_last_checkpoint(checkpoints):
@@ -330,9 +410,9 @@ def test_a_save_that_fails_fails_at_once_and_keeps_the_last_checkpoint(checkpoin
 
     with pytest.raises(UserMethodError, match=r"state\.save raised OSError: disk full"):
         train(c, step, s)
-    assert checkpoints.steps() == [0]
-    found = checkpoints.load_latest()
-    assert found is not None and found[1] == 0
+    assert saved(checkpoints) == [0]
+    assert checkpoints.get_latest_checkpoint().sequence_id == 0
+    assert not any(p.name.endswith(".partial") for p in Path(checkpoints.checkpoint_dir).iterdir())
 
 
 def test_the_loop_publishes_its_metrics_with_the_classic_names():

@@ -170,6 +170,10 @@ class RestartBudget:
         """The budget after one more restart, or None when none is left."""
         return RestartBudget(self.spent + 1, self.limit) if self.spent < self.limit else None
 
+    def at_least(self, limit: int) -> RestartBudget:
+        """This budget with its limit raised to `limit` (a train loop's own failure budget)."""
+        return RestartBudget(self.spent, max(self.limit, limit))
+
     def exhausted(self, failure: str = "") -> str:
         """Why the job fails when :meth:`spend` finds nothing left (`failure`: what failed)."""
         detail = f"restarts exhausted ({self.limit})"

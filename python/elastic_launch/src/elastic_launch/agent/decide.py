@@ -28,7 +28,9 @@ of ``tests/launch/agent/test_decide.py``)::
     signal           STOP                                          STOP
 
 A replacement spends one restart of the same :class:`~elastic_launch.api.RestartBudget` the
-rendezvous spends for a group restart; the decision carries the budget after it.
+rendezvous spends for a group restart; the decision carries the budget after it. Its limit for
+replacements is the larger of ``--max-restarts`` and the loop's own failure budget
+(``max_failures``, which the worker reports), so the loop needs no extra flag.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Snapshot:
     failure: str = ""  # the failure in words ("rank 1 exit code 3"), for the job's message
     signalled: bool = False  # FAILED: killed by a signal, not an exit code
     loop: Loop = Loop.NONE  # what the worker said of the train loop
+    loop_budget: int = 0  # the loop's failure budget, as the worker said it (0: not said)
     node_in_loop: bool = False  # a worker of this node runs the train loop (or failed in it)
     all_succeeded: bool = False  # EXITED_OK: every worker of the attempt exited with 0
     spared: bool = False  # HUNG: the worker is spared already (its peer is being judged)
@@ -182,7 +185,8 @@ def _replace(s: Snapshot, kind: FailureKind) -> Decision:
     """A train-loop worker failed: replaced alone while the budget lasts."""
     if s.loop == Loop.FATAL:
         return Decision(Action.FAIL_JOB, kind, detail=s.failure)
-    spent = s.budget.spend()
+    budget = s.budget.at_least(s.loop_budget)
+    spent = budget.spend()
     if spent is None:
-        return Decision(Action.FAIL_JOB, kind, detail=s.budget.exhausted(s.failure))
+        return Decision(Action.FAIL_JOB, kind, detail=budget.exhausted(s.failure))
     return Decision(Action.REPLACE_ONE, kind, budget=spent)

@@ -73,12 +73,20 @@ class Worker:
 
     def train_loop(self) -> Loop:
         """What the worker said of the train loop (its loop file)."""
-        try:
-            with open(self.loop_file) as f:
-                said = f.read().strip()
-        except OSError:
-            return Loop.NONE
+        said, _ = self._loop_file()
         return Loop.FATAL if said == team.FATAL else Loop.RUNNING if said else Loop.NONE
+
+    def loop_budget(self) -> int:
+        """The failure budget of the train loop this worker runs (0: not said)."""
+        return self._loop_file()[1]
+
+    def _loop_file(self) -> tuple[str, int]:
+        try:
+            with open(self.loop_file, "rb") as f:
+                text = f.read(64).decode("ascii", "replace")
+        except OSError:
+            return "", 0
+        return team.read_loop_file(text)
 
 
 class Finding(str, enum.Enum):

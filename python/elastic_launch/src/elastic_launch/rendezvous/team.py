@@ -31,8 +31,26 @@ logger = logging.getLogger(__name__)
 
 TEAM_ENV = "ELASTICRUN_TEAM"
 LOOP_FILE_ENV = "ELASTICRUN_LOOP_FILE"
-#: What a worker writes to its loop file: it runs the loop; it failed for good (no replacement).
+#: What a worker writes to its loop file: it runs the loop (``running``, then ``running N``
+#: once the loop's failure budget N is known: the agent replaces up to N workers); it failed
+#: for good (no replacement).
 RUNNING, FATAL = "running", "fatal"
+
+
+def running(max_failures: int | None) -> str:
+    """The loop file's text for a worker that runs the loop with `max_failures` (if known)."""
+    return RUNNING if max_failures is None else f"{RUNNING} {max_failures}"
+
+
+def read_loop_file(text: str) -> tuple[str, int]:
+    """(``running``/``fatal``/``""``, the failure budget or 0) from a loop file's text; what
+    a worker wrote is read defensively (anything else is nothing said)."""
+    said, _, budget = text.strip().partition(" ")
+    if said not in (RUNNING, FATAL):
+        return "", 0
+    return said, int(budget) if budget.isascii() and budget.isdigit() and len(budget) < 10 else 0
+
+
 #: The team's own waits: after MIN workers joined, how long for more (the survivors of a
 #: failure go on at once when the rest of the previous round is known gone).
 TEAM_LAST_CALL = 1.0

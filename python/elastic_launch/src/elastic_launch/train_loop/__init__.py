@@ -16,13 +16,16 @@ A script written for torchelastic 0.1 runs after changing its imports::
     final = train(coordinator, train_step, MyState(...))
 
 Owns: the loop (``loop``), its interfaces (``api``), the coordinator that re-forms the workers'
-process group (``coordinator``), checkpoints and metrics in 0.1's shapes.
+process group (``coordinator``), and in 0.1's shapes its checkpoints (``checkpoint``), metrics
+(``metrics``), collectives (``distributed``) and data helpers (``data``).
 May import: ``rendezvous`` and the foundation; it runs in the workers, never in the agent.
 """
 
 from __future__ import annotations
 
-from elastic_launch.train_loop import metrics
+from typing import Any
+
+from elastic_launch.train_loop import checkpoint, data, distributed, metrics
 from elastic_launch.train_loop.api import (
     Coordinator,
     NonRetryableException,
@@ -33,6 +36,10 @@ from elastic_launch.train_loop.api import (
     WorkerStats,
 )
 from elastic_launch.train_loop.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CheckpointUtil,
+    FileSystemCheckpoint,
     FileSystemCheckpointManager,
     get_checkpoint_manager,
     set_checkpoint_manager,
@@ -43,13 +50,27 @@ from elastic_launch.train_loop.coordinator import (
     from_environment,
     parse_init_method,
 )
+from elastic_launch.train_loop.data import CyclingIterator
 from elastic_launch.train_loop.loop import MAX_FAILURES, is_group_failure, train
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ElasticDistributedSampler":  # elastic_sampler's, imported when asked for
+        return data.ElasticDistributedSampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MAX_FAILURES",
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointUtil",
     "Coordinator",
     "CoordinatorP2P",
+    "CyclingIterator",
     "ElasticCoordinator",
+    "ElasticDistributedSampler",
+    "FileSystemCheckpoint",
     "FileSystemCheckpointManager",
     "NonRetryableException",
     "SimpleWorkerStats",
@@ -57,6 +78,9 @@ __all__ = [
     "StopException",
     "UserMethodError",
     "WorkerStats",
+    "checkpoint",
+    "data",
+    "distributed",
     "from_environment",
     "get_checkpoint_manager",
     "is_group_failure",

@@ -107,9 +107,24 @@ class Coordinator(abc.ABC):
         """Form the process group of the round just joined (the classic coordinator did it
         here, after :meth:`rendezvous_barrier`)."""
 
-    @abc.abstractmethod
     def barrier(self) -> None:
-        """Wait until every worker of the current group gets here."""
+        """Wait until every worker of the current group gets here. By default the process
+        group's own barrier, when one is formed (a coordinator written for 0.1 has none)."""
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def should_save_checkpoint(self) -> bool:
+        """Whether the loop must checkpoint after this step whatever the state says (a
+        platform's request, before a preemption); every worker answers the same."""
+        return False
+
+    def set_failure_budget(self, max_failures: int) -> None:  # noqa: B027 - optional hook
+        """The loop tells the coordinator its failure budget as it starts (elasticrun's
+        coordinator passes it to the launcher, which replaces up to that many workers)."""
 
     @abc.abstractmethod
     def should_rendezvous(self, state: State) -> bool:

@@ -17,6 +17,7 @@ leave: it fails, is rolled back to the state after S, and joins the same next ro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -37,7 +38,16 @@ from elastic_launch.rendezvous.api import (
     RunIdInUseError,
 )
 from elastic_launch.rendezvous.conf import URL_KEYS, describe, kind_of, positive_int
-from elastic_launch.rendezvous.team import FATAL, LOOP_FILE_ENV, RUNNING, TEAM_ENV, Team, resolve
+from elastic_launch.rendezvous.team import (
+    FATAL,
+    LOOP_FILE_ENV,
+    RUNNING,
+    TEAM_ENV,
+    Team,
+    resolve,
+    running,
+)
+from elastic_launch.train_loop import group_sockets
 from elastic_launch.train_loop.api import (
     Coordinator,
     NonRetryableException,
@@ -89,7 +99,7 @@ class ElasticCoordinator(Coordinator):
         self.c10d_backend = backend
         self.timeout = timeout
         self.coordinator_timeout = coordinator_timeout or timeout
-        self.max_num_trainers = max_num_trainers
+        self.max_num_trainers = None if max_num_trainers is None else whole(max_num_trainers)
         self.rank = -1
         self.world_size = 0
         self.round = 0
@@ -107,6 +117,8 @@ class ElasticCoordinator(Coordinator):
         self._step_seconds: float | None = None  # rank 0's recent step time
         self._clock = time.monotonic
         self._aborter: threading.Event | None = None
+        self._max_failures: int | None = None
+        self._group_sockets: group_sockets.Sockets = frozenset()  # the round's gloo connections
         self._announce(RUNNING)
 
     # ---- the loop's hooks -----------------------------------------------------------------
@@ -164,6 +176,7 @@ class ElasticCoordinator(Coordinator):
         import torch.distributed as dist
 
         self._monitor_step = 0
+        before = group_sockets.open_sockets()
         dist.init_process_group(
             self.c10d_backend,
             store=self.store,
@@ -178,6 +191,7 @@ class ElasticCoordinator(Coordinator):
                 backend="gloo", timeout=self.coordinator_timeout
             )
             self._watch_for_abort()
+        self._group_sockets = group_sockets.open_sockets() - before
 
     def _watch_for_abort(self) -> None:
         """NCCL: a collective whose peer died may block this rank's main thread for good (NCCL
@@ -276,6 +290,7 @@ class ElasticCoordinator(Coordinator):
         if rate is None or not known or max(known) <= 0:
             return
         relative = rate / max(known)
+        self.last_relative_prog_rate = relative
         self.is_worker_straggler = relative < 0.8
         if self.is_worker_straggler:
             logger.warning(
@@ -303,31 +318,39 @@ class ElasticCoordinator(Coordinator):
         return self.max_num_trainers is None or self.world_size < self.max_num_trainers
 
     def _destroy_process_group(self) -> None:
-        """Tear the group down before the next round. A NCCL communicator may be stuck in a
-        collective with a dead peer (destroying it would wait for that collective): it is
-        aborted; gloo's is destroyed."""
+        """Tear the group down before the next round, so that no peer waits for this rank: its
+        gloo connections are shut down (an object of the state, a DDP model, may still hold
+        the group, and gloo closes them only when the group is freed: see
+        :mod:`.group_sockets`), then the group is aborted (a NCCL communicator may be stuck in
+        a collective with a dead peer) and forgotten."""
         if self._aborter is not None:
             self._aborter.set()
             self._aborter = None
+        group_sockets.shut_down(self._group_sockets)
+        self._group_sockets = frozenset()
         try:
             import torch.distributed as dist
         except ImportError:
             return
         if dist.is_available() and dist.is_initialized():
             try:
-                if self.c10d_backend == "nccl":
-                    from torch.distributed.distributed_c10d import _abort_process_group
+                from torch.distributed.distributed_c10d import _abort_process_group
 
-                    _abort_process_group()
-                else:
-                    dist.destroy_process_group()
+                _abort_process_group()
             except Exception as e:  # a broken group is still to be replaced
-                logger.warning("tearing down the process group: %s", e)
+                logger.warning("aborting the process group: %s", e)
+                if dist.is_initialized():
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group()
         self.coordinator_process_group = None
         self.store = None
 
+    def set_failure_budget(self, max_failures: int) -> None:
+        self._max_failures = max_failures
+        self._announce(RUNNING)
+
     def _announce(self, what: str) -> None:
-        announce(self._loop_file, what)
+        announce(self._loop_file, running(self._max_failures) if what == RUNNING else what)
 
     def close(self) -> None:
         """Leave: the process group and the rendezvous session."""
@@ -357,6 +380,18 @@ _URL_PARAMS = {
     "etcd_prefix": "accepted for compatibility; keys live under /elasticrun/<run id>",
 }
 _SCHEMES = {"etcd": "etcd", "etcd-v2": "etcd-v2", "etcd2": "etcd-v2", "embedded": "embedded"}
+
+
+def whole(value: Any, name: str = "max_num_trainers") -> int:
+    """A count given as an int or as an int-like str (as 0.1 scripts read it from the
+    environment, and 0.1 accepted)."""
+    try:
+        n = int(str(value).strip()) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or isinstance(value, bool) or (not isinstance(value, str) and n != value):
+        raise ConfigError(f"{name}={value!r}: give a whole number of trainers, 1 or more")
+    return n
 
 
 def parse_init_method(init_method: str) -> RendezvousParameters:

@@ -4,7 +4,9 @@ its snapshot and re-forming the group, as the classic torchelastic loop did."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +29,13 @@ from elastic_launch.train_loop.metrics import GROUP
 logger = logging.getLogger(__name__)
 
 #: Failed steps (rolled back and retried) before the loop gives up, as in the classic loop.
+#: Read when train() starts, here or on the package (``elastic_launch.train_loop``), as
+#: classic scripts set it.
 MAX_FAILURES = 100
+_CLASSIC_MAX_FAILURES = MAX_FAILURES
+#: ``1``: a RuntimeError from ``state.sync`` fails the job at once (it is most often a bug);
+#: by default it is retried after a rollback, as in the classic loop.
+STRICT_SYNC_ENV = "ELASTICRUN_TRAIN_LOOP_STRICT_SYNC"
 
 # What a collective raises when a peer died or the group was torn down under it: a failure of
 # the group, not of the user's method (gloo raises RuntimeError with its transport's message).
@@ -109,7 +117,7 @@ def train(
     train_step: Callable[[State], Any],
     state: State,
     *,
-    max_failures: int = MAX_FAILURES,
+    max_failures: int | None = None,
 ) -> State:
     """Run `train_step(state)` until it raises StopIteration or the coordinator says stop.
 
@@ -125,13 +133,14 @@ def train(
     the final state.
     """
     coordinator = elastic_coordinator
+    if max_failures is None:
+        max_failures = max_failures_setting()
+    # Under elasticrun, the launcher replaces up to this many dead workers: no extra flag.
+    getattr(coordinator, "set_failure_budget", lambda n: None)(max_failures)
     run = _Run(state)
     checkpoints = CheckpointUtil(coordinator)
     while not coordinator.should_stop_training():
-        if run.failures >= max_failures:
-            e = TooManyFailures(f"exceeded the maximum of {max_failures} recoverable failures")
-            coordinator.on_error(e)
-            raise e
+        _check_budget(coordinator, run, max_failures)
         outer = time.time()
         run.snapshot = _user("capture_snapshot", run.state.capture_snapshot)
         forming = True  # the classic loop ends on a StopException only while forming
@@ -165,6 +174,40 @@ def train(
     return run.state
 
 
+def _check_budget(coordinator: Coordinator, run: _Run, max_failures: int) -> None:
+    """Give up once `max_failures` failures were rolled back."""
+    if run.failures >= max_failures:
+        e = TooManyFailures(
+            f"Exceeded max number of recoverable failures: {max_failures} (the loop's "
+            "failure budget, MAX_FAILURES or train(max_failures=...)): the job fails"
+        )
+        coordinator.on_error(e)
+        raise e
+
+
+def max_failures_setting() -> int:
+    """MAX_FAILURES as the script set it, on this module or on the package."""
+    package = sys.modules.get("elastic_launch.train_loop")
+    for value in (getattr(package, "MAX_FAILURES", MAX_FAILURES), MAX_FAILURES):
+        if value != _CLASSIC_MAX_FAILURES:
+            return int(value)
+    return _CLASSIC_MAX_FAILURES
+
+
+def _sync(state: State, world_size: int, rank: int) -> None:
+    """``state.sync``: a RuntimeError is retried as the classic loop did (unless strict:
+    :data:`STRICT_SYNC_ENV`); anything else from it is a bug, which fails at once."""
+    if os.environ.get(STRICT_SYNC_ENV) == "1":
+        _user("sync", state.sync, world_size, rank)
+        return
+    try:
+        state.sync(world_size, rank)
+    except (RuntimeError, StopException, NonRetryableException):
+        raise
+    except Exception as e:
+        raise UserMethodError(f"sync raised {type(e).__name__}: {e}") from e
+
+
 def _form(coordinator: Coordinator, run: _Run, checkpoints: CheckpointUtil) -> None:
     """Form the group (the rendezvous, the process group), load the newest checkpoint, and
     bring every worker to one view (``state.sync``)."""
@@ -176,7 +219,7 @@ def _form(coordinator: Coordinator, run: _Run, checkpoints: CheckpointUtil) -> N
         coordinator.init_process_group()
         formed = time.time()
         checkpoints.load_checkpoint(run.state, run.rank)
-        _user("sync", run.state.sync, world_size, run.rank)
+        _sync(run.state, world_size, run.rank)
         checkpoints.set_checkpoint_loaded()
         coordinator.barrier()
     synced = time.time()
