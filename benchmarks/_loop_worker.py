@@ -3,6 +3,7 @@
 - ``--mode loop``: the classic train loop (elastic_launch.train_loop) under elasticrun;
 - ``--mode plain``: a torchrun-style script (RANK/WORLD_SIZE from the environment, one
   process group for its life) under elasticrun or torchrun, restarted as a group;
+- ``--ddp``: the step through a DistributedDataParallel model and a torch.optim optimizer;
 - ``--mode overhead``: under elasticrun, the same steps timed in a plain ``for`` loop and then
   through ``train()``, in one process group (no snapshot: the user's own cost is not counted).
 
@@ -28,13 +29,30 @@ BLOCK = 50  # steps in a row of one kind, in the overhead mode
 
 
 class Model:
-    def __init__(self) -> None:
+    """The step: by hand (all_reduce of each gradient), or (`ddp`) as most scripts write it, a
+    DistributedDataParallel model and a torch.optim optimizer, rebuilt on each new group."""
+
+    def __init__(self, ddp: bool = False) -> None:
         torch.manual_seed(0)
         self.net = torch.nn.Linear(256, 256)
         self.x = torch.randn(32, 256)
+        self.ddp: torch.nn.Module | None = None
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.001) if ddp else None
+
+    def wrap(self) -> None:
+        """On a new group: the DDP model over it (the optimizer keeps the parameters)."""
+        if self.opt is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(self.net)
 
     def step(self) -> None:
         time.sleep(STEP_SLEEP)
+        if self.ddp is not None and self.opt is not None:
+            self.opt.zero_grad()
+            self.ddp(self.x).square().mean().backward()
+            self.opt.step()
+            return
         self.net.zero_grad()
         self.net(self.x).square().mean().backward()
         for p in self.net.parameters():
@@ -53,7 +71,8 @@ class Log:
 
 def plain(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    model, log = Model(), Log(args.out)
+    model, log = Model(args.ddp), Log(args.out)
+    model.wrap()
     for step in range(args.steps):
         model.step()
         log.record(step, dist.get_world_size(), dist.get_rank())
@@ -64,7 +83,7 @@ def loop(args: argparse.Namespace) -> None:
 
     class BenchState(train_loop.State):
         def __init__(self) -> None:
-            self.model, self.log, self.steps = Model(), Log(args.out), 0
+            self.model, self.log, self.steps = Model(args.ddp), Log(args.out), 0
             self.world, self.rank = 1, 0
 
         def sync(self, world_size: int, rank: int) -> None:
@@ -74,6 +93,7 @@ def loop(args: argparse.Namespace) -> None:
             self.steps = int(t)
             for p in self.model.net.parameters():
                 dist.broadcast(p.data, 0)
+            self.model.wrap()
 
     def train_step(state: BenchState) -> BenchState:
         if state.steps >= args.steps:
@@ -140,6 +160,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("loop", "plain", "overhead"), required=True)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--empty", action="store_true", help="overhead: steps that do nothing")
+    parser.add_argument("--ddp", action="store_true", help="a DDP model and a torch.optim step")
     args = parser.parse_args()
     {"loop": loop, "plain": plain, "overhead": overhead}[args.mode](args)
 

@@ -56,7 +56,13 @@ def _until(pred, timeout: float):  # type: ignore[no-untyped-def]
     return None
 
 
-def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | None, float | None]:
+def kill_one(
+    launcher: list[str],
+    mode: str,
+    extra: list[str],
+    script: tuple[str, ...] = (),
+    restarts: tuple[str, ...] = ("--max-restarts", "1"),
+) -> tuple[float | None, float | None]:
     """SIGKILL the rank-1 worker after WARM_STEPS steps: seconds to (a) a survivor's next step
     (a new process's for a group restart) and (b) a step of the full world."""
     out = Path(tempfile.mkdtemp(prefix="bench-loop-"))
@@ -65,8 +71,7 @@ def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | 
         "--standalone",
         "--nproc-per-node",
         str(NPROC),
-        "--max-restarts",
-        "1",
+        *restarts,
         *extra,
         str(WORKER),
         "--out",
@@ -75,6 +80,7 @@ def kill_one(launcher: list[str], mode: str, extra: list[str]) -> tuple[float | 
         mode,
         "--steps",
         "100000",
+        *script,
     ]
     proc = start_job(cmd, {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
@@ -164,7 +170,36 @@ def run(cpp_build: Path) -> list[Row]:
             f"recovered {g_note}, torchrun {t_note}",
         )
     ]
-    return rows + _loop_rows(trials, t_med) + _overhead_rows()
+    return rows + _loop_rows(trials, t_med) + _ddp_rows() + _overhead_rows()
+
+
+def _ddp_rows() -> list[Row]:
+    """The step most scripts have (a DDP model, a torch.optim optimizer), a fixed world of 3,
+    no --max-restarts: the survivors of a SIGKILL wait for the replacement, whose first DDP
+    model and optimizer import torch._dynamo unless it is preloaded (--preload
+    auto,torch._dynamo). Beside torchrun's group restart of the same script."""
+    trials = int(os.environ.get("BENCH_LOOP_DDP_TRIALS", "5"))
+    ddp = ("--ddp",)
+    torchrun = [kill_one(TORCHRUN, "plain", [], ddp)[0] for _ in range(trials)]
+    dynamo = ["--preload", "auto,torch._dynamo"]
+    opted = [kill_one(ELASTICRUN, "loop", dynamo, ddp, restarts=())[0] for _ in range(trials)]
+    auto = [kill_one(ELASTICRUN, "loop", [], ddp, restarts=())[0] for _ in range(3)]
+    t_med, t_note = _med(torchrun)
+    rows = []
+    for label, values in (("--preload auto,torch._dynamo", opted), ("default flags", auto)):
+        value, note = _med(values)
+        rows.append(
+            Row(
+                "train loop",
+                f"SIGKILL to the survivors stepping again: loop, DDP + SGD, {label}",
+                value,
+                t_med,
+                "torchrun group restart (DDP + SGD)",
+                "s",
+                f"median of {note} trials, torchrun {t_note}",
+            )
+        )
+    return rows
 
 
 def _loop_rows(trials: int, t_med: float | None) -> list[Row]:

@@ -23,7 +23,7 @@ def script(path: Path, text: str) -> Entrypoint:
         "import torch.distributed as dist\n",
         "from torch import nn\n",
         "def main():\n    import torch\n",
-        "if __name__ == '__main__':\n    from torch.nn.parallel import DistributedDataParallel\n",
+        "if __name__ == '__main__':\n    from torch import nn\n",
         "import os, torch\n",
     ],
 )
@@ -96,6 +96,42 @@ def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):
     ]
     ep = script(tmp_path / "other.py", "import elastic_launch\nimport elastic_sampler\n")
     assert plan(["auto"], ep).modules == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import torch\nopt = torch.optim.SGD(params, lr=0.1)\n",
+        "import torch.optim as optim\n",
+        "from torch.optim import AdamW\n",
+        "from torch import optim\n",
+        "import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n",
+        "import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n",
+    ],
+)
+def test_a_script_that_builds_an_optimizer_or_ddp_is_told_how_to_preload_dynamo(tmp_path, text):
+    """Their first construction imports torch._dynamo: seconds in every new worker. auto
+    leaves it out (a DDP teardown can deadlock with it imported before the fork) and says how
+    to opt in; named, it is preloaded."""
+    ep = script(tmp_path / "train.py", text)
+    chosen = plan(["auto"], ep)
+    assert chosen.modules == ["torch"]
+    assert chosen.hint is not None and "--preload auto,torch._dynamo" in chosen.hint
+    opted = plan(["auto", "torch._dynamo"], ep)
+    assert opted.modules == ["torch", "torch._dynamo"] and opted.hint is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import torch\nx = torch.ones(3)\n",
+        "import numpy as np\nopt = np.optim\n",  # no torch: nothing of torch's
+    ],
+)
+def test_a_script_without_an_optimizer_or_ddp_gets_no_hint(tmp_path, text):
+    ep = script(tmp_path / "train.py", text)
+    chosen = plan(["auto"], ep)
+    assert "torch._dynamo" not in chosen.modules and chosen.hint is None
 
 
 def test_named_modules_come_on_top_and_none_means_fresh(tmp_path):

@@ -31,11 +31,31 @@ NONE = "none"
 TORCH = "torch"
 TRAIN_LOOP = "elastic_launch.train_loop"
 LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd_v3"
+#: What the first optimizer or DDP model imports (measured at 3-4 s on this 2-core machine with
+#: torch loaded). Not preloaded by ``auto``: with it imported before the fork, a worker's DDP
+#: teardown can deadlock in torch (ProcessGroupGloo's destructor joins its work thread while
+#: holding the GIL, and that thread frees a finished work whose thread-local state holds a
+#: Python object); a script that builds one is told how to opt in (:attr:`Plan.hint`).
+DYNAMO = "torch._dynamo"
+_DYNAMO_USERS = ("torch.optim", "torch.nn.parallel", "torch.distributed.optim")
+_DYNAMO_MENTIONS = {"optim", "DistributedDataParallel"}
 #: At most this many of the entrypoint's own files are read to find whether it imports torch.
 _MAX_SCANNED_FILES = 200
 #: Variables read when the interpreter, the C runtime or torch's libraries start (a forked worker
 #: keeps the zygote's values): by prefix, and by name.
-_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_")
+_IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "MALLOC_",
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "TORCH_COMPILE",
+)
 _IMPORT_TIME_NAMES = (
     "GLIBC_TUNABLES",
     "TORCH_CPP_LOG_LEVEL",
@@ -54,6 +74,7 @@ class Plan:
     modules: list[str]
     zygote: bool
     why_not: str | None = None
+    hint: str | None = None  # a module worth preloading that auto leaves out, and how
 
 
 def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
@@ -72,35 +93,43 @@ def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
             "--no-python); its workers start as fresh processes",
         )
     modules = [m for m in auto_modules(entrypoint) if m not in named] if auto else []
-    return Plan(modules + named, zygote=True)
+    hint = None
+    if auto and DYNAMO not in named and TORCH in modules and builds_dynamo_users(entrypoint):
+        hint = (
+            "the script builds an optimizer or a DDP model, whose first construction imports "
+            f"{DYNAMO} (seconds in every new worker); --preload auto,{DYNAMO} preloads it "
+            "(docs/launcher.md#preload says why it is not the default)"
+        )
+    return Plan(modules + named, zygote=True, hint=hint)
 
 
-def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None]:
-    """The entrypoint's own source files to read first, and the directory its sibling modules
-    are found in (None: follow nothing)."""
+def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None, str | None]:
+    """The entrypoint's own source files to read first, the directory its sibling modules
+    are found in (None: follow nothing), and the directory what is followed must be inside
+    (a module of a package: that package, never the whole of site-packages or the stdlib)."""
     target = entrypoint.target
     if entrypoint.kind == Kind.FUNCTION:
         path = main_path(target) or _file_of(inspect.getmodule(target))
-        return ([path], os.path.dirname(path)) if path else ([], None)
+        return ([path], os.path.dirname(path), None) if path else ([], None, None)
     if entrypoint.kind == Kind.MODULE:
         name = str(target)
         if name.split(".", maxsplit=1)[0] == TORCH:
-            return ["<torch>"], None
+            return ["<torch>"], None, None
         try:
             spec = importlib.util.find_spec(name)  # Entrypoint.check found it the same way
         except (ImportError, ValueError):
-            return [], None
+            return [], None, None
         origin = spec.origin if spec is not None else None
         if not origin or not origin.endswith(".py"):
-            return [], None
+            return [], None, None
         top = origin
         for _ in name.split(".")[1:]:
             top = os.path.dirname(top)
-        return [origin], os.path.dirname(top)
+        return [origin], os.path.dirname(top), top if "." in name else None
     path = str(target)
     if os.path.isdir(path):
         path = os.path.join(path, "__main__.py")
-    return [path], os.path.dirname(os.path.abspath(path))
+    return [path], os.path.dirname(os.path.abspath(path)), None
 
 
 def _file_of(module: object) -> str | None:
@@ -108,14 +137,17 @@ def _file_of(module: object) -> str | None:
     return os.path.abspath(path) if path and path.endswith(".py") else None
 
 
-def _imported_names(path: str) -> Iterable[tuple[str, int]]:
-    """(module name, relative level) of every import statement in the file, wherever it is
-    (functions and ``if __name__ == "__main__"`` blocks included)."""
+def _parse(path: str) -> ast.AST | None:
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), path)
+            return ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
-        return
+        return None
+
+
+def _imported_names(tree: ast.AST) -> Iterable[tuple[str, int]]:
+    """(module name, relative level) of every import statement in the file, wherever it is
+    (functions and ``if __name__ == "__main__"`` blocks included)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -126,22 +158,47 @@ def _imported_names(path: str) -> Iterable[tuple[str, int]]:
                 yield ".".join(filter(None, (node.module, alias.name))), node.level
 
 
-def imported_modules(entrypoint: Entrypoint) -> set[str]:
-    """The modules the entrypoint imports (absolute names): its source, and that of the
-    modules of its own directory it imports (followed to any depth, at most a few hundred
-    files), read but never run. What a module elsewhere imports for it is not seen."""
-    files, root = _source_files(entrypoint)
-    if files == ["<torch>"]:
-        return {str(entrypoint.target)}
+def _mentioned(tree: ast.AST) -> set[str]:
+    """The names and attribute names the file uses (``torch.optim.SGD``: optim, SGD)."""
     found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+    return found
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the entrypoint's own source files import and mention (read, never run)."""
+
+    imports: set[str]
+    mentions: set[str]
+
+
+def read_sources(entrypoint: Entrypoint) -> Sources:
+    """The modules the entrypoint imports (absolute names) and the names it uses: its source,
+    and that of the modules of its own directory it imports (followed to any depth, at most a
+    few hundred files), read but never run. What a module elsewhere imports for it is not
+    seen."""
+    files, root, inside = _source_files(entrypoint)
+    if files == ["<torch>"]:
+        return Sources({str(entrypoint.target)}, set())
+    found: set[str] = set()
+    mentions: set[str] = set()
     seen: set[str] = set()
     while files and len(seen) < _MAX_SCANNED_FILES:
         path = files.pop()
         if path in seen:
             continue
         seen.add(path)
+        tree = _parse(path)
+        if tree is None:
+            continue
+        mentions |= _mentioned(tree)
         here = os.path.dirname(path)
-        for name, level in _imported_names(path):
+        for name, level in _imported_names(tree):
             if level == 0 and name:
                 found.add(name)
             base = here if level else root
@@ -152,9 +209,16 @@ def imported_modules(entrypoint: Entrypoint) -> set[str]:
             parts = [p for p in name.split(".") if p]
             stem = os.path.join(base, *parts)
             for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
+                if inside is not None and not candidate.startswith(inside + os.sep):
+                    continue
                 if parts and os.path.isfile(candidate):
                     files.append(candidate)
-    return found
+    return Sources(found, mentions)
+
+
+def imported_modules(entrypoint: Entrypoint) -> set[str]:
+    """The modules the entrypoint imports (see :func:`read_sources`)."""
+    return read_sources(entrypoint).imports
 
 
 def auto_modules(entrypoint: Entrypoint) -> list[str]:
@@ -166,6 +230,15 @@ def auto_modules(entrypoint: Entrypoint) -> list[str]:
     if any(n == TRAIN_LOOP or n.startswith(TRAIN_LOOP + ".") for n in names):
         modules += [TRAIN_LOOP, LOOP_RENDEZVOUS]
     return modules
+
+
+def builds_dynamo_users(entrypoint: Entrypoint) -> bool:
+    """Whether the entrypoint's sources build what imports ``torch._dynamo`` on first use: an
+    optimizer (``torch.optim``, however imported) or ``DistributedDataParallel``."""
+    sources = read_sources(entrypoint)
+    if any(n.startswith(_DYNAMO_USERS) for n in sources.imports):
+        return True
+    return bool(sources.mentions & _DYNAMO_MENTIONS)
 
 
 def imports_torch(entrypoint: Entrypoint) -> bool:
