@@ -89,7 +89,7 @@ $(BUILD)/consumer/elastic-consumer: cpp cpp/examples/consumer/consumer.c cpp/exa
 
 pytest: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer
 	ELASTIC_CONSUMER_BIN=$(abspath $(BUILD)/consumer/elastic-consumer) \
-	  $(VPY) -m pytest -n 2 --dist loadfile
+	  $(VPY) -m pytest -n 2 --dist loadfile --durations=15
 
 lint: $(VENV)/.stamp-packages
 	$(VENV)/bin/ruff check .
