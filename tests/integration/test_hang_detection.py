@@ -18,9 +18,11 @@ FLOOR = 60.0  # --hang-timeout-floor's default: the limit under auto for these s
 # Under auto a hang is found within the limit plus the evidence window and one sample
 # (hang.WINDOW + hang.SAMPLE_INTERVAL) of its last activity; the slack is for this loaded VM.
 AUTO_BOUND = FLOOR + 5.0 + 1.0 + 3.0
+# A legitimate phase lasts longer than any hang takes to be found under auto.
+LEGIT_SECONDS = AUTO_BOUND + 6.0
 
 
-def launch(tmp: Path, phase: str, nproc: int, *flags: str, seconds: float = 90.0):
+def launch(tmp: Path, phase: str, nproc: int, *flags: str, seconds: float = LEGIT_SECONDS):
     out = tmp / phase
     out.mkdir()
     events = out / "events.jsonl"
@@ -77,7 +79,7 @@ HANG_SCENARIOS = [("sigstop", 1), ("peer_stopped", 2), ("deadlock", 1), ("sleep"
 @pytest.fixture(scope="module")
 def under_auto(tmp_path_factory):
     """The legitimate phases (default flags) and the real hangs (no restarts), all under
-    ``auto`` and side by side: the 90 s phases and the 60 s floor are paid for once, and the
+    ``auto`` and side by side: the 75 s phases and the 60 s floor are paid for once, and the
     hangs are found while the machine is busy with the phases."""
     legitimate = [(phase, 2, ()) for phase in ("first_step", "eval", "metric", "checkpoint")]
     hangs = [(name, nproc, ("--max-restarts", "0")) for name, nproc in HANG_SCENARIOS]
