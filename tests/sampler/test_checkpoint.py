@@ -262,7 +262,8 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
 # ---- a background save outlives a script that forgets close() --------------------------------
 
 # The state pickles slowly (`Slow.seconds` in the writer thread), so the script ends while the
-# write is in flight; it unpickles as a plain int.
+# write is in flight; it unpickles as a plain int (by calling `int`: loaded with
+# weights_only=False, as this file is the test's own).
 SLOW_SAVE = """
 import os, signal, sys, time, torch
 from elastic_sampler import CheckpointManager
@@ -324,7 +325,7 @@ def test_a_background_save_completes_when_the_script_ends_without_close(tmp_path
     )
     assert "checkpoint step 2 saved to" in err
     m = CheckpointManager(tmp_path)
-    state, step = m.load_latest()
+    state, step = m.load_latest(weights_only=False)
     assert step == 2 and state["slow"] == 7
     assert not _temporaries(tmp_path)
     assert "Fatal Python error" not in err and "Aborted" not in err
@@ -344,7 +345,7 @@ def test_sigterm_finishes_the_save_within_the_launchers_grace(tmp_path):
     code, err = _slow_save(tmp_path, "wait-for-sigterm", env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "20"})
     assert code == -15, "the process still dies of SIGTERM"
     assert "SIGTERM arrived: finishing the background save of checkpoint step 2" in err
-    assert CheckpointManager(tmp_path).load_latest()[1] == 2
+    assert CheckpointManager(tmp_path).load_latest(weights_only=False)[1] == 2
     assert not _temporaries(tmp_path)
 
 

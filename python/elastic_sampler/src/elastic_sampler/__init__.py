@@ -19,6 +19,7 @@ from elastic_sampler.api import (
     CheckpointMismatchError,
     ElasticSamplerError,
     SamplerStateError,
+    UnsafeCheckpointError,
 )
 from elastic_sampler.checkpoint import (
     CheckpointManager,
@@ -47,6 +48,7 @@ __all__ = [
     "ElasticSamplerError",
     "FeistelPermutation",
     "SamplerStateError",
+    "UnsafeCheckpointError",
     "__version__",
     "broadcast_latest",
     "load_checkpoint",

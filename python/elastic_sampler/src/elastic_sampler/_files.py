@@ -14,6 +14,8 @@ import errno
 import io
 import json
 import os
+import pickle
+import re
 import socket
 import threading
 import zlib
@@ -22,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from elastic_sampler.api import CheckpointError, CheckpointMismatchError
+from elastic_sampler.api import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 
 FORMAT = 1
 _BLOCK = 1 << 22
@@ -130,9 +132,11 @@ def remove_dead_temporaries(directory: Path, prefix: str) -> None:
                 p.unlink()
 
 
-def atomic_write(path: Path, write: Any, abandon: threading.Event | None = None) -> tuple[int, int]:
-    """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
-    (size, crc32) of what was written. Leaves nothing behind on failure."""
+def _write_temporary(
+    path: Path, write: Any, abandon: threading.Event | None
+) -> tuple[Path, int, int]:
+    """Fill `path`'s temporary file with write(f) and fsync it. Returns (temporary, size,
+    crc32). Leaves nothing behind on failure."""
     tmp = temporary(path)
     w: _ChecksumWriter | None = None
     try:
@@ -143,24 +147,41 @@ def atomic_write(path: Path, write: Any, abandon: threading.Event | None = None)
             os.fsync(raw.fileno())
         if abandon is not None and abandon.is_set():
             raise AbandonedError("the write was abandoned")
-        os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
         if w is not None and w.error is not None and w.error is not e:
             raise w.error from e
         raise
-    assert w is not None
-    return w.size, w.crc
+    return tmp, w.size, w.crc
+
+
+def atomic_write(path: Path, write: Any, abandon: threading.Event | None = None) -> tuple[int, int]:
+    """Write `path` through a temporary file: write(f) fills it; fsync; rename. Returns the
+    (size, crc32) of what was written. Leaves nothing behind on failure."""
+    tmp, size, crc = _write_temporary(path, write, abandon)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return size, crc
 
 
 def write_verified(
     path: str | os.PathLike[str], state: Any, abandon: threading.Event | None = None
 ) -> Path:
     """``torch.save(state)`` to `path` atomically, with its checksum beside it. Raises GoneError if
-    another process removed it before its checksum was in place."""
+    another process removed it before its checksum was in place. Replacing a copy that verifies
+    keeps it verifiable until the new one is: a failure at any point (a full disk) leaves one of
+    the two loadable."""
     target = Path(path)
+    old = _intact_record(target)
     try:
+        if old is not None:
+            _replace_verified(target, state, old, abandon)
+            return target
         size, crc = atomic_write(target, lambda f: torch.save(state, f), abandon)
         written = os.stat(target).st_ino
     except OSError as e:
@@ -180,14 +201,52 @@ def write_verified(
     return target
 
 
+def _intact_record(target: Path) -> dict[str, int] | None:
+    """The checksum record of the copy at `target`, if that copy verifies."""
+    try:
+        with open(target, "rb") as f:
+            if _problem(f, target) is not None:
+                return None
+        record = json.loads(meta_path(target).read_text())
+    except (OSError, ValueError, GoneError):
+        return None
+    return {"size": record["size"], "crc32": record["crc32"]}
+
+
+def _replace_verified(
+    target: Path, state: Any, old: dict[str, int], abandon: threading.Event | None
+) -> None:
+    """Replace an intact copy: the new file is made durable under a temporary name, then the
+    checksum file accepts both copies, then the new one takes the name, then the checksum file
+    names it alone. Until the rename, a failure changes nothing."""
+    tmp, size, crc = _write_temporary(target, lambda f: torch.save(state, f), abandon)
+    try:
+        _write_record(target, {"size": size, "crc32": crc, "also": [old]}, abandon)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(target.parent)
+    with contextlib.suppress(OSError):  # the record above verifies the new copy already
+        record_checksum(target, size, crc, abandon)
+
+
+def _write_record(target: Path, record: dict[str, Any], abandon: threading.Event | None) -> None:
+    atomic_write(
+        meta_path(target),
+        lambda f: f.write(json.dumps({"format": FORMAT, **record}).encode()),
+        abandon,
+    )
+
+
 def record_checksum(
     target: Path, size: int, crc: int, abandon: threading.Event | None = None
 ) -> None:
     """Write the checksum of `target`. If another process removed `target` meanwhile, the
     checksum goes too: no checksum file outlives its checkpoint."""
     meta = meta_path(target)
-    record = {"format": FORMAT, "size": size, "crc32": crc}
-    atomic_write(meta, lambda f: f.write(json.dumps(record).encode()), abandon)
+    _write_record(target, {"size": size, "crc32": crc}, abandon)
     if not target.exists():  # pruned: (a step rewritten by another writer is its to record)
         with contextlib.suppress(OSError):
             meta.unlink()
@@ -214,7 +273,7 @@ def _problem(f: IO[bytes], target: Path) -> str | None:
             return True
 
     try:
-        record = json.loads(meta_path(target).read_text())
+        accepted = _accepted(json.loads(meta_path(target).read_text()))
     except FileNotFoundError:
         if gone():
             raise GoneError(str(target)) from None
@@ -225,13 +284,36 @@ def _problem(f: IO[bytes], target: Path) -> str | None:
         size, crc = _crc_of(f)
     except OSError as e:
         return f"it cannot be read ({e.strerror or e})"
-    if size != record.get("size") or crc != record.get("crc32"):
+    if (size, crc) not in accepted:
         if gone():
             raise GoneError(str(target))
-        if size != record.get("size"):
-            return f"it is torn ({size} bytes, {record.get('size')} were written)"
+        if size not in [s for s, _ in accepted]:
+            return f"it is torn ({size} bytes, {accepted[0][0]} were written)"
         return "its contents are corrupt (checksum mismatch)"
     return None
+
+
+def _accepted(record: Any) -> list[tuple[int, int]]:
+    """The (size, crc32) pairs a checksum record accepts: its own, then a replaced copy's
+    while the replacement is under way. ValueError if it is not one of ours."""
+
+    def pair(r: Any) -> tuple[int, int]:
+        if not isinstance(r, dict):
+            raise ValueError(f"a record must be an object, not {type(r).__name__}")
+        values = []
+        for name in ("size", "crc32"):
+            v = r.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, not {v!r}")
+            values.append(v)
+        return values[0], values[1]
+
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be an object, not {type(record).__name__}")
+    also = record.get("also", [])
+    if not isinstance(also, list):
+        raise ValueError("'also' must be a list")
+    return [pair(record)] + [pair(r) for r in also[:1]]
 
 
 def verify(path: str | os.PathLike[str]) -> str | None:
@@ -250,7 +332,7 @@ def read_verified(
     path: str | os.PathLike[str],
     map_location: Any = "cpu",
     model: torch.nn.Module | None = None,
-    weights_only: bool = False,
+    weights_only: bool = True,
 ) -> Any:
     """Load a checkpoint written by `write_verified`, after checking it is intact (and, given
     `model`, that it fits it). Raises GoneError if another process removes it meanwhile."""
@@ -266,10 +348,47 @@ def read_verified(
         if problem is not None:
             raise UnusableError(target, problem)
         f.seek(0)
-        state = torch.load(f, map_location=map_location, weights_only=weights_only)
+        state = load(f, f"checkpoint '{target}'", map_location, weights_only)
     if model is not None:
         check_fits(state, model, f"checkpoint '{target}'")
     return state
+
+
+def _numpy_globals() -> list[Any]:
+    """What numpy arrays, scalars and RNG states (``numpy.random.get_state()``) need to load
+    with ``weights_only``: the array rebuilder and the plain dtypes, not object arrays."""
+    try:
+        import numpy
+        import numpy.dtypes
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:
+        return []
+    dtypes = [
+        getattr(numpy.dtypes, n)
+        for n in dir(numpy.dtypes)
+        if n.endswith("DType") and n not in ("ObjectDType", "VoidDType")
+    ]
+    return [numpy.dtype, numpy.ndarray, _reconstruct, scalar, *dtypes]
+
+
+def load(source: Any, where: str, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load`` that rebuilds only tensors, containers, plain values and numpy arrays
+    unless `weights_only` is False; a refused object is an UnsafeCheckpointError saying how to
+    opt out and why not to."""
+    if not weights_only:
+        return torch.load(source, map_location=map_location, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"unsupported GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(e))
+        what = f" ({refused.group(1) or refused.group(2)})" if refused else ""
+        raise UnsafeCheckpointError(
+            f"{where} holds an object that loading with weights_only=True refuses to "
+            f"rebuild{what}. If you wrote this file yourself, allow its class with "
+            "torch.serialization.add_safe_globals([...]), or pass weights_only=False; never "
+            "do either for a file from elsewhere: unpickling it runs any code it names"
+        ) from e
 
 
 def check_fits(state: Any, model: torch.nn.Module, where: str) -> None:

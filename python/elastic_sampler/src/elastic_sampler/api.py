@@ -17,3 +17,8 @@ class CheckpointError(ElasticSamplerError, OSError):
 
 class CheckpointMismatchError(ElasticSamplerError, ValueError):
     """A checkpoint that does not fit the model it is loaded into."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holding objects that loading with ``weights_only=True`` refuses to rebuild
+    (unpickling them could run any code the file names)."""

@@ -26,6 +26,7 @@ from elastic_sampler._files import (
     UnusableError,
     atomic_write,
     check_fits,
+    load,
     meta_path,
     read_verified,
     record_checksum,
@@ -35,7 +36,7 @@ from elastic_sampler._files import (
     why,
     write_verified,
 )
-from elastic_sampler.api import CheckpointError
+from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +157,8 @@ class CheckpointManager:
         (so training may change it right away) and written by a worker thread; at most one
         write is in flight, and its error surfaces on the next call.
 
-        Saving a step that exists already replaces it; a crash during that replacement
-        leaves the step unverifiable (the others stay intact), so with ``keep_last=1`` give
-        each save a new step."""
+        Saving a step that exists already replaces it; until the new copy is durable the old
+        one still loads, so a failure or a crash mid-save never loses the step."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the step as an integer >= 0")
         self.wait()  # one write at a time; raises a background error
@@ -324,12 +324,17 @@ class CheckpointManager:
         map_location: Any = "cpu",
         model: torch.nn.Module | None = None,
         *,
-        weights_only: bool = False,
+        weights_only: bool = True,
     ) -> tuple[Any, int] | None:
         """(state, step) of the newest checkpoint that verifies, skipping torn or corrupt ones
         with a warning; None if there is none. Given `model`, a checkpoint of another model is
         an error. A checkpoint another process prunes meanwhile is not an error: the search
-        starts again from the newest."""
+        starts again from the newest.
+
+        Only tensors, containers, plain values and numpy arrays are rebuilt (torch's
+        ``weights_only=True``); a checkpoint holding other objects is an
+        `UnsafeCheckpointError`, not skipped. ``weights_only=False`` unpickles anything: only
+        for files you wrote yourself."""
         self.wait()
         for _ in range(_RESCANS):
             try:
@@ -362,7 +367,7 @@ def load_checkpoint(
     map_location: Any = "cpu",
     model: torch.nn.Module | None = None,
     *,
-    weights_only: bool = False,
+    weights_only: bool = True,
 ) -> Any:
     """Load one checkpoint: a file written by `save_checkpoint` or a manager (verified against
     its checksum), a plain ``torch.save`` file (no checksum beside it: loaded as torch would),
@@ -370,7 +375,9 @@ def load_checkpoint(
     if hasattr(source, "read"):
         where = f"the stream {getattr(source, 'name', type(source).__name__)!r}"
         try:
-            state = torch.load(source, map_location=map_location, weights_only=weights_only)
+            state = load(source, where, map_location, weights_only)
+        except UnsafeCheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{where} holds no checkpoint torch.load can read: {e}") from e
     else:
@@ -382,7 +389,9 @@ def load_checkpoint(
             except GoneError:
                 raise CheckpointError(f"{where} does not exist") from None
         try:  # a plain torch.save file: one to migrate
-            state = torch.load(path, map_location=map_location, weights_only=weights_only)
+            state = load(path, where, map_location, weights_only)
+        except UnsafeCheckpointError:
+            raise
         except OSError as e:
             raise CheckpointError(f"{where} cannot be read: {why(e)}") from e
         except Exception as e:
@@ -396,7 +405,11 @@ def load_checkpoint(
 
 
 def broadcast_latest(
-    manager: CheckpointManager, group: Any = None, map_location: Any = "cpu"
+    manager: CheckpointManager,
+    group: Any = None,
+    map_location: Any = "cpu",
+    *,
+    weights_only: bool = True,
 ) -> tuple[Any, int] | None:
     """For node-local storage: the ranks agree on the newest step any of them holds intact,
     the lowest rank holding it sends it to all (gloo or any backend with broadcast), and the
@@ -442,5 +455,5 @@ def broadcast_latest(
         except (OSError, GoneError) as e:
             reason = why(e) if isinstance(e, OSError) else "removed meanwhile"
             logger.warning("could not keep a copy of checkpoint %s: %s", path, reason)
-    state = torch.load(io.BytesIO(raw), map_location=map_location, weights_only=False)
-    return state, step
+    where = f"checkpoint step {step} (sent by rank {src})"
+    return load(io.BytesIO(raw), where, map_location, weights_only), step

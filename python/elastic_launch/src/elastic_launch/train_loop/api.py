@@ -61,10 +61,17 @@ class State:
         torch.save(self.capture_snapshot(), stream)
 
     def load(self, stream: IO[bytes]) -> None:
-        """Restore the state from a stream written by :meth:`save`."""
-        import torch
+        """Restore the state from a stream written by :meth:`save`. Only tensors, containers,
+        plain values and numpy arrays are rebuilt (torch's ``weights_only=True``); a snapshot
+        holding other objects needs this method overridden, for files you trust."""
+        try:
+            from elastic_sampler import load_checkpoint
+        except ImportError:  # elastic_sampler is optional: torch's own refusal then
+            import torch
 
-        self.apply_snapshot(torch.load(stream, weights_only=False))
+            self.apply_snapshot(torch.load(stream, weights_only=True))
+            return
+        self.apply_snapshot(load_checkpoint(stream))
 
     def should_save_checkpoint(self, rank: int) -> bool:
         """Whether the loop should checkpoint after the step just taken (default: never). Must
