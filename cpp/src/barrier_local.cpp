@@ -78,7 +78,8 @@ constexpr const char* kWhat = "barrier";
 constexpr uint64_t kSpinNs = 20000;    // busy-wait this long before yielding the core
 constexpr uint64_t kYieldNs = 200000;  // then yield until this long before sleeping
 
-BarrierHeader* validate(detail::SharedMapping& m) {
+// Returns the party count, read once: the header is shared memory that can change under us.
+uint32_t validate(detail::SharedMapping& m) {
   auto* h = static_cast<BarrierHeader*>(m.data());
   if (h->magic.load(std::memory_order_acquire) != detail::kBarrierMagic) {
     throw Error(ELASTIC_ERR_BAD_FILE, "'" + m.path() +
@@ -91,17 +92,19 @@ BarrierHeader* validate(detail::SharedMapping& m) {
                     ", this library reads version " + std::to_string(detail::kBarrierVersion) +
                     ": use the same elasticrun version everywhere");
   }
-  if (h->parties == 0 || h->parties > detail::kMaxParties ||
-      m.size() < detail::barrier_size(h->parties)) {
+  const uint32_t parties = h->parties;
+  if (parties == 0 || parties > detail::kMaxParties || m.size() < detail::barrier_size(parties)) {
     throw Error(ELASTIC_ERR_BAD_FILE, "barrier '" + m.path() + "' is truncated");
   }
-  return h;
+  return parties;
 }
 }  // namespace
 
-LocalBarrier::LocalBarrier(std::unique_ptr<detail::SharedMapping> mapping, int32_t index)
+LocalBarrier::LocalBarrier(std::unique_ptr<detail::SharedMapping> mapping, uint32_t parties,
+                           int32_t index)
     : mapping_(std::move(mapping)),
       header_(static_cast<BarrierHeader*>(mapping_->data())),
+      parties_(parties),
       index_(index) {}
 
 LocalBarrier::LocalBarrier(LocalBarrier&&) noexcept = default;
@@ -122,24 +125,25 @@ LocalBarrier LocalBarrier::create(const std::string& path, uint32_t parties) {
   h->participant_size = sizeof(detail::Participant);
   h->abort_participant = -1;
   h->magic.store(detail::kBarrierMagic, std::memory_order_release);
-  return LocalBarrier(std::move(mapping), -1);
+  return LocalBarrier(std::move(mapping), parties, -1);
 }
 
 LocalBarrier LocalBarrier::open(const std::string& path, uint32_t index) {
   auto mapping = detail::SharedMapping::open(path, sizeof(BarrierHeader), kWhat);
-  BarrierHeader* h = validate(*mapping);
-  if (index >= h->parties) {
+  const uint32_t parties = validate(*mapping);
+  auto* h = static_cast<BarrierHeader*>(mapping->data());
+  if (index >= parties) {
     throw Error(ELASTIC_ERR_INVALID_ARGUMENT,
                 "participant " + std::to_string(index) + " is out of range: barrier '" + path +
-                    "' has " + std::to_string(h->parties) + " parties (0.." +
-                    std::to_string(h->parties - 1) + ")");
+                    "' has " + std::to_string(parties) + " parties (0.." +
+                    std::to_string(parties - 1) + ")");
   }
   detail::participants(h)[index].pid.store(static_cast<int32_t>(::getpid()),
                                            std::memory_order_relaxed);
-  return LocalBarrier(std::move(mapping), static_cast<int32_t>(index));
+  return LocalBarrier(std::move(mapping), parties, static_cast<int32_t>(index));
 }
 
-uint32_t LocalBarrier::parties() const noexcept { return header_->parties; }
+uint32_t LocalBarrier::parties() const noexcept { return parties_; }
 uint64_t LocalBarrier::rounds() const noexcept {
   return header_->rounds.load(std::memory_order_acquire);
 }
@@ -149,16 +153,21 @@ bool LocalBarrier::aborted() const noexcept {
 const std::string& LocalBarrier::path() const noexcept { return mapping_->path(); }
 
 void LocalBarrier::throw_aborted() const {
-  throw Error(ELASTIC_ERR_ABORTED, std::string("barrier '") + path() + "' was aborted: " +
-                                       header_->abort_reason +
+  // The reason is shared memory: read at most its buffer, whether or not it ends in a NUL.
+  const char* reason = header_->abort_reason;
+  std::string text(reason, ::strnlen(reason, sizeof(header_->abort_reason)));
+  int32_t culprit = header_->abort_participant;
+  if (culprit < -1 || culprit >= static_cast<int32_t>(parties_)) culprit = -1;
+  throw Error(ELASTIC_ERR_ABORTED, std::string("barrier '") + path() + "' was aborted: " + text +
                                        " (reset the barrier before using it again)")
-      .with_culprit(header_->abort_participant);
+      .with_culprit(culprit);
 }
 
 void LocalBarrier::abort(int32_t participant, const std::string& reason) noexcept {
   uint32_t expected = 0;
   if (header_->abort_claimed.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
     header_->abort_participant = participant;
+    std::memset(header_->abort_reason, 0, sizeof(header_->abort_reason));
     detail::copy_string(header_->abort_reason, sizeof(header_->abort_reason), reason);
     header_->word.fetch_or(kAbortBit, std::memory_order_release);
   }
@@ -168,7 +177,7 @@ void LocalBarrier::abort(int32_t participant, const std::string& reason) noexcep
 void LocalBarrier::reset() noexcept {
   header_->arrived.store(0, std::memory_order_relaxed);
   header_->abort_participant = -1;
-  header_->abort_reason[0] = '\0';
+  std::memset(header_->abort_reason, 0, sizeof(header_->abort_reason));
   header_->abort_claimed.store(0, std::memory_order_relaxed);
   header_->word.fetch_and(kRoundMask, std::memory_order_release);
 }
@@ -185,7 +194,7 @@ void LocalBarrier::wait(int timeout_ms) {
   const uint32_t next = (round + 1) & kRoundMask;
   detail::participants(header_)[index_].arrived_round.store(round + 1, std::memory_order_relaxed);
 
-  if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == header_->parties) {
+  if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == parties_) {
     // Last to arrive: open the next round unless an abort got there first.
     header_->arrived.store(0, std::memory_order_relaxed);
     header_->rounds.fetch_add(1, std::memory_order_relaxed);
@@ -203,7 +212,7 @@ bool LocalBarrier::await_round(uint32_t round, uint64_t deadline) {
   // case the cores are oversubscribed, and finally sleep on the futex.
   // With more participants than cores, spinning only delays the ones still to arrive: yield.
   static const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  const uint64_t spin_ns = header_->parties > static_cast<uint32_t>(cores) ? 0 : kSpinNs;
+  const uint64_t spin_ns = parties_ > static_cast<uint32_t>(cores) ? 0 : kSpinNs;
   const uint64_t start = now_ns();
   uint32_t word = 0;
   for (uint32_t i = 1;; ++i) {
@@ -232,7 +241,7 @@ void LocalBarrier::time_out(uint32_t round, int timeout_ms) {
   std::string missing;
   int32_t first_missing = -1;
   auto* parts = detail::participants(header_);
-  for (uint32_t i = 0; i < header_->parties; ++i) {
+  for (uint32_t i = 0; i < parties_; ++i) {
     if (parts[i].arrived_round.load(std::memory_order_relaxed) != round + 1) {
       if (first_missing < 0) first_missing = static_cast<int32_t>(i);
       if (!missing.empty()) missing += ", ";

@@ -19,8 +19,9 @@ namespace {
 
 constexpr const char* kWhat = "heartbeat table";
 
-// Validate a mapped file as a heartbeat table; the messages say which check failed.
-TableHeader* validate(detail::SharedMapping& m) {
+// Validate a mapped file as a heartbeat table; the messages say which check failed. Returns the
+// slot count, read once: the header is shared memory that can change under us.
+uint32_t validate(detail::SharedMapping& m) {
   auto* h = static_cast<TableHeader*>(m.data());
   const std::string& path = m.path();
   uint64_t magic = h->magic.load(std::memory_order_acquire);
@@ -42,13 +43,14 @@ TableHeader* validate(detail::SharedMapping& m) {
                                           "' has an unexpected header or slot size: it was "
                                           "written by an incompatible build");
   }
-  if (h->capacity == 0 || h->capacity > ELASTIC_HEARTBEAT_MAX_SLOTS ||
-      m.size() < detail::table_size(h->capacity)) {
+  const uint32_t capacity = h->capacity;
+  if (capacity == 0 || capacity > ELASTIC_HEARTBEAT_MAX_SLOTS ||
+      m.size() < detail::table_size(capacity)) {
     throw Error(ELASTIC_ERR_BAD_FILE, "heartbeat table '" + path + "' is truncated: " +
                                           std::to_string(m.size()) + " bytes for " +
-                                          std::to_string(h->capacity) + " slots");
+                                          std::to_string(capacity) + " slots");
   }
-  return h;
+  return capacity;
 }
 
 Slot* slot_at(TableHeader* h, uint32_t slot) {
@@ -67,9 +69,11 @@ void clear_slot(Slot& s) {
 
 // ---- HeartbeatTable -------------------------------------------------------------------------
 
-HeartbeatTable::HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping, bool owner)
+HeartbeatTable::HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping,
+                               uint32_t capacity, bool owner)
     : mapping_(std::move(mapping)),
       header_(static_cast<TableHeader*>(mapping_->data())),
+      capacity_(capacity),
       owner_(owner) {}
 
 HeartbeatTable::HeartbeatTable(HeartbeatTable&&) noexcept = default;
@@ -93,16 +97,16 @@ HeartbeatTable HeartbeatTable::create(const std::string& path, uint32_t slots) {
   h->created_ns = now_ns();
   h->generation.store(0, std::memory_order_relaxed);
   h->magic.store(detail::kTableMagic, std::memory_order_release);
-  return HeartbeatTable(std::move(mapping), true);
+  return HeartbeatTable(std::move(mapping), slots, true);
 }
 
 HeartbeatTable HeartbeatTable::open(const std::string& path) {
   auto mapping = detail::SharedMapping::open(path, sizeof(TableHeader), kWhat);
-  validate(*mapping);
-  return HeartbeatTable(std::move(mapping), false);
+  uint32_t capacity = validate(*mapping);
+  return HeartbeatTable(std::move(mapping), capacity, false);
 }
 
-uint32_t HeartbeatTable::capacity() const noexcept { return header_->capacity; }
+uint32_t HeartbeatTable::capacity() const noexcept { return capacity_; }
 uint64_t HeartbeatTable::generation() const noexcept {
   return header_->generation.load(std::memory_order_acquire);
 }
@@ -110,11 +114,11 @@ const std::string& HeartbeatTable::path() const noexcept { return mapping_->path
 bool HeartbeatTable::owner() const noexcept { return owner_; }
 
 Slot& HeartbeatTable::slot_ref(uint32_t slot) const {
-  if (slot >= header_->capacity) {
+  if (slot >= capacity_) {
     throw Error(ELASTIC_ERR_INVALID_ARGUMENT,
                 "slot " + std::to_string(slot) + " is out of range: heartbeat table '" + path() +
-                    "' has " + std::to_string(header_->capacity) + " slots (0.." +
-                    std::to_string(header_->capacity - 1) + ")");
+                    "' has " + std::to_string(capacity_) + " slots (0.." +
+                    std::to_string(capacity_ - 1) + ")");
   }
   return *slot_at(header_, slot);
 }
@@ -127,6 +131,12 @@ SlotInfo HeartbeatTable::read(uint32_t slot) const {
   info.pid = s.pid.load(std::memory_order_relaxed);
   info.timeout_ms = s.timeout_ms.load(std::memory_order_relaxed);
   info.state = s.state.load(std::memory_order_acquire);
+  // The slot is the worker's to write: a value that is no stored state (BEATING is derived)
+  // reads as attached, so the worker stays watched and callers only ever see the enum.
+  if (info.state != ELASTIC_SLOT_EMPTY && info.state != ELASTIC_SLOT_DETACHED) {
+    info.state = ELASTIC_SLOT_ATTACHED;
+  }
+  if (info.pid < 0) info.pid = 0;
   if (info.state == ELASTIC_SLOT_ATTACHED && info.last_beat_ns != 0) {
     info.state = ELASTIC_SLOT_BEATING;
   }
@@ -136,7 +146,7 @@ SlotInfo HeartbeatTable::read(uint32_t slot) const {
 void HeartbeatTable::reset_slot(uint32_t slot) { clear_slot(slot_ref(slot)); }
 
 void HeartbeatTable::reset() {
-  for (uint32_t i = 0; i < header_->capacity; ++i) clear_slot(*slot_at(header_, i));
+  for (uint32_t i = 0; i < capacity_; ++i) clear_slot(*slot_at(header_, i));
   header_->generation.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -169,12 +179,13 @@ Heartbeat::~Heartbeat() { detach(); }
 
 Heartbeat Heartbeat::attach(const std::string& path, uint32_t slot) {
   auto mapping = detail::SharedMapping::open(path, sizeof(TableHeader), kWhat);
-  TableHeader* h = validate(*mapping);
-  if (slot >= h->capacity) {
+  const uint32_t capacity = validate(*mapping);
+  auto* h = static_cast<TableHeader*>(mapping->data());
+  if (slot >= capacity) {
     throw Error(ELASTIC_ERR_INVALID_ARGUMENT,
                 "heartbeat slot " + std::to_string(slot) + " is out of range: table '" + path +
-                    "' has " + std::to_string(h->capacity) + " slots (0.." +
-                    std::to_string(h->capacity - 1) + ")");
+                    "' has " + std::to_string(capacity) + " slots (0.." +
+                    std::to_string(capacity - 1) + ")");
   }
   Slot* s = slot_at(h, slot);
   s->pid.store(static_cast<int32_t>(::getpid()), std::memory_order_relaxed);

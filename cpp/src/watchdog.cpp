@@ -159,7 +159,24 @@ struct Watchdog::Impl {
       const uint64_t now = now_ns();
       for (auto& [id, w] : workers) {
         if (w.table == nullptr || w.slot < 0) continue;
-        SlotInfo info = w.table->read(static_cast<uint32_t>(w.slot));
+        SlotInfo info{};
+        try {
+          info = w.table->read(static_cast<uint32_t>(w.slot));
+        } catch (const std::exception& e) {
+          // Never reached with a validated slot; if it were, it is this worker's failure,
+          // reported once, not an exception that ends the supervisor.
+          if (w.reported_beat == UINT64_MAX) continue;
+          w.reported_beat = UINT64_MAX;
+          Event ev;
+          ev.worker = w.id;
+          ev.kind = ELASTIC_EVENT_HUNG;
+          ev.time_ns = now;
+          ev.pid = w.pid;
+          ev.gpu = w.gpu;
+          ev.detail = who(w) + ": its heartbeat slot cannot be read (" + e.what() + ")";
+          found.push_back(std::move(ev));
+          continue;
+        }
         uint64_t timeout = info.timeout_ms != 0       ? info.timeout_ms
                            : w.hang_timeout_ms != 0   ? w.hang_timeout_ms
                                                       : opt.default_hang_timeout_ms;
@@ -231,14 +248,20 @@ struct Watchdog::Impl {
         on_exit(static_cast<int32_t>(evs[i].data.u64));
       }
       now = now_ns();
-      if (mode == ELASTIC_DEATH_POLL && now >= next_poll) {
-        poll_deaths();
-        next_poll = now + static_cast<uint64_t>(std::max<uint32_t>(1, opt.poll_interval_ms)) *
-                              1000000ull;
-      }
-      if (next_hang_check != UINT64_MAX && now >= next_hang_check) {
-        uint64_t interval = check_hangs();
-        next_hang_check = interval == UINT64_MAX ? UINT64_MAX : now + interval * 1000000ull;
+      try {
+        if (mode == ELASTIC_DEATH_POLL && now >= next_poll) {
+          poll_deaths();
+          next_poll = now + static_cast<uint64_t>(std::max<uint32_t>(1, opt.poll_interval_ms)) *
+                                1000000ull;
+        }
+        if (next_hang_check != UINT64_MAX && now >= next_hang_check) {
+          uint64_t interval = check_hangs();
+          next_hang_check = interval == UINT64_MAX ? UINT64_MAX : now + interval * 1000000ull;
+        }
+      } catch (const std::exception&) {
+        // An exception escaping this thread would std::terminate the supervisor: skip this
+        // check (out of memory is the only cause left) and try again shortly.
+        next_hang_check = now + kMaxHangCheckMs * 1000000ull;
       }
     }
   }
@@ -254,7 +277,12 @@ struct Watchdog::Impl {
       }
       if (g) {
         lk.unlock();
-        std::vector<GpuReport> reports = g->check_all(opt.gpu_check_timeout_ms);
+        std::vector<GpuReport> reports;
+        try {
+          reports = g->check_all(opt.gpu_check_timeout_ms);
+        } catch (const std::exception&) {
+          // As in loop(): never let an exception end the supervisor; check again next time.
+        }
         lk.lock();
         for (const GpuReport& r : reports) {
           if (r.state != ELASTIC_GPU_HEALTHY && r.state != ELASTIC_GPU_UNHEALTHY) continue;

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -262,4 +264,61 @@ TEST(TcpBarrier, BadPeerListsAreClearErrors) {
   EXPECT_NE(message({"::1:5"}, 0).find("needs brackets"), std::string::npos);
   EXPECT_NE(message({"h:1"}, 3).find("rank 3 is out of range"), std::string::npos);
   EXPECT_NE(message({}, 0).find("at least one peer"), std::string::npos);
+}
+
+TEST(LocalBarrier, AParticipantOverwritingTheSegmentNeverCrashesTheCreator) {
+  // Any participant maps the segment read-write. Its creator (a supervisor) keeps its own
+  // party count, and reads the abort reason within its buffer whatever the bytes are.
+  for (int pattern : {0x00, 0xff, 0x5a}) {
+    std::string path = shm_path("bar-scribble");
+    LocalBarrier owner = LocalBarrier::create(path, 2);
+    Child scribbler([&] {
+      LocalBarrier b = LocalBarrier::open(path, 1);
+      int fd = ::open(path.c_str(), O_RDWR);
+      struct stat st {};
+      ::fstat(fd, &st);
+      std::vector<unsigned char> junk(static_cast<size_t>(st.st_size),
+                                      static_cast<unsigned char>(pattern));
+      ssize_t n = ::pwrite(fd, junk.data(), junk.size(), 0);
+      ::_exit(n == static_cast<ssize_t>(junk.size()) ? kOk : kFailed);
+    });
+    ASSERT_EQ(code_of(scribbler), kOk);
+    EXPECT_EQ(owner.parties(), 2u);
+    (void)owner.rounds();
+    (void)owner.aborted();
+    owner.reset();
+    owner.abort(1, "participant 1 scribbled");
+    EXPECT_TRUE(owner.aborted());
+    owner.reset();
+    EXPECT_FALSE(owner.aborted());
+  }
+}
+
+TEST(LocalBarrier, AnUnterminatedAbortReasonIsReadWithinItsBuffer) {
+  std::string path = shm_path("bar-reason");
+  LocalBarrier owner = LocalBarrier::create(path, 2);
+  LocalBarrier me = LocalBarrier::open(path, 0);
+  int fd = ::open(path.c_str(), O_RDWR);
+  struct stat st {};
+  ::fstat(fd, &st);
+  std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
+  ASSERT_EQ(::pread(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  owner.abort(7, "x");  // sets the abort bit; now fill the reason with no NUL at all
+  ASSERT_EQ(::pread(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  size_t at = 0;
+  for (; at + 1 < bytes.size(); ++at) {
+    if (bytes[at] == 'x' && bytes[at + 1] == 0) break;
+  }
+  ASSERT_LT(at + 1, bytes.size());
+  std::vector<unsigned char> fill(244, 'A');
+  ASSERT_EQ(::pwrite(fd, fill.data(), fill.size(), static_cast<off_t>(at)), 244);
+  ::close(fd);
+  try {
+    me.wait(1000);
+    FAIL() << "an aborted barrier throws";
+  } catch (const Error& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find(std::string(244, 'A') + " (reset"), std::string::npos) << what;
+    EXPECT_EQ(e.culprit(), -1) << "participant 7 is out of range for 2 parties";
+  }
 }

@@ -1,11 +1,14 @@
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "elastic/heartbeat.hpp"
@@ -328,3 +331,61 @@ TEST(Watchdog, NextEventReturnsWhenStopped) {
   EXPECT_FALSE(wd.next_event(-1).has_value());
   stopper.join();
 }
+
+// A worker maps the table read-write: whatever it writes there (zeros, all ones, random bytes,
+// over the header as well as the slots) must never crash or mislead the supervisor, whose
+// bounds come from its private copy.
+class Scribble : public ::testing::TestWithParam<int> {};
+
+TEST_P(Scribble, AWorkerOverwritingTheTableNeverCrashesTheSupervisor) {
+  std::string path = shm_path("scribble");
+  HeartbeatTable table = HeartbeatTable::create(path, 2);
+  const int pattern = GetParam();
+  Child child([&] {
+    Heartbeat hb = Heartbeat::attach(path, 1);
+    hb.beat();
+    int fd = ::open(path.c_str(), O_RDWR);
+    struct stat st {};
+    ::fstat(fd, &st);
+    std::vector<unsigned char> junk(static_cast<size_t>(st.st_size));
+    unsigned seed = 12345;
+    for (auto& b : junk) {
+      seed = seed * 1103515245u + 12345u;
+      b = pattern == 0 ? 0x00 : pattern == 1 ? 0xff : static_cast<unsigned char>(seed >> 16);
+    }
+    for (int i = 0; i < 50; ++i) {
+      ssize_t n = ::pwrite(fd, junk.data(), junk.size(), 0);
+      (void)n;
+      ::usleep(2000);
+    }
+    ::_exit(3);
+  });
+  Watchdog wd;
+  wd.watch(1, child.pid(), &table, 1, /*hang_timeout_ms=*/20);
+  wd.start();
+  std::optional<elastic::Event> exited;
+  for (int i = 0; i < 20 && !exited; ++i) {
+    auto ev = wd.next_event(10000);
+    ASSERT_TRUE(ev.has_value());
+    if (ev->kind == ELASTIC_EVENT_EXITED) exited = ev;
+  }
+  ASSERT_TRUE(exited.has_value());
+  EXPECT_EQ(exited->exit_code, 3);
+  EXPECT_EQ(table.capacity(), 2u);
+  for (uint32_t slot : {0u, 1u}) {  // in bounds whatever the header says
+    elastic_slot_info info = table.read(slot);
+    EXPECT_GE(info.state, ELASTIC_SLOT_EMPTY);
+    EXPECT_LE(info.state, ELASTIC_SLOT_DETACHED) << "only the enum's values come out";
+    EXPECT_GE(info.pid, 0);
+  }
+  table.reset();        // walks 2 slots, not what the header says
+  EXPECT_EQ(table.read(0).state, ELASTIC_SLOT_EMPTY);
+  wd.stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(Patterns, Scribble, ::testing::Values(0, 1, 2),
+                         [](const auto& info) {
+                           return std::string(info.param == 0   ? "Zeros"
+                                              : info.param == 1 ? "Ones"
+                                                                : "Random");
+                         });

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -9,7 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_util import alive, kill_all, run, start, wait_for, wait_gone, worker_args
+from launcher_util import (
+    Run,
+    alive,
+    finish,
+    kill_all,
+    run,
+    start,
+    wait_for,
+    wait_gone,
+    worker_args,
+)
 
 BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
 
@@ -37,6 +48,37 @@ def test_crash_is_restarted_and_the_run_completes(out, how):
     assert result.env("0-1")["TORCHELASTIC_RESTART_COUNT"] == "0"
     assert "restarting the workers (restart 1 of 2)" in result.stderr
     assert wait_gone(list(pids.values())) == []
+
+
+@pytest.mark.parametrize("pattern", ["zeros", "ones", "random"])
+def test_a_worker_that_overwrites_the_heartbeat_table_is_a_failed_worker(out, pattern):
+    # Shared memory a worker can write is read by the launcher's watchdog thread: capacity 0
+    # there once aborted the launcher (std::terminate, rc 134), a huge one gave SIGBUS.
+    proc = start(
+        [
+            *BASE,
+            "--max-restarts",
+            "1",
+            *worker_args(
+                out,
+                "--fail-rank",
+                "1",
+                "--fail-until",
+                "1",
+                "--how",
+                f"scribble-{pattern}",
+                "--sleep",
+                "1",
+            ),
+        ]
+    )
+    code, _, err = finish(proc, 120)
+    assert code == 0, err[-3000:]
+    assert "restarting the workers (restart 1 of 1)" in err
+    assert "exitcode   : 3" in err or "exit code 3" in err, err[-3000:]
+    assert glob.glob(f"/dev/shm/elasticrun-{proc.pid}-*") == [], "the table was removed"
+    result = Run(code, "", err, out)
+    assert wait_gone(list(result.pids().values())) == []
 
 
 def test_exhausted_restarts_print_the_root_cause(out):

@@ -48,7 +48,7 @@ class LocalBarrier {
   const std::string& path() const noexcept;
 
  private:
-  LocalBarrier(std::unique_ptr<detail::SharedMapping> mapping, int32_t index);
+  LocalBarrier(std::unique_ptr<detail::SharedMapping> mapping, uint32_t parties, int32_t index);
   [[noreturn]] void throw_aborted() const;
   // wait()'s steps: until the round completes (false: the deadline came first), and then the
   // timeout that names who did not arrive and breaks the barrier.
@@ -57,6 +57,9 @@ class LocalBarrier {
 
   std::unique_ptr<detail::SharedMapping> mapping_;
   detail::BarrierHeader* header_ = nullptr;
+  // Validated once: the header is shared memory any participant can overwrite, so bounds use
+  // this private copy, never the shared field.
+  uint32_t parties_ = 0;
   int32_t index_ = -1;
 };
 

@@ -44,11 +44,14 @@ class HeartbeatTable {
   void reset();
 
  private:
-  HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping, bool owner);
+  HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping, uint32_t capacity, bool owner);
   detail::Slot& slot_ref(uint32_t slot) const;
 
   std::unique_ptr<detail::SharedMapping> mapping_;
   detail::TableHeader* header_ = nullptr;
+  // Validated once: the header is shared memory a worker can overwrite, so the slot count used
+  // for every bound is this private copy, never re-read.
+  uint32_t capacity_ = 0;
   bool owner_ = false;
 };
 
