@@ -195,6 +195,12 @@ def probe(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, str]
     return result
 
 
+def digits(text: str) -> bool:
+    """Whether `text` is ASCII digits only. ``str.isdigit`` also takes '²' and '①', which
+    ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_endpoint(value: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` (or ``host`` when there is a default port)."""
     text = value.strip()
@@ -217,14 +223,14 @@ def parse_endpoint(value: str, flag: str, default_port: int | None = None) -> tu
         if default_port is None:
             raise ConfigError(f"{flag} '{value}' has no port: write it like {host}:29400")
         return host, default_port
-    if not port_text.isdigit() or int(port_text) > 65535:
+    if not digits(port_text) or int(port_text) > 65535:
         raise ConfigError(f"{flag} '{value}': port '{port_text}' is not a number from 0 to 65535")
     return host, int(port_text)
 
 
 def parse_bind(value: str, flag: str) -> tuple[str, int]:
     """``PORT`` (on 127.0.0.1) or ``HOST:PORT`` for the servers the launcher runs."""
-    if value.isdigit():
+    if digits(value):
         port = int(value)
         if port > 65535:
             raise ConfigError(f"{flag} '{value}' is not a port number (0 to 65535)")

@@ -127,7 +127,7 @@ def remove_dead_temporaries(directory: Path, prefix: str) -> None:
         if len(parts) != 3 or parts[0] != HOST:
             continue  # another host's (on shared storage): it may still be writing
         pid = parts[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isascii() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(OSError):
                 p.unlink()
 

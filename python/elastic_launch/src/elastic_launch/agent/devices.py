@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from elastic_launch.net import digits
+
 if TYPE_CHECKING:
     from elastic_core import GpuHealth
 
@@ -48,7 +50,7 @@ def usable_gpus(nvml_count: int | None = None) -> tuple[int, str | None]:
         why = None
         if entry == "-1":
             return len(seen), None  # CUDA's documented way to hide the rest
-        if entry.isdigit():
+        if digits(entry):
             if int(entry) >= count:
                 why = f"NVML sees {count} GPU(s), indices 0 to {count - 1}"
         elif not entry.startswith(("GPU-", "MIG-")):
@@ -73,7 +75,7 @@ def nvml_index(local_rank: int, gpu_count: int) -> int | None:
     visible = visible_devices()
     if visible is None:
         return local_rank if local_rank < gpu_count else None
-    if local_rank < len(visible) and visible[local_rank].isdigit():
+    if local_rank < len(visible) and digits(visible[local_rank]):
         index = int(visible[local_rank])
         return index if index < gpu_count else None
     return None

@@ -70,6 +70,11 @@ class RendezvousVersionError(RendezvousError):
     """This node and the job run different elasticrun (or rendezvous protocol) versions."""
 
 
+class StoreValueError(RendezvousError):
+    """A value in the rendezvous store that is not what this job writes there (wrong type, out
+    of range, too large, not JSON); the message names the key and the field."""
+
+
 class RendezvousConnectionError(RendezvousError, ConnectionError):
     """The rendezvous service or store cannot be reached."""
 

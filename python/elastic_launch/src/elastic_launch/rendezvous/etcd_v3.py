@@ -66,8 +66,14 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def key_text(key: bytes) -> str:
+    """A key as text. Keys under the job's prefix are ours, but anyone may write one that is
+    not UTF-8: it reads with U+FFFD in place and matches none of ours."""
+    return key.decode("utf-8", "replace")
+
+
 def _kv(kv: kv_pb2.KeyValue) -> KeyValue:
-    return KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision)
+    return KeyValue(key_text(kv.key), kv.value, kv.mod_revision, kv.create_revision)
 
 
 class EtcdV3Store(Store):
@@ -595,7 +601,7 @@ class _EtcdWatch(Watch):
         batch = []
         for ev in reply.events:
             value = None if ev.type == kv_pb2.Event.DELETE else ev.kv.value
-            batch.append(Change(ev.kv.key.decode(), value, ev.kv.mod_revision))
+            batch.append(Change(key_text(ev.kv.key), value, ev.kv.mod_revision))
             for key in self._keys:
                 if ev.kv.key.startswith(key):
                     self._next[key] = ev.kv.mod_revision + 1
@@ -635,12 +641,12 @@ class _EtcdWatch(Watch):
         then = {kv.key: kv for kv in self._read(key, after)} if after > 0 else {}
         now = self._read(key, current)
         batch = [
-            Change(kv.key.decode(), kv.value, kv.mod_revision)
+            Change(key_text(kv.key), kv.value, kv.mod_revision)
             for kv in now
             if kv.mod_revision > after
         ]
         keys = {kv.key for kv in now}
-        batch += [Change(k.decode(), None, current) for k in then if k not in keys]
+        batch += [Change(key_text(k), None, current) for k in then if k not in keys]
         if batch:
             self.inbox.put(sorted(batch, key=lambda c: c.revision))
 

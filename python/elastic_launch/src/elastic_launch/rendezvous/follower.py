@@ -111,7 +111,7 @@ class Follower:
             if not self.round.members_complete:  # every member's shard is in the read
                 shards = keys.members(v)
                 self.round = self.round.with_shards(
-                    [kv.value for kv in kvs if kv.key.startswith(shards)]
+                    [kv.value for kv in kvs if kv.key.startswith(shards)], shards
                 )
             self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(keys.done)}
             present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
@@ -197,7 +197,7 @@ class Follower:
         keys = self.job.keys
         node = c.key.rsplit("/", 1)[1]
         if c.key == keys.state:
-            self._note(RoundState.from_json(c.value) if c.value is not None else None)
+            self._note(RoundState.from_json(c.value, c.key) if c.value is not None else None)
         elif c.key == leader_key and c.value is None and not everything:
             if not self._leader_gone():
                 return False

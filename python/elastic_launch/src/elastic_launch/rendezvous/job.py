@@ -109,11 +109,11 @@ class Job:
 
     def read(self) -> tuple[RoundState | None, int]:
         kv = self.store.get(self.keys.state)
-        return (RoundState.from_json(kv.value), kv.version) if kv is not None else (None, 0)
+        return (RoundState.from_json(kv.value, kv.key), kv.version) if kv is not None else (None, 0)
 
     def state_in(self, kvs: list[KeyValue]) -> tuple[RoundState | None, int]:
         kv = next((kv for kv in kvs if kv.key == self.keys.state), None)
-        return (RoundState.from_json(kv.value), kv.version) if kv is not None else (None, 0)
+        return (RoundState.from_json(kv.value, kv.key), kv.version) if kv is not None else (None, 0)
 
     def look(self, leading: bool) -> tuple[list[KeyValue], int]:
         """What a node reads before it watches: the leader the whole job, the others the state
@@ -184,7 +184,10 @@ class Job:
             values = self._read_members(state, every, confirm)
             if not values:
                 return None
-            cached = self._members = (state.version, state.with_shards(values))
+            cached = self._members = (
+                state.version,
+                state.with_shards(values, self.keys.members(state.version)),
+            )
         assert cached is not None
         # Parsed once per round: the state's other fields may have moved on (notes).
         m = cached[1]
@@ -226,5 +229,8 @@ class Job:
         """The ranks of round `ran` (the last that ran), read from its membership."""
         with contextlib.suppress(StoreError):
             kvs, _ = self.store.range(self.keys.members(ran))
-            return dict(RoundState(ran, Status.FINAL).with_shards([kv.value for kv in kvs]).ranks)
+            members = RoundState(ran, Status.FINAL).with_shards(
+                [kv.value for kv in kvs], self.keys.members(ran)
+            )
+            return dict(members.ranks)
         return {}

@@ -56,7 +56,7 @@ class RestGone:
             node = kv.key[len(prev) :]
             if node not in awaited:
                 continue
-            member = Member.from_json(kv.value)
+            member = Member.from_json(kv.value, kv.key)
             if not member.presence:
                 return False
             targets[node] = (member.addr, member.presence)

@@ -34,6 +34,7 @@ from elastic_launch.rendezvous.api import (
     RendezvousInfo,
     RestartReason,
 )
+from elastic_launch.rendezvous.values import MAX_ENTRIES, MAX_TEXT, Fields, bad, decode, row
 
 #: The rendezvous protocol: keys and the state's format. Nodes of another protocol cannot join.
 #: 3: the state key is small (no membership: that is in a round's members shards, a node reads
@@ -78,10 +79,17 @@ class Member:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Member:
-        raw = json.loads(data)
-        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        return cls(**known)
+    def from_json(cls, data: bytes, key: str = "a join key") -> Member:
+        f = Fields.of(data, key)
+        return cls(
+            addr=f.text("addr"),
+            port=f.port("port"),
+            lws=f.integer("lws", 0, 0, MAX_LOCAL_WORKERS),
+            release=f.text("release"),
+            protocol=f.integer("protocol", PROTOCOL),
+            presence=f.port("presence"),
+            role=f.text("role"),
+        )
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class RoundState:
             ]
         return {i: json.dumps(nodes, separators=(",", ":")).encode() for i, nodes in rows.items()}
 
-    def with_shards(self, values: list[bytes]) -> RoundState:
+    def with_shards(self, values: list[bytes], key: str = "a members shard") -> RoundState:
         """This state with the members of the shards in `values` (one, or all of them)."""
         nodes: dict[str, Member] = {}
         ranks: dict[str, int] = {}
@@ -167,19 +175,30 @@ class RoundState:
         role_offsets: dict[str, int] = {}
         role_worlds: dict[str, int] = {}
         for value in values:
-            for n, row in json.loads(value).items():
-                rank, offset, addr, port, lws, presence, role, role_offset, role_world = row
+            shard = decode(value, key)
+            if len(shard) > MAX_ENTRIES:
+                bad(key, f"{len(shard)} nodes")
+            for n, raw_row in shard.items():
+                rank, offset, addr, port, lws, presence, role, role_offset, role_world = row(
+                    raw_row, key, n, _ROW
+                )
+                if port > 65535 or presence > 65535 or lws > MAX_LOCAL_WORKERS:
+                    bad(
+                        key,
+                        f"node {n!r}: port {port}, presence {presence} or lws {lws} is out "
+                        "of range",
+                    )
                 nodes[n] = Member(
                     addr=addr,
-                    port=int(port),
-                    lws=int(lws),
+                    port=port,
+                    lws=lws,
                     release=self.release,
                     protocol=self.protocol,
-                    presence=int(presence),
-                    role=str(role),
+                    presence=presence,
+                    role=role,
                 )
-                ranks[n], offsets[n] = int(rank), int(offset)
-                role_offsets[n], role_worlds[str(role)] = int(role_offset), int(role_world)
+                ranks[n], offsets[n] = rank, offset
+                role_offsets[n], role_worlds[role] = role_offset, role_world
         return replace(
             self,
             nodes=nodes,
@@ -195,29 +214,53 @@ class RoundState:
         return len(self.nodes) == self.size
 
     @classmethod
-    def from_json(cls, data: bytes) -> RoundState:
-        raw = json.loads(data)
-        closed = raw.get("closed")
+    def from_json(cls, data: bytes, key: str = "the state key") -> RoundState:
+        f = Fields.of(data, key)
+        status = f.text("status", "closed")
+        if status not in {s.value for s in Status}:
+            f.bad("status", status, "joinable, frozen, final or closed")
+        master = f.raw.get("master", ["", 0])
+        if not (isinstance(master, list) and len(master) == 2):
+            f.bad("master", master, "[address, port]")
+        where = Fields({"addr": master[0], "port": master[1]}, key)
         return cls(
-            version=int(raw.get("version", 0)),
-            status=Status(raw.get("status", "closed")),
-            restarts=int(raw.get("restarts", 0)),
-            size=int(raw.get("size", 0)),
-            world=int(raw.get("world", 0)),
-            master=(str(raw.get("master", ["", 0])[0]), int(raw.get("master", ["", 0])[1])),
-            shards=int(raw.get("shards", 0)),
-            ran=int(raw.get("ran", 0)),
-            notes=raw.get("notes") or {},
-            left=str(raw.get("left", "")),
-            leader=raw.get("leader", ""),
-            closed=JobClosed(CloseReason(closed["reason"]), closed.get("detail", ""))
-            if isinstance(closed, dict)
-            else (JobClosed(CloseReason.FAILED, str(closed)) if closed else None),
+            version=f.integer("version"),
+            status=Status(status),
+            restarts=f.integer("restarts"),
+            size=f.integer("size"),
+            world=f.integer("world"),
+            master=(where.text("addr"), where.port("port")),
+            shards=f.integer("shards", 0, 0, MAX_ENTRIES),
+            ran=f.integer("ran"),
+            notes=f.strings("notes"),
+            left=f.text("left"),
+            leader=f.text("leader"),
+            closed=_closed(f),
             # A state without a protocol was written by elasticrun 0.1 (protocol 1).
-            protocol=int(raw.get("protocol", 1)),
-            release=raw.get("release", ""),
-            expires_at=raw.get("expires_at"),
+            protocol=f.integer("protocol", 1),
+            release=f.text("release"),
+            expires_at=f.number("expires_at"),
         )
+
+
+#: A members shard's row: rank, offset, addr, port, lws, presence, role, role offset, role world.
+_ROW = (int, int, str, int, int, int, str, int, int)
+#: More local workers than this on one node is not a job's (torch allows a few hundred).
+MAX_LOCAL_WORKERS = 1 << 16
+
+
+def _closed(f: Fields) -> JobClosed | None:
+    closed = f.raw.get("closed")
+    if not closed:
+        return None
+    if isinstance(closed, str):
+        return JobClosed(CloseReason.FAILED, closed[:MAX_TEXT])
+    reasons = {r.value for r in CloseReason}
+    reason = closed.get("reason") if isinstance(closed, dict) else None
+    if not isinstance(reason, str) or reason not in reasons:
+        f.bad("closed", closed, f"{{'reason': one of {sorted(reasons)}, 'detail': text}}")
+    detail = Fields(closed, f.key).text("detail")
+    return JobClosed(CloseReason(reason), detail)
 
 
 # ---- creating and checking ----------------------------------------------------------------------
@@ -446,7 +489,19 @@ def close(
 
 
 def round_info(state: RoundState, node: str) -> RendezvousInfo:
-    """What the final round means for `node` (its own shard of the membership is enough)."""
+    """What the final round means for `node` (its own shard of the membership is enough).
+    A membership that does not hold together (this node missing, a rank or an offset out of
+    range) is a StoreValueError: it was not written by a member of this job."""
+    member = state.nodes.get(node)
+    rank, offset = state.ranks.get(node), state.offsets.get(node)
+    if member is None or rank is None or offset is None:
+        bad(f"round {state.version}'s membership", f"no entry for this node ({node!r})")
+    if not (rank < state.size and offset + member.lws <= state.world):
+        bad(
+            f"round {state.version}'s membership",
+            f"rank {rank} of {state.size} nodes, ranks {offset} to {offset + member.lws - 1} of "
+            f"{state.world} for node {node!r}",
+        )
     return RendezvousInfo(
         round=state.version,
         group_rank=state.ranks[node],

@@ -32,6 +32,8 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
 )
 from elastic_launch.rendezvous.fixed import FixedRendezvous
+from elastic_launch.rendezvous.round import MAX_LOCAL_WORKERS
+from elastic_launch.rendezvous.values import Fields
 
 #: The handler's methods torch's agent calls: an object with them all is torch-shaped.
 TORCH_METHODS = (
@@ -109,11 +111,11 @@ class TorchShapedRendezvous(FixedRendezvous):
         host = p.local_addr or "127.0.0.1"
         me = {"lws": p.local_world_size, "role": p.role, "addr": host, "port": free_port(host)}
         store.set(_NODE_KEY.format(group_rank), json.dumps(me))
-        rows = [json.loads(store.get(_NODE_KEY.format(r))) for r in range(nodes)]
-        world = sum(int(r["lws"]) for r in rows)
-        rank_offset = sum(int(r["lws"]) for r in rows[:group_rank])
-        same_role = [int(r["lws"]) for r in rows if r["role"] == p.role]
-        role_offset = sum(int(r["lws"]) for r in rows[:group_rank] if r["role"] == p.role)
+        rows = [_node_row(store, r) for r in range(nodes)]
+        world = sum(r["lws"] for r in rows)
+        rank_offset = sum(r["lws"] for r in rows[:group_rank])
+        same_role = [r["lws"] for r in rows if r["role"] == p.role]
+        role_offset = sum(r["lws"] for r in rows[:group_rank] if r["role"] == p.role)
         # The workers do not share the agents' store (TORCHELASTIC_USE_AGENT_STORE=False):
         # their MASTER_PORT is the free port node 0 published, on torch's address for it.
         addr = getattr(bootstrap, "master_addr", None) or rows[0]["addr"]
@@ -157,3 +159,15 @@ class TorchShapedRendezvous(FixedRendezvous):
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
         self.handler.shutdown()
+
+
+def _node_row(store: Any, group_rank: int) -> dict[str, Any]:
+    """What node `group_rank` said about itself in the round's store, checked."""
+    key = _NODE_KEY.format(group_rank)
+    f = Fields.of(store.get(key), key)
+    return {
+        "lws": f.integer("lws", 0, 1, MAX_LOCAL_WORKERS),
+        "role": f.text("role"),
+        "addr": f.text("addr"),
+        "port": f.port("port"),
+    }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from elastic_launch.rendezvous.round import Member, RoundState
 from elastic_launch.rendezvous.store import Change, KeyValue
+from elastic_launch.rendezvous.values import text_value
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,11 @@ def join_view(kvs: list[KeyValue], keys: RoundKeys) -> JoinView:
     leader_kv = _find(kvs, keys.leader)
     joins = [kv for kv in kvs if kv.key.startswith(keys.join)]
     return JoinView(
-        state=RoundState.from_json(state_kv.value) if state_kv is not None else None,
+        state=RoundState.from_json(state_kv.value, keys.state) if state_kv is not None else None,
         version=state_kv.version if state_kv is not None else 0,
-        leader=leader_kv.value.decode() if leader_kv is not None else "",
+        leader=text_value(leader_kv.value, keys.leader) if leader_kv is not None else "",
         joined={kv.key[len(keys.join) :]: kv.created for kv in joins},
-        members={kv.key[len(keys.join) :]: Member.from_json(kv.value) for kv in joins},
+        members={kv.key[len(keys.join) :]: Member.from_json(kv.value, kv.key) for kv in joins},
         waiting=frozenset(
             kv.key[len(keys.waiting) :] for kv in kvs if kv.key.startswith(keys.waiting)
         ),
@@ -77,10 +78,10 @@ def on_join_changes(view: JoinView, changes: Iterable[Change], keys: RoundKeys) 
     recheck, lost_own = view.recheck, view.lost_own_key
     for c in changes:
         if c.key == keys.state:
-            state = RoundState.from_json(c.value) if c.value is not None else None
+            state = RoundState.from_json(c.value, c.key) if c.value is not None else None
             version = c.revision
         elif c.key == keys.leader:
-            leader = c.value.decode() if c.value is not None else ""
+            leader = text_value(c.value, c.key) if c.value is not None else ""
         elif c.key.startswith(keys.waiting):
             spare = c.key[len(keys.waiting) :]
             if c.value is None:
@@ -93,7 +94,7 @@ def on_join_changes(view: JoinView, changes: Iterable[Change], keys: RoundKeys) 
             if c.value is not None:
                 recheck |= node not in joined
                 joined.setdefault(node, c.revision)
-                members[node] = Member.from_json(c.value)
+                members[node] = Member.from_json(c.value, c.key)
             elif node == keys.node:
                 lost_own = True  # ours stays in `joined`: it is written again at once
             else:

@@ -308,7 +308,7 @@ class RoundWaits:
         membership is gone); round `v` frozen or final comes with its membership."""
         if value is None:
             return None
-        found = RoundState.from_json(value)
+        found = RoundState.from_json(value, self.job.keys.state)
         if found.version == v and found.status in (Status.FROZEN, Status.FINAL):
             return self.job.with_members(found, every=every)
         return found

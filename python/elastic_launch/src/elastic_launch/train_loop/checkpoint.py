@@ -151,7 +151,11 @@ class FileSystemCheckpointManager(CheckpointManager):
         """The committed checkpoints' numbers, newest first."""
         ids = []
         for name in os.listdir(self.checkpoint_dir):
-            if name.isdigit() and os.path.isdir(os.path.join(self.checkpoint_dir, name)):
+            if (
+                name.isascii()
+                and name.isdigit()
+                and os.path.isdir(os.path.join(self.checkpoint_dir, name))
+            ):
                 ids.append(int(name))
         return sorted(ids, reverse=True)
 

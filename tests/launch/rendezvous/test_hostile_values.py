@@ -1,0 +1,226 @@
+"""Values in the rendezvous store that this job did not write: each parser checks types, ranges
+and sizes, and a bad value is a StoreValueError naming the key (rc 1 and one line from the
+launcher), never a traceback. Property tests feed arbitrary bytes and JSON to every parser of
+store values."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import pytest
+from elastic_launch.rendezvous.api import RendezvousParameters, StoreValueError
+from elastic_launch.rendezvous.conf import RendezvousConf
+from elastic_launch.rendezvous.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store, key_text
+from elastic_launch.rendezvous.round import Member, RoundState, Status, round_info
+from elastic_launch.rendezvous.values import MAX_VALUE_BYTES, text_value
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+CONF = RendezvousConf.defaults(join_timeout=10.0, last_call_timeout=0.5, heartbeat_timeout=5.0)
+
+BAD_STATES = [
+    (b'{"version": "x"}', "version='x'"),
+    (b"[1, 2]", "a JSON list where an dict belongs"),
+    (b"\xff\xfe\x00", "no JSON"),
+    (b'{"version": 1, "status": "final", "size": 1, "world": -4}', "world=-4"),
+    (b'{"version": 1, "status": ["final"]}', "status=['final']"),
+    (b'{"version": 1, "status": "final", "master": ["h", 99999999]}', "port=99999999"),
+    (b'{"version": true}', "version=True"),
+    (b'{"version": 1, "closed": {"reason": [1]}}', "closed="),
+    (b"[" * 100_000, "no JSON (RecursionError"),
+    (b'{"version": 1, "notes": {"a": 3}}', "notes="),
+]
+
+
+@pytest.mark.parametrize(("value", "problem"), BAD_STATES, ids=lambda v: str(v)[:30])
+def test_a_bad_state_key_is_a_clear_error_naming_it(embedded, value, problem):
+    address, token = embedded
+    run_id = f"bad-{time.monotonic_ns()}"
+    params = RendezvousParameters("etcd", address, run_id, 1, 1, 1, local_addr="127.0.0.1")
+    store = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    store.put(f"/elasticrun/{run_id}/state", value)
+    handler = ElasticRendezvous(params, store, CONF, "127.0.0.1")
+    try:
+        with pytest.raises(StoreValueError) as e:
+            handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    message = str(e.value)
+    assert f"'/elasticrun/{run_id}/state'" in message, message
+    assert problem in message, message
+    assert "give this job a new --rdzv-id" in message
+
+
+def test_a_bad_join_key_is_a_clear_error_naming_it(embedded):
+    address, token = embedded
+    run_id = f"badjoin-{time.monotonic_ns()}"
+    params = RendezvousParameters("etcd", address, run_id, 2, 2, 1, local_addr="127.0.0.1")
+    store = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    handler = ElasticRendezvous(params, store, CONF, "127.0.0.1")
+    outsider = EtcdV3Store(address, "outsider", token=token, retry_for=5)
+    import threading
+
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        joins: list = []
+        while not joins and time.monotonic() < deadline:
+            kvs, _ = outsider.range(f"/elasticrun/{run_id}/")
+            joins = [kv.key for kv in kvs if "/join/" in kv.key]
+            time.sleep(0.02)
+        assert joins, "the node joined round 1"
+        bad = joins[0].rsplit("/", 1)[0] + "/intruder"
+        outsider.put(bad, json.dumps({"addr": "h", "port": 99999999, "lws": -1}).encode())
+        t.join(15)
+    finally:
+        handler.shutdown()
+        t.join(15)
+    assert errors and isinstance(errors[0], StoreValueError), errors
+    assert f"{bad!r}" in str(errors[0]) and "port=99999999" in str(errors[0])
+
+
+def test_a_membership_without_this_node_is_a_clear_error():
+    state = RoundState(3, Status.FINAL, size=1, world=2).with_shards(
+        [b'{"other":[0,0,"h",1,2,0,"",0,2]}']
+    )
+    with pytest.raises(StoreValueError, match="no entry for this node"):
+        round_info(state, "me")
+    state = RoundState(3, Status.FINAL, size=1, world=2).with_shards(
+        [b'{"me":[5,0,"h",1,2,0,"",0,2]}']
+    )
+    with pytest.raises(StoreValueError, match="rank 5 of 1 nodes"):
+        round_info(state, "me")
+
+
+def test_keys_and_names_that_are_not_utf8_read_without_error():
+    assert key_text(b"/elasticrun/x/\xff") == "/elasticrun/x/\ufffd"
+    with pytest.raises(StoreValueError, match="not UTF-8"):
+        text_value(b"\xff", "/elasticrun/x/leader")
+
+
+def test_an_oversized_value_is_refused_before_it_is_parsed():
+    with pytest.raises(StoreValueError, match=f"at most {MAX_VALUE_BYTES} are read"):
+        RoundState.from_json(b" " * (MAX_VALUE_BYTES + 1), "k")
+
+
+# ---- properties: only StoreValueError comes out ------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+STATE_FIELDS = [
+    "version",
+    "status",
+    "restarts",
+    "size",
+    "world",
+    "master",
+    "shards",
+    "ran",
+    "notes",
+    "left",
+    "leader",
+    "closed",
+    "protocol",
+    "release",
+    "expires_at",
+]
+MEMBER_FIELDS = ["addr", "port", "lws", "release", "protocol", "presence", "role"]
+
+
+def objects(fields: list[str]) -> st.SearchStrategy[bytes]:
+    good = {"status": st.sampled_from([s.value for s in Status])}
+    return st.fixed_dictionaries(
+        {}, optional={f: good.get(f, json_values) | json_values for f in fields}
+    ).map(lambda d: json.dumps(d).encode())
+
+
+def anything(fields: list[str]) -> st.SearchStrategy[bytes]:
+    return (
+        st.binary(max_size=200)
+        | json_values.map(lambda v: json.dumps(v).encode())
+        | objects(fields)
+    )
+
+
+PROPERTY = settings(
+    max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def only_store_value_errors(parse, data) -> None:
+    with contextlib.suppress(StoreValueError):
+        parse(data)
+
+
+@PROPERTY
+@given(anything(STATE_FIELDS))
+def test_any_state_value_parses_or_is_a_store_value_error(data):
+    only_store_value_errors(lambda d: RoundState.from_json(d, "k"), data)
+
+
+@PROPERTY
+@given(anything(MEMBER_FIELDS))
+def test_any_join_value_parses_or_is_a_store_value_error(data):
+    only_store_value_errors(lambda d: Member.from_json(d, "k"), data)
+
+
+row_items = st.lists(json_values | st.integers(-5, 70000) | st.text(max_size=5), max_size=10)
+
+
+@PROPERTY
+@given(
+    st.binary(max_size=100)
+    | st.dictionaries(st.text(max_size=5), row_items | json_values, max_size=4).map(
+        lambda d: json.dumps(d).encode()
+    ),
+    st.text(max_size=5),
+)
+def test_any_members_shard_parses_or_is_a_store_value_error(data, node):
+    def parse(d: bytes) -> None:
+        state = RoundState(2, Status.FINAL, size=3, world=7).with_shards([d], "k")
+        if node in state.nodes:
+            round_info(state, node)
+
+    only_store_value_errors(parse, data)
+
+
+@PROPERTY
+@given(anything(["lws", "role", "addr", "port"]))
+def test_any_torch_store_row_parses_or_is_a_store_value_error(data):
+    from elastic_launch.rendezvous.torch_shaped import _node_row
+
+    class Store:
+        def get(self, key: str) -> bytes:
+            return data
+
+    only_store_value_errors(lambda _: _node_row(Store(), 0), data)
+
+
+@PROPERTY
+@given(st.binary(max_size=50))
+def test_any_key_or_leader_value_reads_or_is_a_store_value_error(data):
+    assert isinstance(key_text(data), str)
+    only_store_value_errors(lambda d: text_value(d, "k"), data)
+
+
+def test_property_tests_can_fail():
+    # The properties above would pass vacuously if parse errors were swallowed elsewhere.
+    with pytest.raises(StoreValueError):
+        RoundState.from_json(b'{"size": -1}', "k")
+    with pytest.raises(StoreValueError):
+        Member.from_json(b'{"lws": "4"}', "k")
