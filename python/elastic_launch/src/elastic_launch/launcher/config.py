@@ -21,6 +21,7 @@ from elastic_launch.eventlog import EVENTS_FILE_ENV
 from elastic_launch.net import parse_bind
 from elastic_launch.processes.entrypoint import Entrypoint
 from elastic_launch.rendezvous.api import RendezvousParameters
+from elastic_launch.rendezvous.registry import check_parameters
 
 logger = logging.getLogger("elasticrun")
 
@@ -452,6 +453,7 @@ def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
         master_addr=config.master_addr,
         master_port=config.master_port,
     )
+    check_parameters(rendezvous)
     metrics = parse_bind(config.metrics_port, "--metrics-port") if config.metrics_port else None
     health = parse_bind(config.health_port, "--health-port") if config.health_port else None
     entrypoint.check(config.start_method)

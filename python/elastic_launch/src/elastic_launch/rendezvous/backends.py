@@ -124,7 +124,22 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self._stop_serving()
 
 
-def _embedded_endpoint(params: RendezvousParameters) -> tuple[str, int]:
+def check_parameters(params: RendezvousParameters) -> None:
+    """Parse a built-in backend's --rdzv-conf, endpoint and files without connecting or
+    binding anything: a bad setting is a RendezvousConfigError before the launcher opens its
+    first resource. (Outside backends check theirs when they are created.)"""
+    conf = parse_conf(params.backend, params.config)
+    if params.backend in ("etcd", "etcd-v2"):
+        _etcd_endpoint(params, conf)
+        _check_files(conf)
+    elif params.backend in ("embedded", "c10d"):
+        if params.max_nodes > 1:
+            _embedded_endpoint(params, warn=False)
+        elif params.endpoint:
+            parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+
+
+def _embedded_endpoint(params: RendezvousParameters, warn: bool = True) -> tuple[str, int]:
     """Where the embedded service is (required, the same on every node)."""
     if not params.endpoint:
         raise RendezvousConfigError(
@@ -132,7 +147,7 @@ def _embedded_endpoint(params: RendezvousParameters) -> tuple[str, int]:
             f"{params.max_nodes} needs --rdzv-endpoint HOST:PORT, the address of the node "
             "that hosts the rendezvous (the same on every node)"
         )
-    if params.max_nodes > EMBEDDED_MAX_NODES:
+    if warn and params.max_nodes > EMBEDDED_MAX_NODES:
         logger.warning(
             "--nnodes %d:%d with --rdzv-backend %s: the embedded rendezvous service is "
             "measured to serve %d nodes through a node loss, not more; for larger jobs "

@@ -83,6 +83,17 @@ def _entry_points() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def check_parameters(params: RendezvousParameters) -> None:
+    """A built-in backend's settings, parsed without connecting or binding: a bad one is a
+    RendezvousConfigError before the launcher opens anything. A registered or outside backend
+    checks its own when it is created."""
+    if params.backend in _factories or params.backend not in _BUILTIN:
+        return
+    from elastic_launch.rendezvous.backends import check_parameters as check_builtin
+
+    check_builtin(params)
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler of `params.backend`; a clear error for an unknown name."""
     factory = _factories.get(params.backend) or _BUILTIN.get(params.backend)
