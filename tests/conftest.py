@@ -348,8 +348,9 @@ def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def etcd_tls(tmp_path: Path) -> Iterator[EtcdServer]:
-    """etcd serving clients over TLS, with a certificate from a throwaway CA."""
+def tls_files(tmp_path: Path) -> dict[str, Path]:
+    """A throwaway CA and a certificate it signed for 127.0.0.1 and localhost (with the
+    client-auth use too: every node of a job presents the same one): {"cert", "key", "ca"}."""
     d = tmp_path / "tls"
     d.mkdir()
 
@@ -383,7 +384,9 @@ def etcd_tls(tmp_path: Path) -> Iterator[EtcdServer]:
         "-subj",
         "/CN=127.0.0.1",
     )
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
     openssl(
         "x509",
         "-req",
@@ -401,7 +404,15 @@ def etcd_tls(tmp_path: Path) -> Iterator[EtcdServer]:
         "-extfile",
         "san.cnf",
     )
-    tls = {"cert": d / "server.pem", "key": d / "server.key", "ca": d / "ca.pem"}
+    for key in d.glob("*.key"):
+        key.chmod(0o600)
+    return {"cert": d / "server.pem", "key": d / "server.key", "ca": d / "ca.pem"}
+
+
+@pytest.fixture
+def etcd_tls(tmp_path: Path, tls_files: dict[str, Path]) -> Iterator[EtcdServer]:
+    """etcd serving clients over TLS, with a certificate from a throwaway CA."""
+    tls = tls_files
     server = EtcdServer(tmp_path / "etcd-tls-data", enable_v2=False, tls=tls)
     server.start()
     yield server

@@ -335,6 +335,7 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
     # lease gone, stops its worker, rejoins, and the job goes on from the last checkpoint.
     job = Job(tmp_path, "partition")
     endpoint = f"{two_hosts.addrs[0]}:29400"
+    token = os.urandom(16).hex()
     procs = []
 
     def node(host: int) -> subprocess.Popen[str]:
@@ -351,7 +352,11 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
         )
         # gloo binds the interface named here (the hostname resolves to 127.0.0.1 on both);
         # one thread per worker, as in the agent scenario above.
-        env = {"GLOO_SOCKET_IFNAME": two_hosts.links[host], "OMP_NUM_THREADS": "1"}
+        env = {
+            "GLOO_SOCKET_IFNAME": two_hosts.links[host],
+            "OMP_NUM_THREADS": "1",
+            "ELASTICRUN_RDZV_TOKEN": token,  # the service listens beyond loopback
+        }
         proc = start(args, env, launcher=two_hosts.launcher(host))
         procs.append(proc)
         return proc

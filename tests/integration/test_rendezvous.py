@@ -300,12 +300,28 @@ def test_wrong_token_is_refused(nodes):
 
 
 @pytest.mark.timeout(120)
-def test_etcd_authentication(nodes, etcd):
+def test_etcd_authentication(nodes, etcd, tmp_path):
     etcd.gateway("auth/user/add", {"name": "root", "password": "s3cret"})
     etcd.gateway("auth/role/add", {"name": "root"})
     etcd.gateway("auth/user/grant", {"user": "root", "role": "root"})
     etcd.gateway("auth/enable", {})
-    bad = nodes("bad", rdzv_args("etcd", etcd.endpoint, "user=root,password=nope"), nnodes="1")
+    password = tmp_path / "password"
+    password.write_text("s3cret\n")
+    password.chmod(0o600)
+    # Plain http: the password would cross the network in clear, so nothing is sent at all.
+    clear = nodes(
+        "clear", rdzv_args("etcd", etcd.endpoint, f"user=root,password_file={password}"), nnodes="1"
+    )
+    code, _, err = finish(clear[0])
+    assert code == 2, err[-2000:]
+    assert "the password would cross the network in clear" in err
+    plain = "allow_insecure_auth=true"  # this test's etcd speaks http on loopback
+    bad = nodes(
+        "bad",
+        rdzv_args("etcd", etcd.endpoint, f"user=root,{plain}"),
+        nnodes="1",
+        env={"ELASTICRUN_ETCD_PASSWORD": "nope"},
+    )
     code, _, err = finish(bad[0])
     assert code == 1
     assert "refused user 'root'" in err and "invalid user ID or password" in err
@@ -314,10 +330,14 @@ def test_etcd_authentication(nodes, etcd):
     assert code == 1
     assert "refused the request" in err
     good = nodes(
-        "good", rdzv_args("etcd", etcd.endpoint, "user=root,password=s3cret"), "--dist", nnodes="1"
+        "good",
+        rdzv_args("etcd", etcd.endpoint, f"user=root,password_file={password},{plain}"),
+        "--dist",
+        nnodes="1",
     )
     code, _, err = finish(good[0])
     assert code == 0, err[-3000:]
+    assert "puts a secret on the command line" not in err
 
 
 @pytest.mark.timeout(120)

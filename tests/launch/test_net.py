@@ -9,10 +9,10 @@ from elastic_launch.net import (
     REFUSED,
     SILENT,
     UP,
-    HostLock,
     PresencePort,
     free_port,
     is_local_host,
+    is_loopback,
     port_free,
     probe,
 )
@@ -34,14 +34,11 @@ def test_local_hosts():
     assert not is_local_host("192.0.2.1")
 
 
-def test_one_holder_of_a_host_lock_and_no_file():
-    name = f"elasticrun-test-{time.monotonic_ns()}"
-    a, b = HostLock(name), HostLock(name)
-    assert a.acquire() and a.held and a.acquire()
-    assert not b.acquire()
-    a.release()
-    assert b.acquire()
-    b.release()
+def test_loopback_hosts():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert is_loopback("127.8.9.10")
+    assert not is_loopback("192.0.2.1") and not is_loopback("0.0.0.0")
+    assert not is_loopback("no-such-host.invalid"), "unknown: not known to be loopback"
 
 
 def test_a_presence_port_answers_while_it_exists_and_refuses_after():

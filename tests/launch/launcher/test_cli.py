@@ -97,6 +97,12 @@ def test_a_flag_given_overrides_and_is_named_over_its_variable(monkeypatch):
         config_of("--max-restarts", "-3")
 
 
+@pytest.mark.parametrize("run_id", ["a/b", "job\n2", "x\x00", "x" * 257])
+def test_a_run_id_that_would_reach_into_another_jobs_keys_is_refused(run_id):
+    with pytest.raises(ConfigError, match="give the job an id without '/' or control"):
+        check_config(dataclasses.replace(LaunchConfig(), run_id=run_id))
+
+
 def test_main_exits_2_and_starts_nothing(capsys):
     assert cli.exit_status(["--monitor-interval", "inf", "train.py"]) == 2
     assert "elasticrun: error: --monitor-interval 'inf' is not valid" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def test_an_unknown_key_lists_the_valid_ones_for_that_backend():
         ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt='0' is not valid"),
         ({"is_host": "maybe"}, "is_host='maybe' is not valid"),
         ({"heartbeat_timeout": "1"}, "at least 2 seconds"),
-        ({"user": "u"}, "give both user=... and password=..."),
+        ({"user": "u"}, "give both user=... and password_file=PATH"),
     ],
 )
 def test_bad_values_quote_the_key_and_value(raw, message):

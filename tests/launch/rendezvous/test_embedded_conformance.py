@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+from launch_fakes import embedded_login
 
 TIMEOUT = 10.0
 
@@ -87,6 +89,19 @@ def test_a_put_with_an_unknown_lease_is_refused_without_a_new_revision(client):
     assert client.revision() == before
 
 
+def test_granting_an_existing_lease_id_again_is_refused(client):
+    # Follows etcd (lessor's ErrLeaseExists): a second grant of the same ID would replace the
+    # lease, and the keys attached to it would never expire.
+    lease_id = 0x5EED0000 + int(time.monotonic_ns() % 100_000)
+    first = client.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=5, ID=lease_id), timeout=TIMEOUT)
+    assert first.ID == lease_id
+    with pytest.raises(grpc.RpcError) as info:
+        client.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=5, ID=lease_id), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "lease already exists" in (info.value.details() or "")
+    client.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease_id), timeout=TIMEOUT)
+
+
 def test_a_value_compare_on_a_missing_key_is_false(client):
     for result in (rpc_pb2.Compare.EQUAL, rpc_pb2.Compare.NOT_EQUAL):
         compare = rpc_pb2.Compare(
@@ -144,10 +159,15 @@ def test_the_embedded_service_refuses_calls_and_streams_without_the_job_token():
         keep = c.lease.LeaseKeepAlive(iter([]), timeout=TIMEOUT)  # no token at all
         with pytest.raises(grpc.RpcError) as keepalive:
             list(keep)
-        for info in (unary, stream, keepalive):
+        raw = [("token", "right")]  # the token itself is no credential: it is never sent
+        with pytest.raises(grpc.RpcError) as sent_raw:
+            c.kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=TIMEOUT, metadata=raw)
+        for info in (unary, stream, keepalive, sent_raw):
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "invalid rendezvous token" in (info.value.details() or "")
-        right = [("token", "right")]
+        with pytest.raises(ValueError, match="proof does not match"):
+            embedded_login(c.channel, "wrong")
+        right = embedded_login(c.channel, "right")
         reply = c.kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=TIMEOUT, metadata=right)
         assert reply.header.revision >= 1
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import selectors
 import socket
 import threading
@@ -64,6 +65,21 @@ def local_address(target_host: str) -> str:
         return socket.gethostname()
 
 
+def is_loopback(host: str) -> bool:
+    """True if every address `host` names is a loopback address (only this host reaches it)."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]).is_loopback for info in infos
+    )
+
+
 def is_local_host(host: str) -> bool:
     """True if `host` names this machine."""
     if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
@@ -80,37 +96,6 @@ def is_local_host(host: str) -> bool:
         return True
     except OSError:
         return False
-
-
-class HostLock:
-    """A lock held by one process of this host at a time, released when the process exits in
-    any way: an abstract Unix socket (no file is ever created, so nothing is left in /tmp)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._sock: socket.socket | None = None
-
-    def acquire(self) -> bool:
-        """Take the lock if it is free; True if this process holds it now."""
-        if self._sock is not None:
-            return True
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.bind("\0" + self.name)
-        except OSError:
-            s.close()
-            return False
-        self._sock = s
-        return True
-
-    def release(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    @property
-    def held(self) -> bool:
-        return self._sock is not None
 
 
 class PresencePort:

@@ -33,6 +33,7 @@ from elastic_launch.launcher.config import (
     random_id,
 )
 from elastic_launch.rendezvous import conf as rdzv_conf
+from elastic_launch.rendezvous.secrets import command_line_secrets
 
 logger = logging.getLogger("elasticrun")
 
@@ -314,6 +315,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
     backend, endpoint, run_id = _rendezvous_target(args, max_nodes)
     parse_signals(args.signals_to_handle)  # checked now, installed by the agent
+    rdzv_configs = parse_rdzv_conf(args.rdzv_conf)
+    if source(args, "rdzv_conf") == "--rdzv-conf":
+        for warning in command_line_secrets(rdzv_configs):
+            logger.warning(warning)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -322,7 +327,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         role=args.role,
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,
-        rdzv_configs=parse_rdzv_conf(args.rdzv_conf),
+        rdzv_configs=rdzv_configs,
         start_method=args.start_method,
         log_dir=args.log_dir,
         redirects=parse_std(str(args.redirects), source(args, "redirects")),

@@ -430,6 +430,9 @@ class LaunchPlan:
     worker_env: dict[str, str]  # what every worker gets besides torchrun's variables
 
 
+MAX_RUN_ID = 256
+
+
 def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
     """Check `config` and `entrypoint` and parse what is left to parse: every error comes
     before the first resource is opened."""
@@ -465,9 +468,22 @@ def _any_stream(setting: Std | dict[int, Std]) -> bool:
     return any(setting.values()) if isinstance(setting, dict) else bool(setting)
 
 
+def check_run_id(run_id: str) -> None:
+    """A run id names the job's keys (``/elasticrun/<run id>/...``): a '/' would put them
+    inside another job's, and control characters would garble every message naming it."""
+    bad = next((c for c in run_id if c == "/" or ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None or len(run_id) > MAX_RUN_ID:
+        what = f"it holds {bad!r}" if bad is not None else f"it is over {MAX_RUN_ID} characters"
+        raise ConfigError(
+            f"--rdzv-id {run_id!r}: {what}; give the job an id without '/' or control "
+            f"characters, of at most {MAX_RUN_ID} characters (the scheduler's job id is a good one)"
+        )
+
+
 def check_config(config: LaunchConfig) -> None:
     """Reject a bad LaunchConfig before anything starts: each error names the field."""
     check_types(config)
+    check_run_id(config.run_id)
     parse_nnodes(f"{config.min_nodes}:{config.max_nodes}", "min_nodes:max_nodes")
     if config.nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")

@@ -1,8 +1,10 @@
 """The elastic backends: which store each one uses.
 
 - ``embedded`` (alias ``c10d``): the agent whose address is ``--rdzv-endpoint`` hosts the
-  service (the first agent there to take the host lock and bind the port; ``is_host`` forces the
-  choice); a single-node job needs no service at all (:mod:`.local`).
+  service (the first agent there to bind the port, which is bound exclusively; ``is_host``
+  forces the choice); a single-node job needs no service at all (:mod:`.local`). Beyond
+  loopback it needs a token (or ``allow_unauthenticated``); with ``cert``/``key``/``cacert`` it
+  speaks mutual TLS.
 - ``etcd``: etcd's v3 API (etcd 3.4 to 3.6+), with TLS and user/password options.
 - ``etcd-v2``: etcd's v2 API through python-etcd.
 
@@ -16,7 +18,7 @@ import os
 from typing import TYPE_CHECKING
 
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.net import HostLock, host_port, is_local_host, parse_endpoint, port_free
+from elastic_launch.net import host_port, is_local_host, is_loopback, parse_endpoint
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousHandler,
@@ -45,11 +47,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
     def __init__(self, params: RendezvousParameters) -> None:
         conf = parse_conf(params.backend, params.config)
-        host, port = _embedded_endpoint(params)
+        host, port = _embedded_endpoint(params, conf)
         self.server: EmbeddedServer | None = None
-        # Agents on one host race to serve: the one holding the lock serves, the others are
-        # clients (as with another host's service). The lock is an abstract socket: no file.
-        self._host_lock = HostLock(f"elasticrun-rdzv-{port}")
         self._serve_if_host(host, port, conf)
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
@@ -57,6 +56,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             host_port(host, port),
             f"the rendezvous service at {host_port(host, port)}",
             token=conf.token,
+            tls=_tls(conf),
             retry_for=conf.join_timeout,
             read_timeout=conf.read_timeout,
             watch_from_now=False,  # it replays a watch's past at once (etcd: every 100 ms)
@@ -71,29 +71,27 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
     def _serve_if_host(self, host: str, port: int, conf: RendezvousConf) -> None:
         """Host the service when this node is its host: ``is_host`` says so, or the endpoint
-        is this host and this agent is the first on it to take the host lock and the port."""
+        is this host and this agent is the first on it to bind the port. The port is bound
+        exclusively (no SO_REUSEPORT): it is the lock that picks one host among the agents of
+        this host, and no other user can hold it for us."""
         wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
-        if (
-            wants_host
-            and conf.is_host is None
-            and (not self._host_lock.acquire() or not port_free(host, port))
-        ):
-            wants_host = False
-            self._host_lock.release()
         if not wants_host:
             return
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
         try:
-            self.server = EmbeddedServer(host, port, conf.token)
+            self.server = EmbeddedServer(host, port, conf.token, _tls(conf))
             logger.info("hosting the rendezvous service on %s", host_port(host, port))
         except OSError as e:
-            self._host_lock.release()
             if conf.is_host:
                 raise RendezvousConfigError(
                     f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
                     f"({e}); free the port, or leave is_host out"
                 ) from None
+            logger.info(
+                "not hosting the rendezvous service: %s (another agent of this host serves it)",
+                e,
+            )
 
     @property
     def hosting(self) -> bool:
@@ -103,7 +101,6 @@ class EmbeddedRendezvous(ElasticRendezvous):
         if self.server is not None:
             self.server.close()
             self.server = None
-        self._host_lock.release()
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
         if self.server is not None and not cancel.cancelled and self.ended_here():
@@ -129,18 +126,25 @@ def check_parameters(params: RendezvousParameters) -> None:
     binding anything: a bad setting is a RendezvousConfigError before the launcher opens its
     first resource. (Outside backends check theirs when they are created.)"""
     conf = parse_conf(params.backend, params.config)
+    _check_files(conf)
     if params.backend in ("etcd", "etcd-v2"):
         _etcd_endpoint(params, conf)
-        _check_files(conf)
     elif params.backend in ("embedded", "c10d"):
         if params.max_nodes > 1:
-            _embedded_endpoint(params, warn=False)
+            _embedded_endpoint(params, conf, warn=False)
         elif params.endpoint:
             parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
 
 
-def _embedded_endpoint(params: RendezvousParameters, warn: bool = True) -> tuple[str, int]:
-    """Where the embedded service is (required, the same on every node)."""
+def _tls(conf: RendezvousConf) -> tuple[str | None, str | None, str | None] | None:
+    return (conf.cacert, conf.cert, conf.key) if conf.tls else None
+
+
+def _embedded_endpoint(
+    params: RendezvousParameters, conf: RendezvousConf, warn: bool = True
+) -> tuple[str, int]:
+    """Where the embedded service is (required, the same on every node). Beyond loopback it
+    never runs open: every node refuses to start without a token, unless told it may."""
     if not params.endpoint:
         raise RendezvousConfigError(
             f"--rdzv-backend {params.backend} with --nnodes {params.min_nodes}:"
@@ -157,7 +161,16 @@ def _embedded_endpoint(params: RendezvousParameters, warn: bool = True) -> tuple
             params.backend,
             EMBEDDED_MAX_NODES,
         )
-    return parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+    host, port = parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+    if conf.token is None and not conf.allow_unauthenticated and not is_loopback(host):
+        raise RendezvousConfigError(
+            f"--rdzv-endpoint {host_port(host, port)} is beyond loopback, and the rendezvous "
+            "service there would let anyone who reaches the port read the job, join it or end "
+            "it: give every node the same token (export ELASTICRUN_RDZV_TOKEN=$(openssl rand "
+            "-hex 16), or --rdzv-conf token_file=PATH), or, on a network you trust, "
+            "--rdzv-conf allow_unauthenticated=true (docs/security.md)"
+        )
+    return host, port
 
 
 def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, str, int]:
@@ -167,11 +180,23 @@ def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[
             f"--rdzv-backend {params.backend} needs --rdzv-endpoint HOST:PORT of etcd "
             "(for example etcd0:2379)"
         )
-    protocol = conf.protocol or "http"
+    protocol = conf.protocol
     for scheme in ("http://", "https://"):
         if text.startswith(scheme):
             protocol = scheme[:-3]
             text = text[len(scheme) :]
+    if protocol == "http" and conf.tls:
+        raise RendezvousConfigError(
+            f"--rdzv-endpoint {params.endpoint} says http, but TLS options (cacert, cert, key) "
+            "are given: TLS is used whenever one is; write https:// (or no scheme)"
+        )
+    protocol = "https" if conf.tls else protocol or "http"
+    if protocol == "http" and conf.user is not None and not conf.allow_insecure_auth:
+        raise RendezvousConfigError(
+            f"--rdzv-conf user={conf.user}: etcd at {params.endpoint} is reached without TLS, "
+            "so the password would cross the network in clear; give cacert=PATH (and https), "
+            "or, on a network you trust, allow_insecure_auth=true"
+        )
     host, port = parse_endpoint(text, "--rdzv-endpoint", DEFAULT_ETCD_PORT)
     return protocol, host, port
 
@@ -191,6 +216,10 @@ def _check_files(conf: RendezvousConf) -> None:
     for path in filter(None, (conf.cacert, conf.cert, conf.key)):
         if not os.path.isfile(path):
             raise RendezvousConfigError(f"--rdzv-conf: TLS file '{path}' does not exist")
+    if (conf.cert is None) != (conf.key is None):
+        raise RendezvousConfigError(
+            "--rdzv-conf: give cert=PATH and key=PATH together (a certificate and its key)"
+        )
 
 
 def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
@@ -199,11 +228,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
     conf = parse_conf(params.backend, params.config)
     protocol, host, port = _etcd_endpoint(params, conf)
     _check_files(conf)
-    tls = (
-        (conf.cacert, conf.cert, conf.key)
-        if protocol == "https" or conf.cacert or conf.cert
-        else None
-    )
+    tls = (conf.cacert, conf.cert, conf.key) if protocol == "https" else None
     store = EtcdV3Store(
         host_port(host, port),
         f"etcd at {host_port(host, port)}",

@@ -13,11 +13,17 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from elastic_launch.rendezvous.api import RendezvousConfigError
+from elastic_launch.rendezvous.secrets import (
+    PASSWORD_ENV,
+    TOKEN_ENV,
+    check_token,
+    read_secret_file,
+)
 
 EMBEDDED, ETCD, ETCD_V2, STATIC = "embedded", "etcd", "etcd-v2", "static"
 ELASTIC = frozenset({EMBEDDED, ETCD, ETCD_V2})
 _ETCDS = frozenset({ETCD, ETCD_V2})
-TOKEN_ENV = "ELASTICRUN_RDZV_TOKEN"
+_TLS = _ETCDS | {EMBEDDED}
 
 
 def positive_seconds(raw: str) -> float:
@@ -137,16 +143,52 @@ KEYS: tuple[Key, ...] = (
         str,
         None,
         frozenset({EMBEDDED}),
-        "shared secret of the embedded service",
+        f"shared secret of the embedded service (prefer token_file or ${TOKEN_ENV})",
         workers=True,
     ),
+    Key(
+        "token_file",
+        str,
+        None,
+        frozenset({EMBEDDED}),
+        "file holding the token (readable by its owner only)",
+    ),
+    Key(
+        "allow_unauthenticated",
+        as_bool,
+        False,
+        frozenset({EMBEDDED}),
+        "serve beyond loopback without a token (trusted networks only)",
+    ),
     Key("protocol", _protocol, None, _ETCDS, "http or https", workers=True, url=True),
-    Key("cacert", str, None, _ETCDS, "CA certificate file (TLS)", workers=True, url=True),
-    Key("cert", str, None, _ETCDS, "client certificate file (TLS)", workers=True, url=True),
-    Key("key", str, None, _ETCDS, "client key file (TLS)", workers=True, url=True),
+    Key("cacert", str, None, _TLS, "CA certificate file (TLS)", workers=True, url=True),
+    Key("cert", str, None, _TLS, "certificate file (TLS)", workers=True, url=True),
+    Key("key", str, None, _TLS, "private key file (TLS)", workers=True, url=True),
     Key("user", str, None, _ETCDS, "etcd user", workers=True),
     Key("username", str, _ALIAS, _ETCDS, "alias", "user", workers=True),
-    Key("password", str, None, _ETCDS, "etcd password", workers=True),
+    Key(
+        "password",
+        str,
+        None,
+        _ETCDS,
+        f"etcd password (prefer password_file or ${PASSWORD_ENV})",
+        workers=True,
+    ),
+    Key(
+        "password_file",
+        str,
+        None,
+        _ETCDS,
+        "file holding the etcd password (readable by its owner only)",
+    ),
+    Key(
+        "allow_insecure_auth",
+        as_bool,
+        False,
+        _ETCDS,
+        "send user and password without TLS",
+        workers=True,
+    ),
     Key("rank", int, None, frozenset({STATIC}), "this node's rank (as --node-rank)", "node_rank"),
 )
 
@@ -176,13 +218,22 @@ class RendezvousConf:
     reconnect_timeout: float
     is_host: bool | None
     token: str | None
+    token_file: str | None
+    allow_unauthenticated: bool
     protocol: str | None
     cacert: str | None
     cert: str | None
     key: str | None
     user: str | None
     password: str | None
+    password_file: str | None
+    allow_insecure_auth: bool
     node_rank: int | None
+
+    @property
+    def tls(self) -> bool:
+        """Whether any TLS option is given (then TLS is used, whatever the endpoint says)."""
+        return bool(self.cacert or self.cert or self.key or self.protocol == "https")
 
     @classmethod
     def defaults(cls, **values: Any) -> RendezvousConf:
@@ -203,13 +254,19 @@ def describe(key: Key) -> str:
         return f"{key.help} for {key.target}"
     if key.default is None:
         return key.help
-    return f"{key.help} (default {key.default:g})"
+    return f"{key.help} (default {_text(key.default)})"
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}"
 
 
 def help_text() -> str:
     """``--rdzv-conf``'s help, from the table."""
     names = ", ".join(
-        f"{k.name}={k.default:g}" if isinstance(k.default, (int, float)) and not k.alias else k.name
+        f"{k.name}={_text(k.default)}"
+        if isinstance(k.default, (int, float)) and not k.alias
+        else k.name
         for k in KEYS
     )
     return f"rendezvous options, KEY=VALUE,...: {names} (docs/rendezvous.md has each one)"
@@ -218,7 +275,7 @@ def help_text() -> str:
 def _default_text(k: Key) -> str:
     if k.alias:
         return f"as `{k.target}`"
-    return "" if k.default is None else f"{k.default:g}"
+    return "" if k.default is None else _text(k.default)
 
 
 def markdown() -> str:
@@ -267,15 +324,35 @@ def parse_conf(backend: str, raw: Mapping[str, Any]) -> RendezvousConf:
             raise RendezvousConfigError(
                 f"--rdzv-conf: {name}='{text}' is not valid for the {backend} rendezvous: {e}"
             ) from None
-    conf = RendezvousConf.defaults(**values)
-    if kind == EMBEDDED and conf.token is None and os.environ.get(TOKEN_ENV):
-        conf = replace(conf, token=os.environ[TOKEN_ENV])
+    conf = _secrets(kind, RendezvousConf.defaults(**values))
     if kind in ELASTIC and conf.lease_ttl < 2.0:
         raise RendezvousConfigError(
             f"--rdzv-conf heartbeat_timeout={conf.lease_ttl:g}: the lease needs at least 2 seconds"
         )
     if (conf.user is None) != (conf.password is None):
-        raise RendezvousConfigError("--rdzv-conf: give both user=... and password=..., or neither")
+        raise RendezvousConfigError(
+            "--rdzv-conf: give both user=... and password_file=PATH (or "
+            f"${PASSWORD_ENV}, or password=...), or neither"
+        )
+    return conf
+
+
+def _secrets(kind: str, conf: RendezvousConf) -> RendezvousConf:
+    """The token and the password, from the key itself, its file or the environment (in that
+    order), checked."""
+    if kind == EMBEDDED:
+        token, where = conf.token, "--rdzv-conf token"
+        if token is None and conf.token_file:
+            token, where = read_secret_file(conf.token_file, "token_file"), "token_file"
+        elif token is None and os.environ.get(TOKEN_ENV):
+            token, where = os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
+        if token is not None:
+            conf = replace(conf, token=check_token(token, where))
+    if kind in _ETCDS and conf.password is None and conf.user is not None:
+        if conf.password_file:
+            conf = replace(conf, password=read_secret_file(conf.password_file, "password_file"))
+        elif os.environ.get(PASSWORD_ENV):
+            conf = replace(conf, password=os.environ[PASSWORD_ENV])
     return conf
 
 

@@ -1,7 +1,9 @@
 """The embedded rendezvous service: a small in-memory store hosted by one agent, speaking the
 same etcd v3 gRPC subset as etcd itself (KV, Lease, Watch), so that one client and one
 rendezvous algorithm serve both. Revisions, leases with TTLs, and watches from a past revision
-(a bounded history) behave as etcd's do. Requests must carry the job's token, when it has one.
+(a bounded history) behave as etcd's do. When the job has a token, a client logs in with the
+challenge of :mod:`.challenge` (the token never crosses the wire) and every request carries the
+credential it earned; with ``tls``, the service speaks TLS.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
-import hmac
 import itertools
 import logging
 import os
@@ -26,12 +27,14 @@ import grpc
 
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.net import host_port
+from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
 _HISTORY = 100_000  # events kept for watches that start in the past
+_MAX_TTL = 9_000_000_000  # etcd's longest lease, in seconds
 
 
 VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd by it
@@ -247,6 +250,7 @@ def _answering(method: Any) -> Any:
 
 
 class _Service(
+    rpc_pb2_grpc.AuthServicer,
     rpc_pb2_grpc.KVServicer,
     rpc_pb2_grpc.LeaseServicer,
     rpc_pb2_grpc.WatchServicer,
@@ -265,12 +269,34 @@ class _Service(
         if self.token is None:
             return
         sent = dict(context.invocation_metadata() or ()).get("token", "")
-        if not hmac.compare_digest(str(sent), self.token):
+        problem = challenge.check(self.token, str(sent), time.time())
+        if problem is not None:
             raise _RefusedError(
                 grpc.StatusCode.UNAUTHENTICATED,
-                "invalid rendezvous token: this node's token (--rdzv-conf token=..., or "
-                "$ELASTICRUN_RDZV_TOKEN) differs from the job's",
+                f"invalid rendezvous token: the request carries {problem}; give every node "
+                "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
             )
+
+    async def Authenticate(  # noqa: N802 - gRPC's name
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """The challenge's first step (:mod:`.challenge`): prove this service holds the token."""
+        if self.token is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this rendezvous service runs without a token and the node asking has one: "
+                "give every node the same token, or none",
+            )
+        if request.name != challenge.USER or not challenge.valid_nonce(request.password):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"log in as {challenge.USER!r} with a nonce of 32 hex digits",
+            )
+        assert self.token is not None
+        return rpc_pb2.AuthenticateResponse(
+            header=self.s.header(),
+            token=challenge.answer(self.token, request.password, time.time()),
+        )
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """A stream starts only with the job's token."""
@@ -356,8 +382,16 @@ class _Service(
 
     @_answering
     def LeaseGrant(self, request: Any) -> Any:  # noqa: N802
-        ttl = max(int(request.TTL), 1)
+        ttl = min(max(int(request.TTL), 1), _MAX_TTL)
+        if request.ID in self.s.leases:  # as etcd: granting it again would make it immortal
+            raise _RefusedError(
+                grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists"
+            )
+        if request.ID < 0:
+            raise _RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "lease ID must not be negative")
         lease_id = request.ID or int.from_bytes(os.urandom(7), "big") or 1
+        while lease_id in self.s.leases:  # a random ID another client asked for by number
+            lease_id = int.from_bytes(os.urandom(7), "big") or 1
         self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl)
         return rpc_pb2.LeaseGrantResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
 
@@ -459,8 +493,17 @@ class EmbeddedServer:
     an event loop in a thread of its own: every stream is a coroutine, so a node costs the
     hosting process no thread, and the store is touched only from that thread."""
 
-    def __init__(self, host: str, port: int, token: str | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        tls: tuple[str | None, str | None, str | None] | None = None,
+    ) -> None:
+        """`tls`: (CA certificate, certificate, key) paths; with a CA, clients must present a
+        certificate it signed."""
         self.state = _State()
+        self._tls = tls
         self._kept: frozenset[int] = frozenset()  # the state's, as its loop last told
         self._kept_changed = threading.Condition()
         self.state.on_kept = self._told
@@ -514,8 +557,12 @@ class EmbeddedServer:
         rpc_pb2_grpc.add_LeaseServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_WatchServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_MaintenanceServicer_to_server(self._service, server)
+        rpc_pb2_grpc.add_AuthServicer_to_server(self._service, server)
         try:
-            port = server.add_insecure_port(self._address)
+            if self._tls is None:
+                port = server.add_insecure_port(self._address)
+            else:
+                port = server.add_secure_port(self._address, _server_credentials(*self._tls))
         except RuntimeError as e:
             raise OSError(f"cannot listen on {self._address}: {e}") from None
         if port == 0:
@@ -566,6 +613,20 @@ class EmbeddedServer:
             with contextlib.suppress(Exception):
                 stopping.result(timeout=grace + 5)
         self._stop_loop()
+
+
+def _server_credentials(ca: str | None, cert: str | None, key: str | None) -> Any:
+    if not (cert and key):
+        raise OSError("serving over TLS needs cert= and key= (this node hosts the service)")
+    with open(key, "rb") as k, open(cert, "rb") as c:
+        pair = (k.read(), c.read())
+    root = None
+    if ca:
+        with open(ca, "rb") as f:
+            root = f.read()
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=root, require_client_auth=bool(root)
+    )
 
 
 async def _read_watch_requests(requests: AsyncIterator[Any], out: asyncio.Queue[Any]) -> None:

@@ -20,6 +20,7 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, join
+from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     Change,
@@ -115,7 +116,9 @@ class EtcdV3Store(Store):
         self._auth = rpc_pb2_grpc.AuthStub(self._channel)
         self._maintenance = rpc_pb2_grpc.MaintenanceStub(self._channel)
         self._user, self._password = user, password
-        self._metadata: list[tuple[str, str]] = [("token", token)] if token else []
+        self._token = token  # the embedded service's: proven by a challenge, never sent
+        self._metadata: list[tuple[str, str]] = []
+        self._logged_in = token is None
         if user is not None:
             self._authenticate()
         self._lease_id = 0
@@ -129,7 +132,15 @@ class EtcdV3Store(Store):
 
     # ---- calls ---------------------------------------------------------------------------
 
+    @property
+    def _logs_in(self) -> bool:
+        """Whether requests carry a login's credential (etcd's user, the embedded token)."""
+        return self._user is not None or self._token is not None
+
     def _authenticate(self) -> None:
+        if self._token is not None:
+            self._challenge(self._token)
+            return
         try:
             reply = self._auth.Authenticate(
                 rpc_pb2.AuthenticateRequest(name=self._user or "", password=self._password or ""),
@@ -138,13 +149,46 @@ class EtcdV3Store(Store):
         except grpc.RpcError as e:
             raise StoreError(
                 f"{self.name} refused user '{self._user}': {e.details()}; check the user and "
-                "password given in --rdzv-conf (user=..., password=...)"
+                "password given in --rdzv-conf (user=..., password_file=...)"
             ) from None
         self._metadata = [("token", reply.token)]
 
-    def _call(self, method: Any, request: Any, deadline: float | None = None) -> Any:
+    def _challenge(self, token: str) -> None:
+        """Log in to the embedded service (:mod:`.challenge`): it proves it holds `token`
+        before this node sends anything derived from it."""
+        mine = challenge.nonce()
+        request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+        try:
+            reply = self._call(self._auth.Authenticate, request, log_in=False)
+        except StoreError as e:
+            if "runs without a token" in str(e):
+                raise StoreError(
+                    f"invalid rendezvous token: {self.name} runs without a token and this node "
+                    "has one: give every node the same token, or none"
+                ) from None
+            raise
+        try:
+            credential = challenge.respond(token, mine, reply.token)
+        except ValueError as e:
+            raise StoreError(
+                f"invalid rendezvous token: {self.name} did not prove that it holds this "
+                f"node's token ({e}); give every node the job's token (--rdzv-conf "
+                "token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)"
+            ) from None
+        self._metadata = [("token", credential)]
+        self._logged_in = True
+
+    def _log_in_once(self) -> None:
+        if not self._logged_in:
+            self._authenticate()
+
+    def _call(
+        self, method: Any, request: Any, deadline: float | None = None, log_in: bool = True
+    ) -> Any:
         """One RPC, retried while the store is unreachable, until `deadline` (monotonic);
         abandoned (Cancelled) as soon as the cancel token is."""
+        if log_in:
+            self._log_in_once()
         until = deadline if deadline is not None else time.monotonic() + self.retry_for
         delay = 0.05
         reauthenticated = False
@@ -165,8 +209,13 @@ class EtcdV3Store(Store):
                     raise Cancelled(self.cancel.signum) from None
                 if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
                     raise self._error(e) from None  # this store was closed under the call
-                if code == grpc.StatusCode.UNAUTHENTICATED and self._user and not reauthenticated:
-                    self._authenticate()  # etcd's simple tokens expire
+                if (
+                    code == grpc.StatusCode.UNAUTHENTICATED
+                    and self._logs_in
+                    and log_in
+                    and (not reauthenticated)
+                ):
+                    self._authenticate()  # etcd's simple tokens expire, and our credentials
                     reauthenticated = True
                     continue
                 if code not in _RETRYABLE or time.monotonic() + delay > until:
@@ -347,6 +396,7 @@ class EtcdV3Store(Store):
 
     def request_lease(self, ttl: float) -> None:
         if self._early_grant is None and not self._lease_id:
+            self._log_in_once()
             self._count()
             self._early_grant = (
                 round(ttl),
@@ -432,7 +482,7 @@ class EtcdV3Store(Store):
                         with contextlib.suppress(StoreError, Cancelled):
                             self._replace_lease(reply.ID)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED and self._user:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and self._logs_in:
                     with contextlib.suppress(StoreError, Cancelled):
                         self._authenticate()
             except ValueError:
@@ -560,6 +610,7 @@ class _EtcdWatch(Watch):
         retry delay (False)."""
         self._store._count()
         try:
+            self._store._log_in_once()
             self._call = self._store._watch.Watch(
                 self._request_stream(self._requests), metadata=self._store._metadata
             )
@@ -616,7 +667,7 @@ class _EtcdWatch(Watch):
         if self._closed.is_set():
             return None
         code = e.code()
-        if code == grpc.StatusCode.UNAUTHENTICATED and self._store._user and not retry.relogged:
+        if code == grpc.StatusCode.UNAUTHENTICATED and self._store._logs_in and not retry.relogged:
             retry.relogged = True
             try:
                 self._store._authenticate()

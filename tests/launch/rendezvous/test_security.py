@@ -1,0 +1,252 @@
+"""The rendezvous' credentials: where a token or password may come from, the embedded service
+never open beyond loopback, a challenge in which the token never crosses the wire and the
+service proves it holds it first, TLS for the embedded service, and etcd's password never in
+clear."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from elastic_launch.net import free_port
+from elastic_launch.rendezvous import challenge
+from elastic_launch.rendezvous.api import RendezvousConfigError, RendezvousParameters
+from elastic_launch.rendezvous.backends import EmbeddedRendezvous, _etcd_endpoint
+from elastic_launch.rendezvous.conf import parse_conf
+from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.registry import check_parameters
+from elastic_launch.rendezvous.secrets import PASSWORD_ENV, TOKEN_ENV
+from elastic_launch.rendezvous.store import StoreError
+
+
+@pytest.fixture(autouse=True)
+def _no_secret_env(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+
+
+def secret(tmp_path: Path, text: str, mode: int = 0o600) -> str:
+    path = tmp_path / f"secret-{os.urandom(3).hex()}"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return str(path)
+
+
+# ---- where secrets come from ---------------------------------------------------------------
+
+
+def test_a_token_comes_from_its_file_or_the_environment(tmp_path, monkeypatch):
+    assert (
+        parse_conf("embedded", {"token_file": secret(tmp_path, "from-file")}).token == "from-file"
+    )
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert parse_conf("embedded", {}).token == "from-env"
+    assert parse_conf("embedded", {"token": "given"}).token == "given", "the key itself first"
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path):
+    path = secret(tmp_path, "t", 0o644)
+    with pytest.raises(
+        RendezvousConfigError, match=f"mode 0644 lets others read it; run chmod 600 {path}"
+    ):
+        parse_conf("embedded", {"token_file": path})
+    with pytest.raises(RendezvousConfigError, match="cannot read it"):
+        parse_conf("embedded", {"token_file": str(tmp_path / "missing")})
+    os.symlink(secret(tmp_path, "t"), tmp_path / "link")
+    with pytest.raises(RendezvousConfigError, match="cannot read it"):
+        parse_conf("embedded", {"token_file": str(tmp_path / "link")})  # no symlinks followed
+
+
+@pytest.mark.parametrize("token", ["é", "two words", "tab\there", ""])
+def test_a_token_that_cannot_travel_is_refused_at_configuration(token):
+    with pytest.raises(RendezvousConfigError, match=r"printable ASCII|1 to 4096"):
+        parse_conf("embedded", {"token": token})
+
+
+def test_the_etcd_password_comes_from_its_file_or_the_environment(tmp_path, monkeypatch):
+    path = secret(tmp_path, "s3cret")
+    assert parse_conf("etcd", {"user": "u", "password_file": path}).password == "s3cret"
+    monkeypatch.setenv(PASSWORD_ENV, "env-secret")
+    assert parse_conf("etcd", {"user": "u"}).password == "env-secret"
+    monkeypatch.delenv(PASSWORD_ENV)
+    with pytest.raises(RendezvousConfigError, match="password_file=PATH"):
+        parse_conf("etcd", {"user": "u"})
+
+
+def test_a_secret_on_the_command_line_works_and_warns(caplog):
+    from elastic_launch.launcher import cli
+
+    args = cli.build_parser().parse_args(["--rdzv-conf", "token=abc", "train.py"])
+    config, _ = cli.config_from_args(args)
+    assert config.rdzv_configs["token"] == "abc"
+    assert "puts a secret on the command line" in caplog.text
+    assert f"use token_file=PATH or ${TOKEN_ENV} instead" in caplog.text
+
+
+# ---- never open beyond loopback -----------------------------------------------------------
+
+
+def params(endpoint: str, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters("c10d", endpoint, "job", 2, 2, 1, config=conf)
+
+
+def test_the_embedded_service_beyond_loopback_needs_a_token():
+    with pytest.raises(RendezvousConfigError) as e:
+        check_parameters(params("192.0.2.7:29400"))
+    message = str(e.value)
+    assert "192.0.2.7:29400 is beyond loopback" in message
+    assert "ELASTICRUN_RDZV_TOKEN" in message and "allow_unauthenticated=true" in message
+    check_parameters(params("192.0.2.7:29400", token="t"))
+    check_parameters(params("192.0.2.7:29400", allow_unauthenticated="true"))
+    for loopback in ("127.0.0.1:29400", "localhost:29400", "[::1]:29400"):
+        check_parameters(params(loopback))
+
+
+# ---- the challenge ---------------------------------------------------------------------------
+
+
+def test_a_proof_made_with_another_token_is_refused():
+    mine = challenge.nonce()
+    with pytest.raises(ValueError, match="proof does not match"):
+        challenge.respond("mine", mine, challenge.answer("theirs", mine, 0.0))
+    credential = challenge.respond("job", mine, challenge.answer("job", mine, 100.0))
+    assert challenge.check("job", credential, 100.0) is None
+    assert challenge.check("other", credential, 100.0) == "a credential made with another token"
+    assert challenge.check("job", credential, 100.0 + challenge.SESSION_SECONDS + 1) == (
+        "an expired credential"
+    )
+    assert "job" not in credential, "the token itself is never in what is sent"
+
+
+def test_a_service_that_does_not_hold_the_token_gets_nothing_from_the_client():
+    port = free_port()
+    server = EmbeddedServer("127.0.0.1", port, token="impostor")
+    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    try:
+        with pytest.raises(StoreError, match="did not prove that it holds this node's token"):
+            store.get("/k")
+        assert store._metadata == [], "no credential was made, so none was sent"
+    finally:
+        store.close()
+        server.close()
+
+
+def test_a_client_with_a_token_and_a_service_without_one_is_a_clear_error():
+    port = free_port()
+    server = EmbeddedServer("127.0.0.1", port, token=None)
+    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    try:
+        with pytest.raises(StoreError, match="runs without a token and this node has one"):
+            store.get("/k")
+    finally:
+        store.close()
+        server.close()
+
+
+def test_an_expired_credential_is_renewed():
+    port = free_port()
+    server = EmbeddedServer("127.0.0.1", port, token="job")
+    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    try:
+        store.put("/k", b"1")
+        mine = challenge.nonce()
+        expired = challenge.respond("job", mine, challenge.answer("job", mine, 0.0))  # 1970
+        store._metadata = [("token", expired)]
+        assert store.get("/k").value == b"1", "refused, logged in again, answered"
+        assert store._metadata != [("token", expired)]
+    finally:
+        store.close()
+        server.close()
+
+
+# ---- TLS for the embedded service ------------------------------------------------------------
+
+
+def tls_conf(tls_files: dict[str, Path]) -> dict[str, str]:
+    return {
+        "cacert": str(tls_files["ca"]),
+        "cert": str(tls_files["cert"]),
+        "key": str(tls_files["key"]),
+    }
+
+
+def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = {**tls_conf(tls_files), "token": "job", "join_timeout": "30", "last_call_timeout": "1"}
+    made: list[EmbeddedRendezvous] = []
+    lock = threading.Lock()
+
+    def node(_: int) -> int:
+        p = RendezvousParameters(
+            "c10d", endpoint, "tls-job", 2, 2, 1, local_addr="127.0.0.1", config=conf
+        )
+        h = EmbeddedRendezvous(p)
+        with lock:
+            made.append(h)
+        return h.next_rendezvous().group_rank
+
+    pool = ThreadPoolExecutor(2)
+    try:
+        assert sorted(pool.map(node, range(2), timeout=60)) == [0, 1]
+        assert sum(h.hosting for h in made) == 1
+    finally:
+        for h in made:
+            h.shutdown()
+        pool.shutdown(wait=False)
+
+
+def test_the_tls_service_refuses_plain_and_certificateless_clients(tls_files):
+    port = free_port()
+    c = tls_conf(tls_files)
+    server = EmbeddedServer("127.0.0.1", port, token=None, tls=(c["cacert"], c["cert"], c["key"]))
+    target = f"127.0.0.1:{port}"
+    good = EtcdV3Store(target, "tls", tls=(c["cacert"], c["cert"], c["key"]), retry_for=5)
+    plain = EtcdV3Store(target, "plain", retry_for=1)
+    anonymous = EtcdV3Store(
+        target, "no client certificate", tls=(c["cacert"], None, None), retry_for=1
+    )
+    try:
+        good.put("/k", b"v")
+        assert good.get("/k").value == b"v"
+        for refused in (plain, anonymous):
+            with pytest.raises(StoreError, match="unreachable"):
+                refused.get("/k")
+    finally:
+        for s in (good, plain, anonymous):
+            s.close()
+        server.close()
+
+
+# ---- etcd: the password never in clear -----------------------------------------------------
+
+
+def etcd(endpoint: str, backend: str = "etcd", **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(backend, endpoint, "job", 1, 2, 1, config=conf)
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_any_tls_option_means_tls(backend, tls_files):
+    p = etcd("etcd0:2379", backend, cacert=str(tls_files["ca"]))
+    assert _etcd_endpoint(p, parse_conf(backend, p.config))[0] == "https"
+    p = etcd("http://etcd0:2379", backend, cacert=str(tls_files["ca"]))
+    with pytest.raises(RendezvousConfigError, match="says http, but TLS options"):
+        check_parameters(p)
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_a_password_is_never_sent_without_tls_unless_allowed(backend, tls_files, tmp_path):
+    password = secret(tmp_path, "pw")
+    with pytest.raises(
+        RendezvousConfigError, match="the password would cross the network in clear"
+    ):
+        check_parameters(etcd("etcd0:2379", backend, user="u", password_file=password))
+    check_parameters(
+        etcd("etcd0:2379", backend, user="u", password_file=password, allow_insecure_auth="true")
+    )
+    check_parameters(
+        etcd("etcd0:2379", backend, user="u", password_file=password, cacert=str(tls_files["ca"]))
+    )
