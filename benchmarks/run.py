@@ -23,6 +23,7 @@ import bench_replace
 import bench_sampler
 import bench_slurm
 import bench_train_loop
+import hostile_load
 
 import bench_core
 from common import REPO, format_table, save
@@ -37,6 +38,7 @@ SECTIONS = {
     "sampler": bench_sampler.run,
     "train_loop": bench_train_loop.run,
     "slurm": bench_slurm.run,
+    "hostile": hostile_load.run,
 }
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_launch import eventlog
+from elastic_launch.agent.http_server import SmallHttpServer
 from elastic_launch.api import ConfigError
-from elastic_launch.net import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class PrometheusHandler:
 
     def __init__(self, host: str, port: int) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        from prometheus_client.exposition import start_http_server
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
         self.registry = CollectorRegistry()
         r = self.registry
@@ -112,17 +112,16 @@ class PrometheusHandler:
         )
         self.attempt = Gauge("elasticrun_attempt", "Current attempt number", registry=r)
         self.workers = Gauge("elasticrun_workers_running", "Workers running", registry=r)
-        try:
-            self.server, self.thread = start_http_server(port, addr=host, registry=r)
-        except OSError as e:
-            raise ConfigError(
-                f"--metrics-port {host_port(host, port)} cannot be served: {e.strerror}; "
-                "choose a free port"
-            ) from None
+        self.server = SmallHttpServer(
+            host,
+            port,
+            {"/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(r))},
+            "--metrics-port",
+        )
 
     @property
     def port(self) -> int:
-        return int(self.server.server_address[1])
+        return self.server.port
 
     def emit(self, event: AgentEvent) -> None:
         self.attempt.set(event.attempt)
@@ -143,8 +142,7 @@ class PrometheusHandler:
             self.workers.set(0)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 class Events:

@@ -33,7 +33,21 @@ from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
+# What a client can make the service hold is bounded. Past these, the oldest history is
+# compacted (a watch from before it is told so and re-reads, as with etcd), a watch stream
+# that falls behind is cut off (as etcd cancels a slow watcher), and a write or a stream
+# beyond the caps is refused with RESOURCE_EXHAUSTED. A round of 1,024 nodes uses a few
+# thousand keys and well under a MiB.
 _HISTORY = 100_000  # events kept for watches that start in the past
+_HISTORY_BYTES = 16 << 20
+_STREAM_BYTES = 8 << 20  # queued for one watch stream that does not read
+_QUEUED_BYTES = 32 << 20  # queued for all watch streams together
+_MAX_STREAMS = 8192  # watch and keep-alive streams at once
+_WATCHERS_PER_STREAM = 256
+_MAX_KEYS = 100_000
+_MAX_DATA_BYTES = 64 << 20  # keys and values held
+_MAX_REQUEST = 4 << 20  # one request (gRPC's default, said explicitly)
+_EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
 _MAX_TTL = 9_000_000_000  # etcd's longest lease, in seconds
 
 
@@ -48,11 +62,58 @@ class _Lease:
     kept: bool = False  # renewed at least once
 
 
+class _Queued:
+    """The bytes of events waiting in every watch stream's queue together."""
+
+    bytes = 0
+
+
+class _Outbox:
+    """A watch stream's queue, which counts the bytes of the events waiting in it: a stream
+    whose client stops reading is cut off at :data:`_STREAM_BYTES`, or when all streams
+    together hold :data:`_QUEUED_BYTES`, instead of growing."""
+
+    def __init__(self, total: _Queued) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.total = total
+        self.bytes = 0
+        self.overflowed = False
+
+    def put(self, item: Any) -> None:
+        self.queue.put_nowait(item)
+
+    def send(self, watch_id: int, events: list[kv_pb2.Event], size: int) -> None:
+        if self.overflowed:
+            return
+        if self.bytes + size > _STREAM_BYTES or self.total.bytes + size > _QUEUED_BYTES:
+            self.overflowed = True
+            self.queue.put_nowait(("overflow", None))
+            return
+        self.bytes += size
+        self.total.bytes += size
+        self.queue.put_nowait((watch_id, (events, size)))
+
+    async def get(self) -> Any:
+        kind, arg = await self.queue.get()
+        if isinstance(kind, int):
+            events, size = arg
+            self.bytes -= size
+            self.total.bytes -= size
+            return kind, events
+        return kind, arg
+
+    def drop(self) -> None:
+        """The stream ended: what it still held is no longer held."""
+        self.total.bytes -= self.bytes
+        self.bytes = 0
+        self.overflowed = True
+
+
 @dataclass(eq=False)  # identity: found by its id, never by comparing fields
 class _Watcher:
     key: bytes
     end: bytes
-    out: asyncio.Queue[Any]  # (watch_id, [events of one revision]) for the stream's sender
+    out: _Outbox  # (watch_id, [events of one revision]) for the stream's sender
     watch_id: int
 
     def matches(self, key: bytes) -> bool:
@@ -74,10 +135,12 @@ class _State:
         # The leases kept alive (renewed at least once: a node's session, not a key's own
         # expiry such as the closed job's state), told on every change.
         self.on_kept: Callable[[frozenset[int]], None] = lambda ids: None
-        self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque(
-            maxlen=_HISTORY
-        )
+        self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque()
         self.compacted = 0  # the newest revision with events dropped from the history
+        self.history_bytes = 0
+        self.data_bytes = 0  # keys and values held
+        self.streams = 0  # watch and keep-alive streams open
+        self.queued = _Queued()
         self.pending: list[kv_pb2.Event] = []  # the current revision's events
         # Watchers by the range they watch, then by id: many nodes watch the same few ranges
         # (the state, the shared keys), so a commit matches each event against ranges, not
@@ -124,22 +187,42 @@ class _State:
         response (as etcd sends a transaction's or a lease expiry's events together)."""
         events, self.pending = self.pending, []
         for event in events:
-            if len(self.history) == self.history.maxlen:
-                self.compacted = self.history[0][0]
+            size = _size(event)
+            while self.history and (
+                len(self.history) >= _HISTORY or self.history_bytes + size > _HISTORY_BYTES
+            ):
+                rev, dropped = self.history.popleft()
+                self.compacted = rev
+                self.history_bytes -= _size(dropped)
             self.history.append((self.revision, event))
+            self.history_bytes += size
         for group in self.watchers.values():
             first = next(iter(group.values()))
             mine = [e for e in events if first.matches(e.kv.key)]
             if mine:
+                size = sum(_size(e) for e in mine)
                 for w in group.values():
-                    w.out.put_nowait((w.watch_id, mine))
+                    w.out.send(w.watch_id, mine, size)
 
     def check_lease(self, lease: int) -> None:
         if lease and lease not in self.leases:
             raise KeyError("etcdserver: requested lease not found")
 
+    def room_for(self, key: bytes, value: bytes) -> str | None:
+        """Why a put of `key` cannot be held (the caps on keys and bytes), or None."""
+        old = self.data.get(key)
+        grows = len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
+        if old is None and len(self.data) >= _MAX_KEYS:
+            return f"it holds {_MAX_KEYS} keys already"
+        if self.data_bytes + grows > _MAX_DATA_BYTES:
+            return (
+                f"it holds {self.data_bytes} bytes of keys and values (at most {_MAX_DATA_BYTES})"
+            )
+        return None
+
     def put(self, key: bytes, value: bytes, lease: int) -> None:
         old = self.data.get(key)
+        self.data_bytes += len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
         if old is not None and old.lease and old.lease in self.leases:
             self.leases[old.lease].keys.discard(key)
         if old is None:
@@ -159,6 +242,7 @@ class _State:
 
     def delete(self, key: bytes) -> None:
         entry = self.data.pop(key)
+        self.data_bytes -= len(entry.key) + len(entry.value)
         self.keys.pop(bisect.bisect_left(self.keys, key))
         if entry.lease in self.leases:
             self.leases[entry.lease].keys.discard(key)
@@ -224,6 +308,10 @@ class _State:
             if key in self.data:
                 self.delete(key)
         self.commit()
+
+
+def _size(event: kv_pb2.Event) -> int:
+    return len(event.kv.key) + len(event.kv.value) + _EVENT_OVERHEAD
 
 
 class _RefusedError(Exception):
@@ -299,11 +387,23 @@ class _Service(
         )
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        """A stream starts only with the job's token."""
+        """A stream starts only with the job's token, and while fewer than
+        :data:`_MAX_STREAMS` are open."""
         try:
             self._check(context)
+            if self.s.streams >= _MAX_STREAMS:
+                raise _RefusedError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the embedded rendezvous service has {_MAX_STREAMS} streams open already",
+                )
         except _RefusedError as e:
             await context.abort(e.code, e.details)
+        self.s.streams += 1
+
+        def closed(_: Any) -> None:
+            self.s.streams -= 1
+
+        context.add_done_callback(closed)
 
     # ---- KV ----------------------------------------------------------------------------------
 
@@ -327,15 +427,23 @@ class _Service(
         self.s.put(r.key, r.value, r.lease)
         return rpc_pb2.PutResponse(header=self.s.header())
 
-    def _check_lease(self, lease: int) -> None:
+    def _check_put(self, r: rpc_pb2.PutRequest) -> None:
+        """Before any change (a refused request leaves no revision): the lease exists and
+        the store has room (a Txn's puts are checked one by one: within one request's size)."""
         try:
-            self.s.check_lease(lease)
-        except KeyError as e:  # before any change: a refused request leaves no revision
+            self.s.check_lease(r.lease)
+        except KeyError as e:
             raise _RefusedError(grpc.StatusCode.NOT_FOUND, str(e.args[0])) from None
+        full = self.s.room_for(r.key, r.value)
+        if full is not None:
+            raise _RefusedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"etcdserver: mvcc: database space exceeded (the embedded service: {full})",
+            )
 
     @_answering
     def Put(self, request: Any) -> Any:  # noqa: N802
-        self._check_lease(request.lease)
+        self._check_put(request)
         self.s.revision += 1
         reply = self._put(request)
         self.s.commit()
@@ -361,7 +469,7 @@ class _Service(
         ops = request.success if ok else request.failure
         for op in ops:
             if op.WhichOneof("request") == "request_put":
-                self._check_lease(op.request_put.lease)
+                self._check_put(op.request_put)
         if any(op.WhichOneof("request") != "request_range" for op in ops):
             self.s.revision += 1
         responses = []
@@ -426,7 +534,8 @@ class _Service(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._admit(context)
-        out: asyncio.Queue[Any] = asyncio.Queue()
+        out = _Outbox(self.s.queued)
+        context.add_done_callback(lambda _: out.drop())
         mine: dict[int, _Watcher] = {}
         reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
@@ -437,13 +546,21 @@ class _Service(
                 kind, arg = await out.get()
                 if kind == "end":
                     return
+                if kind == "overflow":
+                    self.s.remove_watchers(list(mine.values()))
+                    mine.clear()
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watch stream fell more than {_STREAM_BYTES} bytes behind and was "
+                        "cut off; watch again from the revision you last saw",
+                    )
                 for response in self._watch_step(kind, arg, out, mine):
                     yield response
         finally:
             reader.cancel()
 
     def _watch_step(
-        self, kind: Any, arg: Any, out: asyncio.Queue[Any], mine: dict[int, _Watcher]
+        self, kind: Any, arg: Any, out: _Outbox, mine: dict[int, _Watcher]
     ) -> list[Any]:
         """The responses to one item of a watch stream's queue: a watcher's events of one
         revision, a cancel, or a create (its past replayed at once)."""
@@ -459,6 +576,16 @@ class _Service(
             return [rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True)]
         create = arg
         w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
+        if len(mine) >= _WATCHERS_PER_STREAM:
+            return [
+                rpc_pb2.WatchResponse(
+                    header=header,
+                    watch_id=w.watch_id,
+                    created=True,
+                    canceled=True,
+                    cancel_reason=f"at most {_WATCHERS_PER_STREAM} watches on one stream",
+                )
+            ]
         start = create.start_revision
         if start and start <= self.s.compacted:
             # The events from `start` on are gone: the client must read again.
@@ -552,7 +679,12 @@ class EmbeddedServer:
             self._loop.close()
 
     async def _start(self, started: concurrent.futures.Future[int]) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", _MAX_REQUEST),
+            ]
+        )
         rpc_pb2_grpc.add_KVServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_LeaseServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_WatchServicer_to_server(self._service, server)
@@ -629,16 +761,16 @@ def _server_credentials(ca: str | None, cert: str | None, key: str | None) -> An
     )
 
 
-async def _read_watch_requests(requests: AsyncIterator[Any], out: asyncio.Queue[Any]) -> None:
+async def _read_watch_requests(requests: AsyncIterator[Any], out: _Outbox) -> None:
     """A watch stream's requests into its queue; however the reading ends, the stream ends."""
     try:
         async for request in requests:
             kind = request.WhichOneof("request_union")
             if kind == "create_request":
-                out.put_nowait(("create", request.create_request))
+                out.put(("create", request.create_request))
             elif kind == "cancel_request":
-                out.put_nowait(("cancel", request.cancel_request.watch_id))
+                out.put(("cancel", request.cancel_request.watch_id))
     except (grpc.RpcError, asyncio.CancelledError):
         pass
     finally:
-        out.put_nowait(("end", None))
+        out.put(("end", None))

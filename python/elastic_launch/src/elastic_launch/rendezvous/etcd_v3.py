@@ -677,8 +677,9 @@ class _EtcdWatch(Watch):
             return True
         now = time.monotonic()
         retry.failing_since = retry.failing_since or now
-        if code in _RETRYABLE and now - retry.failing_since <= self._store.retry_for:
-            return False
+        cut_off = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut off" in (e.details() or "")
+        if (code in _RETRYABLE or cut_off) and now - retry.failing_since <= self._store.retry_for:
+            return False  # a stream the service cut off (it fell behind) is watched again
         self.inbox.put(self._store._error(e))
         return None
 
