@@ -250,3 +250,53 @@ def test_a_password_is_never_sent_without_tls_unless_allowed(backend, tls_files,
     check_parameters(
         etcd("etcd0:2379", backend, user="u", password_file=password, cacert=str(tls_files["ca"]))
     )
+
+
+# ---- the host: chosen by the port, which no other user can hold for us ------------------------
+
+
+def test_another_user_cannot_keep_this_agent_from_hosting():
+    # The host was picked by an abstract-socket lock named after the port, which any local user
+    # could bind first: the agent then never hosted and its job failed after join_timeout.
+    if os.getuid() != 0:
+        pytest.skip("needs root, to run the squatter as another user")
+    import shutil
+    import subprocess
+    import sys
+
+    port = free_port()
+    squat = (
+        "import socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        f"s.bind('\\0elasticrun-rdzv-{port}')\n"
+        "s.listen(1)\n"
+        "print('bound', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    squatter = subprocess.Popen(
+        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", squat],
+        stdout=subprocess.PIPE,
+        text=True,
+        user=65534,  # nobody
+        cwd="/",
+    )
+    handler = None
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "bound"
+        p = RendezvousParameters(
+            "c10d",
+            f"127.0.0.1:{port}",
+            "job",
+            2,
+            2,
+            1,
+            local_addr="127.0.0.1",
+            config={"join_timeout": "5"},
+        )
+        handler = EmbeddedRendezvous(p)
+        assert handler.hosting, "the agent hosts: the port decides, not a lock others can take"
+    finally:
+        if handler is not None:
+            handler.shutdown()
+        squatter.kill()
+        squatter.wait(10)
