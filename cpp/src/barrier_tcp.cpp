@@ -1,6 +1,14 @@
 // The TCP barrier among node leaders: a star around rank 0. A round is one ARRIVE from every
 // member and one RELEASE back, so it costs two network latencies whatever the size. Frames are a
-// fixed little-endian layout; the handshake checks a protocol magic, the job size and a token.
+// fixed little-endian layout. The handshake checks a protocol magic and version, the job size
+// and the token, by a mutual HMAC-SHA256 challenge:
+//   member -> rank 0  HELLO      magic, version, rank, size, member nonce (16)
+//   rank 0 -> member  CHALLENGE  magic, status, rank 0's nonce (16), rank 0's proof (32)
+//   member -> rank 0  PROOF      the member's proof (32), sent only if rank 0's proof holds
+//   rank 0 -> member  WELCOME    magic, status
+// where a proof is HMAC(token, role | member nonce | rank 0's nonce | rank | size). The token
+// never crosses the wire, and a recorded handshake is worthless with fresh nonces. Rank 0 runs
+// every pending handshake at once (a silent connection delays no one), each bounded by 5 s.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -15,15 +23,20 @@
 #include <thread>
 
 #include "elastic/barrier.hpp"
+#include "hmac.hpp"
 #include "util.hpp"
 
 namespace elastic {
 namespace {
 
 constexpr uint32_t kMagic = 0x31425445;  // "ETB1"
-constexpr uint32_t kProtocolVersion = 1;
-constexpr size_t kHelloSize = 24;
+constexpr uint32_t kProtocolVersion = 2;
+constexpr size_t kNonceSize = 16;
+constexpr size_t kProofSize = 32;
+constexpr size_t kHelloSize = 16 + kNonceSize;
+constexpr size_t kChallengeSize = 8 + kNonceSize + kProofSize;
 constexpr size_t kWelcomeSize = 8;
+constexpr uint64_t kHandshakeNs = 5000000000ull;  // for each connecting peer
 constexpr size_t kFrameSize = 16;
 constexpr size_t kReasonSize = 240;
 
@@ -54,14 +67,24 @@ uint64_t get_u64(const unsigned char* p) {
   return v;
 }
 
-// FNV-1a: the token guards against joining the wrong job by accident; it is not authentication.
-uint64_t hash_token(const std::string& token) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char c : token) {
-    h ^= c;
-    h *= 1099511628211ull;
+using detail::Digest;
+
+// A proof of the token for one handshake: what only a holder of the token can compute.
+Digest proof(const std::string& token, const char* role, const unsigned char* member_nonce,
+             const unsigned char* leader_nonce, uint32_t rank, uint32_t size) {
+  unsigned char msg[16 + 2 * kNonceSize + 8] = {};
+  std::strncpy(reinterpret_cast<char*>(msg), role, 16);
+  std::memcpy(msg + 16, member_nonce, kNonceSize);
+  std::memcpy(msg + 16 + kNonceSize, leader_nonce, kNonceSize);
+  put_u32(msg + 16 + 2 * kNonceSize, rank);
+  put_u32(msg + 16 + 2 * kNonceSize + 4, size);
+  return detail::hmac_sha256(token, msg, sizeof(msg));
+}
+
+void nonce(unsigned char* out) {
+  if (!detail::random_bytes(out, kNonceSize)) {
+    throw Error(ELASTIC_ERR_SYSTEM, "TCP barrier: the kernel gave no random bytes (getrandom)");
   }
-  return h;
 }
 
 struct HostPort {
@@ -226,7 +249,7 @@ std::string welcome_text(uint32_t status) {
 
 TcpBarrier::TcpBarrier(std::vector<std::string> peers, uint32_t rank, const std::string& token,
                        int connect_timeout_ms)
-    : peers_(std::move(peers)), rank_(rank), token_hash_(hash_token(token)) {
+    : peers_(std::move(peers)), rank_(rank), token_(token) {
   if (peers_.empty()) {
     throw Error(ELASTIC_ERR_INVALID_ARGUMENT, "a TCP barrier needs at least one peer");
   }
@@ -286,18 +309,149 @@ void TcpBarrier::listen_on_own_entry() {
                                                : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
 }
 
+namespace {
+
+// One connecting peer whose handshake rank 0 is running: what it has read so far, and what it
+// waits for next (the HELLO, then the PROOF).
+struct Pending {
+  int fd = -1;
+  uint64_t deadline = 0;
+  bool hello_done = false;
+  unsigned char buf[kHelloSize] = {};
+  size_t got = 0;
+  uint32_t rank = 0;
+  unsigned char member_nonce[kNonceSize] = {};
+  unsigned char leader_nonce[kNonceSize] = {};
+
+  size_t want() const { return hello_done ? kProofSize : kHelloSize; }
+};
+
+// Send a small frame on a non-blocking socket, bounded by `deadline`.
+bool send_small(int fd, const unsigned char* buf, size_t n, uint64_t deadline) {
+  size_t sent = 0;
+  while (sent < n) {
+    ssize_t r = ::send(fd, buf + sent, n - sent, MSG_NOSIGNAL);
+    if (r > 0) {
+      sent += static_cast<size_t>(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno == EAGAIN) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, remaining_ms(deadline)) > 0) continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+void send_status(int fd, uint32_t status, uint64_t deadline) {
+  unsigned char frame[kChallengeSize] = {};
+  put_u32(frame, kMagic);
+  put_u32(frame + 4, status);
+  send_small(fd, frame, status == kOk ? kWelcomeSize : kChallengeSize, deadline);
+}
+
+}  // namespace
+
 void TcpBarrier::accept_members(uint64_t deadline, int connect_timeout_ms) {
   size_t joined = 1;
+  std::vector<Pending> pending;
+  auto drop = [&](size_t k) {
+    ::close(pending[k].fd);
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+  };
+  // A whole message from pending[k]: the HELLO (answered with the CHALLENGE) or the PROOF
+  // (answered with the WELCOME, and the peer joins). False: the connection is dropped.
+  auto step = [&](Pending& c) -> bool {
+    const uint32_t n = static_cast<uint32_t>(peers_.size());
+    if (!c.hello_done) {
+      if (get_u32(c.buf) != kMagic) return false;  // not one of ours (a scanner, a stray client)
+      c.rank = get_u32(c.buf + 8);
+      uint32_t status = kOk;
+      if (get_u32(c.buf + 4) != kProtocolVersion) {
+        status = kBadVersion;
+      } else if (get_u32(c.buf + 12) != n) {
+        status = kBadSize;
+      } else if (c.rank == 0 || c.rank >= n) {
+        status = kBadRank;
+      } else if (fds_[c.rank] >= 0) {
+        status = kRankTaken;
+      }
+      if (status != kOk) {
+        send_status(c.fd, status, c.deadline);
+        return false;
+      }
+      std::memcpy(c.member_nonce, c.buf + 16, kNonceSize);
+      nonce(c.leader_nonce);
+      unsigned char frame[kChallengeSize];
+      put_u32(frame, kMagic);
+      put_u32(frame + 4, kOk);
+      std::memcpy(frame + 8, c.leader_nonce, kNonceSize);
+      Digest mine = proof(token_, "leader", c.member_nonce, c.leader_nonce, c.rank, n);
+      std::memcpy(frame + 8 + kNonceSize, mine.data(), kProofSize);
+      c.hello_done = true;
+      c.got = 0;
+      return send_small(c.fd, frame, sizeof(frame), c.deadline);
+    }
+    Digest theirs = proof(token_, "member", c.member_nonce, c.leader_nonce, c.rank, n);
+    uint32_t status = !detail::digests_equal(c.buf, theirs.data()) ? kBadToken
+                      : fds_[c.rank] >= 0                          ? kRankTaken
+                                                                   : kOk;
+    unsigned char frame[kWelcomeSize];
+    put_u32(frame, kMagic);
+    put_u32(frame + 4, status);
+    if (!send_small(c.fd, frame, sizeof(frame), c.deadline) || status != kOk) return false;
+    ::fcntl(c.fd, F_SETFL, ::fcntl(c.fd, F_GETFL) & ~O_NONBLOCK);
+    fds_[c.rank] = c.fd;
+    c.fd = -1;  // joined: no longer pending
+    ++joined;
+    return true;
+  };
+  std::vector<pollfd> pfds;
   while (joined < peers_.size()) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    int rc = ::poll(&p, 1, remaining_ms(deadline));
+    const uint64_t now = now_ns();
+    for (size_t k = pending.size(); k-- > 0;) {
+      if (pending[k].deadline <= now) drop(k);  // too slow to say who it is
+    }
+    uint64_t wake = deadline;
+    for (const Pending& c : pending) wake = std::min(wake, c.deadline);
+    pfds.assign(1, pollfd{listen_fd_, POLLIN, 0});
+    for (const Pending& c : pending) pfds.push_back({c.fd, POLLIN, 0});
+    int rc = ::poll(pfds.data(), pfds.size(), remaining_ms(wake));
     if (rc < 0 && errno == EINTR) continue;
-    if (rc <= 0) break;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    set_nodelay(fd);
-    if (admit(fd, deadline)) ++joined;
+    if (rc < 0 || (rc == 0 && now_ns() >= deadline)) break;
+    for (size_t k = pending.size(); k-- > 0;) {
+      if (pfds[k + 1].revents == 0) continue;
+      Pending& c = pending[k];
+      ssize_t r = ::recv(c.fd, c.buf + c.got, c.want() - c.got, 0);
+      if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (r <= 0) {
+        drop(k);
+        continue;
+      }
+      c.got += static_cast<size_t>(r);
+      if (c.got < c.want()) continue;
+      if (!step(c)) {
+        drop(k);
+      } else if (c.fd < 0) {
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+    if (pfds[0].revents != 0) {
+      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0 && pending.size() >= 4 * peers_.size() + 16) {
+        ::close(fd);  // more strangers than peers: not one of them gets to wait
+      } else if (fd >= 0) {
+        set_nodelay(fd);
+        Pending c;
+        c.fd = fd;
+        c.deadline = std::min(deadline, now_ns() + kHandshakeNs);
+        pending.push_back(c);
+      }
+    }
   }
+  for (Pending& c : pending) ::close(c.fd);
   if (joined == peers_.size()) return;
   std::string missing;
   int first = -1;
@@ -311,40 +465,6 @@ void TcpBarrier::accept_members(uint64_t deadline, int connect_timeout_ms) {
                                        std::to_string(connect_timeout_ms) +
                                        " ms; check that they run and can reach " + describe(0))
       .with_culprit(first);
-}
-
-bool TcpBarrier::admit(int fd, uint64_t deadline) {
-  unsigned char hello[kHelloSize];
-  int err = 0;
-  uint64_t hello_deadline = now_ns() + 5000000000ull;
-  if (read_full(fd, hello, kHelloSize, std::min(deadline, hello_deadline), &err) != Read::kOk ||
-      get_u32(hello) != kMagic) {
-    ::close(fd);  // not one of ours (a port scanner, a stray client)
-    return false;
-  }
-  uint32_t their_rank = get_u32(hello + 8);
-  uint32_t status = kOk;
-  if (get_u32(hello + 4) != kProtocolVersion) {
-    status = kBadVersion;
-  } else if (get_u64(hello + 16) != token_hash_) {
-    status = kBadToken;
-  } else if (get_u32(hello + 12) != peers_.size()) {
-    status = kBadSize;
-  } else if (their_rank == 0 || their_rank >= peers_.size()) {
-    status = kBadRank;
-  } else if (fds_[their_rank] >= 0) {
-    status = kRankTaken;
-  }
-  unsigned char welcome[kWelcomeSize];
-  put_u32(welcome, kMagic);
-  put_u32(welcome + 4, status);
-  bool sent = write_full(fd, welcome, kWelcomeSize);
-  if (status != kOk || !sent) {
-    ::close(fd);
-    return false;
-  }
-  fds_[their_rank] = fd;
-  return true;
 }
 
 int TcpBarrier::connect_to_leader(uint64_t deadline, int connect_timeout_ms) {
@@ -374,23 +494,54 @@ int TcpBarrier::connect_to_leader(uint64_t deadline, int connect_timeout_ms) {
 }
 
 void TcpBarrier::handshake(int fd, uint64_t deadline) {
+  const uint32_t n = static_cast<uint32_t>(peers_.size());
   unsigned char hello[kHelloSize];
   put_u32(hello, kMagic);
   put_u32(hello + 4, kProtocolVersion);
   put_u32(hello + 8, rank_);
-  put_u32(hello + 12, static_cast<uint32_t>(peers_.size()));
-  put_u64(hello + 16, token_hash_);
-  unsigned char welcome[kWelcomeSize];
+  put_u32(hello + 12, n);
+  nonce(hello + 16);
+  unsigned char challenge[kChallengeSize] = {};
   int err = 0;
+  auto unanswered = [&] {
+    return Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
+                                          " did not answer the handshake: is it an "
+                                          "elasticrun TCP barrier of the same version?")
+        .with_culprit(0);
+  };
+  // A refusal is a short frame (magic, status) or a full one: read the status first.
   if (!write_full(fd, hello, kHelloSize) ||
-      read_full(fd, welcome, kWelcomeSize, deadline, &err) != Read::kOk ||
-      get_u32(welcome) != kMagic) {
-    throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
-                                         " did not answer the handshake: is it an "
-                                         "elasticrun TCP barrier of the same version?")
+      read_full(fd, challenge, kWelcomeSize, deadline, &err) != Read::kOk ||
+      get_u32(challenge) != kMagic) {
+    throw unanswered();
+  }
+  uint32_t status = get_u32(challenge + 4);
+  if (status != kOk) {
+    throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " refused rank " +
+                                         std::to_string(rank_) + ": " + welcome_text(status))
         .with_culprit(0);
   }
-  uint32_t status = get_u32(welcome + 4);
+  if (read_full(fd, challenge + kWelcomeSize, kChallengeSize - kWelcomeSize, deadline, &err) !=
+      Read::kOk) {
+    throw unanswered();
+  }
+  const unsigned char* leader_nonce = challenge + 8;
+  Digest expected = proof(token_, "leader", hello + 16, leader_nonce, rank_, n);
+  if (!detail::digests_equal(challenge + 8 + kNonceSize, expected.data())) {
+    // Nothing more is sent: a peer that cannot prove it holds the token learns nothing.
+    throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
+                                         " did not prove it holds this barrier's token: every "
+                                         "peer must use the same token")
+        .with_culprit(0);
+  }
+  Digest mine = proof(token_, "member", hello + 16, leader_nonce, rank_, n);
+  unsigned char welcome[kWelcomeSize] = {};
+  if (!write_full(fd, mine.data(), kProofSize) ||
+      read_full(fd, welcome, kWelcomeSize, deadline, &err) != Read::kOk ||
+      get_u32(welcome) != kMagic) {
+    throw unanswered();
+  }
+  status = get_u32(welcome + 4);
   if (status != kOk) {
     throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " refused rank " +
                                          std::to_string(rank_) + ": " + welcome_text(status))
@@ -497,7 +648,7 @@ void TcpBarrier::wait_member(uint64_t deadline) {
     throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " closed the connection")
         .with_culprit(0);
   }
-  unsigned char frame[kFrameSize + kReasonSize];
+  unsigned char frame[kFrameSize + kReasonSize] = {};
   int err = 0;
   Read res = read_full(fds_[0], frame, kFrameSize, deadline, &err);
   if (res == Read::kTimeout) {
@@ -514,12 +665,15 @@ void TcpBarrier::wait_member(uint64_t deadline) {
   }
   uint32_t type = get_u32(frame);
   if (type == kAbort) {
-    auto culprit = static_cast<int>(get_u32(frame + 4));
-    read_full(fds_[0], frame + kFrameSize, kReasonSize, deadline, &err);
-    frame[kFrameSize + kReasonSize - 1] = 0;
-    throw Error(ELASTIC_ERR_ABORTED, std::string("TCP barrier aborted by ") + describe(0) + ": " +
-                                         reinterpret_cast<char*>(frame + kFrameSize))
-        .with_culprit(culprit);
+    uint32_t culprit = get_u32(frame + 4);
+    std::string reason = "(its reason was cut short)";
+    if (read_full(fds_[0], frame + kFrameSize, kReasonSize, deadline, &err) == Read::kOk) {
+      const char* text = reinterpret_cast<const char*>(frame + kFrameSize);
+      reason.assign(text, ::strnlen(text, kReasonSize));
+    }
+    throw Error(ELASTIC_ERR_ABORTED,
+                std::string("TCP barrier aborted by ") + describe(0) + ": " + reason)
+        .with_culprit(culprit < peers_.size() ? static_cast<int>(culprit) : -1);
   }
   if (type != kRelease || get_u64(frame + 8) != round_) {
     throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " broke the protocol")

@@ -1,14 +1,20 @@
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "../src/hmac.hpp"
 #include "elastic/barrier.hpp"
 #include "elastic/watchdog.hpp"
 #include "test_util.hpp"
@@ -204,9 +210,207 @@ TEST(TcpBarrier, WrongTokenIsRefused) {
     ADD_FAILURE() << "expected a refusal";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), ELASTIC_ERR_NETWORK);
-    EXPECT_NE(std::string(e.what()).find("token differs"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("did not prove it holds this barrier's token"),
+              std::string::npos)
+        << e.what();
   }
   lead.join();
+}
+
+namespace {
+
+// A socket listening on 127.0.0.1:port, for a test to play rank 0 by hand.
+int listen_on(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 8) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int connect_to(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+size_t read_some(int fd, unsigned char* buf, size_t n, int timeout_ms) {
+  size_t got = 0;
+  while (got < n) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) break;
+    ssize_t r = ::recv(fd, buf + got, n - got, 0);
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return got;
+}
+
+}  // namespace
+
+TEST(TcpBarrier, AMemberSendsNothingToALeaderThatCannotProveTheToken) {
+  // An impostor at rank 0's address answers the HELLO with a made-up proof: the member stops
+  // there, and what it sent (the HELLO) holds nothing derived from the token.
+  int port = free_port();
+  int lfd = listen_on(port);
+  ASSERT_GE(lfd, 0);
+  std::vector<unsigned char> after_challenge;
+  std::thread impostor([&] {
+    int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    unsigned char hello[32];
+    ASSERT_EQ(read_some(fd, hello, sizeof(hello), 5000), sizeof(hello));
+    unsigned char challenge[56] = {0x45, 0x54, 0x42, 0x31};  // magic, status 0, then junk
+    for (size_t i = 8; i < sizeof(challenge); ++i) challenge[i] = static_cast<unsigned char>(i);
+    ASSERT_EQ(::send(fd, challenge, sizeof(challenge), MSG_NOSIGNAL), 56);
+    unsigned char rest[64];
+    size_t n = read_some(fd, rest, sizeof(rest), 2000);
+    after_challenge.assign(rest, rest + n);
+    ::close(fd);
+  });
+  try {
+    TcpBarrier b({"127.0.0.1:" + std::to_string(port), "127.0.0.1:1"}, 1, "secret", 3000);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("did not prove it holds this barrier's token"),
+              std::string::npos)
+        << e.what();
+  }
+  impostor.join();
+  ::close(lfd);
+  EXPECT_TRUE(after_challenge.empty()) << "the member sent its proof to an impostor";
+}
+
+TEST(TcpBarrier, SilentConnectionsDelayNoOne) {
+  // Rank 0 handshakes with every connecting peer at once: connections that never say a word
+  // (a port scanner) cost nobody their handshake. One at a time, each cost 5 s, and two of
+  // them outlasted this test's 3 s to connect.
+  int port = free_port();
+  std::string leader = "127.0.0.1:" + std::to_string(port);
+  std::vector<std::string> peers = {leader, "127.0.0.1:1", "127.0.0.1:2"};
+  std::atomic<int> formed{0};
+  std::vector<int> silent;
+  std::thread lead([&] {
+    TcpBarrier b(peers, 0, "t", 3000);
+    b.wait(3000);
+    ++formed;
+  });
+  for (int tries = 0; silent.size() < 2 && tries < 200; ++tries) {
+    int fd = connect_to(port);
+    if (fd >= 0) {
+      silent.push_back(fd);
+    } else {
+      ::usleep(10000);
+    }
+  }
+  ASSERT_EQ(silent.size(), 2u);
+  std::vector<std::thread> members;
+  for (uint32_t r = 1; r < 3; ++r) {
+    members.emplace_back([&, r] {
+      TcpBarrier b(peers, r, "t", 3000);
+      b.wait(3000);
+      ++formed;
+    });
+  }
+  for (auto& t : members) t.join();
+  lead.join();
+  for (int fd : silent) ::close(fd);
+  EXPECT_EQ(formed.load(), 3);
+}
+
+TEST(TcpBarrier, AnAbortCutShortIsReadWithinItsFrame) {
+  // Rank 0, played by hand (the handshake computed from the protocol's description), sends an
+  // ABORT whose reason never comes and whose culprit is out of range: the member reports just
+  // that, with no stray bytes and no culprit.
+  int port = free_port();
+  int lfd = listen_on(port);
+  ASSERT_GE(lfd, 0);
+  auto put32 = [](unsigned char* p, uint32_t v) {
+    for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  };
+  std::thread fake([&] {
+    int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    unsigned char hello[32];
+    ASSERT_EQ(read_some(fd, hello, sizeof(hello), 5000), sizeof(hello));
+    unsigned char leader_nonce[16] = {7};
+    unsigned char msg[48] = {};
+    std::memcpy(msg, "leader", 6);
+    std::memcpy(msg + 16, hello + 16, 16);
+    std::memcpy(msg + 32, leader_nonce, 16);
+    std::vector<unsigned char> full(msg, msg + 48);
+    full.insert(full.end(), hello + 8, hello + 16);  // rank, size
+    auto mac = elastic::detail::hmac_sha256("t", full.data(), full.size());
+    unsigned char challenge[56] = {};
+    put32(challenge, 0x31425445);
+    std::memcpy(challenge + 8, leader_nonce, 16);
+    std::memcpy(challenge + 24, mac.data(), 32);
+    ::send(fd, challenge, sizeof(challenge), MSG_NOSIGNAL);
+    unsigned char member_proof[32];
+    read_some(fd, member_proof, sizeof(member_proof), 5000);
+    unsigned char welcome[8] = {};
+    put32(welcome, 0x31425445);
+    ::send(fd, welcome, sizeof(welcome), MSG_NOSIGNAL);
+    unsigned char arrive[16];
+    read_some(fd, arrive, sizeof(arrive), 5000);
+    unsigned char abort_head[16] = {};
+    put32(abort_head, 3);        // ABORT
+    put32(abort_head + 4, 99);   // a culprit no peer is
+    abort_head[8] = 1;           // round 1
+    ::send(fd, abort_head, sizeof(abort_head), MSG_NOSIGNAL);
+    ::close(fd);                 // and no reason
+  });
+  try {
+    TcpBarrier b({"127.0.0.1:" + std::to_string(port), "127.0.0.1:1"}, 1, "t", 3000);
+    b.wait(3000);
+    ADD_FAILURE() << "expected an abort";
+  } catch (const Error& e) {
+    std::string what = e.what();
+    EXPECT_EQ(e.status(), ELASTIC_ERR_ABORTED) << what;
+    EXPECT_NE(what.find("(its reason was cut short)"), std::string::npos) << what;
+    EXPECT_EQ(e.culprit(), -1);
+  }
+  fake.join();
+  ::close(lfd);
+}
+
+TEST(Hmac, KnownAnswers) {
+  // FIPS 180-4 examples and RFC 4231's test cases 1 and 2.
+  auto hex = [](const elastic::detail::Digest& d) {
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : d) {
+      out += digits[c >> 4];
+      out += digits[c & 15];
+    }
+    return out;
+  };
+  auto bytes = [](const std::string& s) { return reinterpret_cast<const unsigned char*>(s.data()); };
+  EXPECT_EQ(hex(elastic::detail::sha256(bytes(""), 0)),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(hex(elastic::detail::sha256(bytes("abc"), 3)),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+  EXPECT_EQ(hex(elastic::detail::sha256(bytes(two_blocks), two_blocks.size())),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  std::string data = "Hi There";
+  EXPECT_EQ(hex(elastic::detail::hmac_sha256(std::string(20, '\x0b'), bytes(data), data.size())),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  std::string what = "what do ya want for nothing?";
+  EXPECT_EQ(hex(elastic::detail::hmac_sha256("Jefe", bytes(what), what.size())),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
 }
 
 TEST(TcpBarrier, PeerThatDiesMidRoundIsNamed) {

@@ -68,7 +68,9 @@ class TcpBarrier {
  public:
   /// `peers` are "host:port" (or "[v6addr]:port"), one per rank. Rank 0 binds its own entry and
   /// waits up to `connect_timeout_ms` for every other rank; the others retry connecting to rank
-  /// 0 for as long. `token` must match on every peer (a guard against joining another job).
+  /// 0 for as long. `token` must match on every peer: each joining peer and rank 0 prove to
+  /// each other that they hold it (an HMAC challenge over fresh nonces; the token is never
+  /// sent), and rank 0 handshakes with every connecting peer at once.
   TcpBarrier(std::vector<std::string> peers, uint32_t rank, const std::string& token,
              int connect_timeout_ms);
   ~TcpBarrier();
@@ -88,7 +90,6 @@ class TcpBarrier {
   // The constructor's steps: rank 0 listens and admits every member; the others connect.
   void listen_on_own_entry();
   void accept_members(uint64_t deadline, int connect_timeout_ms);
-  bool admit(int fd, uint64_t deadline);
   int connect_to_leader(uint64_t deadline, int connect_timeout_ms);
   void handshake(int fd, uint64_t deadline);
   void wait_leader(uint64_t deadline);
@@ -98,7 +99,7 @@ class TcpBarrier {
 
   std::vector<std::string> peers_;
   uint32_t rank_;
-  uint64_t token_hash_;
+  std::string token_;  // the key of the handshake's HMAC challenge; never sent
   uint64_t round_ = 0;
   uint16_t bound_port_ = 0;
   int listen_fd_ = -1;

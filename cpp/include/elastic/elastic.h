@@ -278,8 +278,9 @@ typedef struct elastic_tcp_barrier elastic_tcp_barrier;
 /**
  * A barrier among `npeers` node leaders, given as "host:port" strings; `rank` is this node's
  * index. Rank 0 listens on its own address, the others connect to it, retrying until
- * `connect_timeout_ms`. `token` (may be NULL) must be the same on every peer. An unreachable peer
- * is an ELASTIC_ERR_NETWORK or ELASTIC_ERR_TIMEOUT whose message names it.
+ * `connect_timeout_ms`. `token` (may be NULL) must be the same on every peer: rank 0 and each
+ * peer prove to each other that they hold it (HMAC-SHA256 over fresh nonces; it is never sent).
+ * An unreachable peer is an ELASTIC_ERR_NETWORK or ELASTIC_ERR_TIMEOUT whose message names it.
  */
 ELASTIC_API int elastic_tcp_barrier_create(const char* const* peers, uint32_t npeers,
                                            uint32_t rank, const char* token,

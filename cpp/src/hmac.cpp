@@ -1,0 +1,128 @@
+#include "hmac.hpp"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace elastic::detail {
+namespace {
+
+constexpr uint32_t kRound[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+
+uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+void compress(uint32_t state[8], const unsigned char block[64]) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; ++i) {
+    w[i] = (static_cast<uint32_t>(block[4 * i]) << 24) |
+           (static_cast<uint32_t>(block[4 * i + 1]) << 16) |
+           (static_cast<uint32_t>(block[4 * i + 2]) << 8) | static_cast<uint32_t>(block[4 * i + 3]);
+  }
+  for (int i = 16; i < 64; ++i) {
+    uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+  uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
+  for (int i = 0; i < 64; ++i) {
+    uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) +
+                  kRound[i] + w[i];
+    uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    h = g;
+    g = f;
+    f = e;
+    e = d + t1;
+    d = c;
+    c = b;
+    b = a;
+    a = t1 + t2;
+  }
+  state[0] += a;
+  state[1] += b;
+  state[2] += c;
+  state[3] += d;
+  state[4] += e;
+  state[5] += f;
+  state[6] += g;
+  state[7] += h;
+}
+
+}  // namespace
+
+Digest sha256(const unsigned char* data, size_t size) {
+  uint32_t state[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  size_t full = size / 64 * 64;
+  for (size_t i = 0; i < full; i += 64) compress(state, data + i);
+  // The tail, the 0x80 marker and the length in bits: one block or two.
+  unsigned char tail[128] = {};
+  size_t rest = size - full;
+  if (rest != 0) std::memcpy(tail, data + full, rest);
+  tail[rest] = 0x80;
+  size_t blocks = rest + 1 + 8 <= 64 ? 1 : 2;
+  uint64_t bits = static_cast<uint64_t>(size) * 8;
+  for (int i = 0; i < 8; ++i) {
+    tail[blocks * 64 - 1 - i] = static_cast<unsigned char>(bits >> (8 * i));
+  }
+  for (size_t i = 0; i < blocks; ++i) compress(state, tail + 64 * i);
+  Digest out{};
+  for (int i = 0; i < 8; ++i) {
+    out[4 * i] = static_cast<unsigned char>(state[i] >> 24);
+    out[4 * i + 1] = static_cast<unsigned char>(state[i] >> 16);
+    out[4 * i + 2] = static_cast<unsigned char>(state[i] >> 8);
+    out[4 * i + 3] = static_cast<unsigned char>(state[i]);
+  }
+  return out;
+}
+
+Digest hmac_sha256(const std::string& key, const unsigned char* data, size_t size) {
+  unsigned char block[64] = {};
+  if (key.size() > 64) {
+    Digest k = sha256(reinterpret_cast<const unsigned char*>(key.data()), key.size());
+    std::memcpy(block, k.data(), k.size());
+  } else {
+    std::memcpy(block, key.data(), key.size());
+  }
+  std::vector<unsigned char> inner(64 + size);
+  for (int i = 0; i < 64; ++i) inner[i] = block[i] ^ 0x36;
+  if (size != 0) std::memcpy(inner.data() + 64, data, size);
+  Digest inner_digest = sha256(inner.data(), inner.size());
+  unsigned char outer[64 + 32];
+  for (int i = 0; i < 64; ++i) outer[i] = block[i] ^ 0x5c;
+  std::memcpy(outer + 64, inner_digest.data(), 32);
+  return sha256(outer, sizeof(outer));
+}
+
+bool digests_equal(const unsigned char* a, const unsigned char* b) noexcept {
+  unsigned char diff = 0;
+  for (int i = 0; i < 32; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+bool random_bytes(unsigned char* out, size_t n) noexcept {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::getrandom(out + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+}  // namespace elastic::detail
