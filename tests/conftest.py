@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -182,14 +182,10 @@ class EtcdServer:
         self._pick_ports()
 
     def _pick_ports(self) -> None:
-        import socket
+        from elastic_launch.net import free_port
 
-        ports = []
-        for bind in (self.host, "127.0.0.1"):  # clients on `host`, peers on 127.0.0.1
-            with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
-                s.bind((bind, 0))
-                ports.append(s.getsockname()[1])
-        self.port, self.peer_port = ports
+        # clients on `host`, peers on 127.0.0.1; below the ephemeral range (see free_port)
+        self.port, self.peer_port = free_port(self.host), free_port("127.0.0.1")
         host = self.host
         self.endpoint = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         self.log = self.data_dir.parent / f"etcd-{self.port}.log"
@@ -291,17 +287,37 @@ class EtcdServer:
 
 
 @pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """mount(size, name): a tmpfs of `size` bytes at tmp_path/name, unmounted after the test;
+    the test is skipped where it cannot be mounted (it needs root)."""
+    mounts: list[Path] = []
+
+    def mount(size: int, name: str = "disk") -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        made = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}): needs root")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
 def embedded() -> Iterator[tuple[str, str]]:
     """The embedded rendezvous service, in this process on a free port: (endpoint, token)."""
-    import socket
-
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = EmbeddedServer("127.0.0.1", port, token="t")
-    yield f"127.0.0.1:{port}", "t"
+    server = EmbeddedServer("127.0.0.1", 0, token="t")
+    yield f"127.0.0.1:{server.port}", "t"
     server.close()
 
 
@@ -347,12 +363,11 @@ def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
     server.stop()
 
 
-@pytest.fixture
-def tls_files(tmp_path: Path) -> dict[str, Path]:
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A throwaway CA and a certificate it signed for 127.0.0.1 and localhost (with the
     client-auth use too: every node of a job presents the same one): {"cert", "key", "ca"}."""
-    d = tmp_path / "tls"
-    d.mkdir()
+    d = tmp_path_factory.mktemp("tls")
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)

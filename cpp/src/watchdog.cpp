@@ -150,6 +150,18 @@ struct Watchdog::Impl {
     emit(std::move(ev));
   }
 
+  static Event hung(const Worker& w, uint64_t now, uint64_t step, std::string detail) {
+    Event ev;
+    ev.worker = w.id;
+    ev.kind = ELASTIC_EVENT_HUNG;
+    ev.time_ns = now;
+    ev.pid = w.pid;
+    ev.gpu = w.gpu;
+    ev.step = step;
+    ev.detail = std::move(detail);
+    return ev;
+  }
+
   // Returns the interval until the next hang check, in ms (UINT64_MAX: no worker to check).
   uint64_t check_hangs() {
     std::vector<Event> found;
@@ -167,14 +179,8 @@ struct Watchdog::Impl {
           // reported once, not an exception that ends the supervisor.
           if (w.reported_beat == UINT64_MAX) continue;
           w.reported_beat = UINT64_MAX;
-          Event ev;
-          ev.worker = w.id;
-          ev.kind = ELASTIC_EVENT_HUNG;
-          ev.time_ns = now;
-          ev.pid = w.pid;
-          ev.gpu = w.gpu;
-          ev.detail = who(w) + ": its heartbeat slot cannot be read (" + e.what() + ")";
-          found.push_back(std::move(ev));
+          found.push_back(
+              hung(w, now, 0, who(w) + ": its heartbeat slot cannot be read (" + e.what() + ")"));
           continue;
         }
         uint64_t timeout = info.timeout_ms != 0       ? info.timeout_ms
@@ -187,17 +193,10 @@ struct Watchdog::Impl {
         uint64_t silent_ms = (now - info.last_beat_ns) / 1000000;
         if (silent_ms <= timeout) continue;
         w.reported_beat = info.last_beat_ns;
-        Event ev;
-        ev.worker = w.id;
-        ev.kind = ELASTIC_EVENT_HUNG;
-        ev.time_ns = now;
-        ev.pid = w.pid;
-        ev.gpu = w.gpu;
-        ev.step = info.step;
-        ev.detail = who(w) + " has not beaten for " + std::to_string(silent_ms) +
-                    " ms (timeout " + std::to_string(timeout) + " ms); last step " +
-                    std::to_string(info.step);
-        found.push_back(std::move(ev));
+        found.push_back(hung(w, now, info.step,
+                             who(w) + " has not beaten for " + std::to_string(silent_ms) +
+                                 " ms (timeout " + std::to_string(timeout) + " ms); last step " +
+                                 std::to_string(info.step)));
       }
     }
     for (auto& ev : found) {

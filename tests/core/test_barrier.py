@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import elastic_core as ec
 import pytest
+from elastic_launch.net import free_port
 
 PARTICIPANT = """
 import sys, elastic_core
@@ -81,12 +81,6 @@ def test_bad_arguments(shm_path):
             owner.wait(timeout=-2)
     with pytest.raises(ec.BadFileError, match="does not exist"):
         ec.LocalBarrier.open(path, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_tcp_barrier_rounds_across_three_peers():

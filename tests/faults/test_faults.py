@@ -383,25 +383,11 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path, reference: Path):
+def small_disk(tmpfs, reference: Path) -> Path:
     """A tmpfs that holds two of the job's checkpoints but not three (root only)."""
     sizes = [p.stat().st_size for p in reference.parent.glob("clean-ckpt/checkpoint-*")]
     one = max(s for s in sizes if s > 1000) + 4096  # a checkpoint, its checksum's page
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    size = (one * 5 // 2 + 4095) // 4096 * 4096
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}): needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return tmpfs((one * 5 // 2 + 4095) // 4096 * 4096)
 
 
 @pytest.mark.timeout(200)

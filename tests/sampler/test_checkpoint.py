@@ -113,6 +113,7 @@ def test_unwritable_directory_is_a_clear_error():
         CheckpointManager("/proc/elastic-x")
 
 
+@pytest.mark.slow  # a real process
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal, torch
@@ -192,14 +193,18 @@ dist.destroy_process_group()
 
 
 def _broadcast(tmp_path: Path, mode: str) -> list[str]:
-    import socket
+    return run_pair(BROADCAST, str(tmp_path), mode)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+def run_pair(script: str, *args: str) -> list[str]:
+    """Two processes running `script` as ranks 0 and 1 (argv: rank, a free port, `args`);
+    their stdouts."""
+    from elastic_launch.net import free_port
+
+    port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BROADCAST, str(r), str(port), str(tmp_path), mode],
+            [sys.executable, "-c", script, str(r), str(port), *args],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -215,6 +220,7 @@ def _broadcast(tmp_path: Path, mode: str) -> list[str]:
     return outs
 
 
+@pytest.mark.slow  # two real processes and gloo
 def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
     outs = _broadcast(tmp_path, "readable")
     assert "RESULT 0 10 10 [5, 10]" in outs[0]
@@ -222,6 +228,7 @@ def test_broadcast_latest_shares_the_newest_checkpoint(tmp_path):
     assert os.path.exists(tmp_path / "rank1" / "checkpoint-000000000010.pt.meta.json")
 
 
+@pytest.mark.slow  # two real processes and gloo
 def test_a_holder_that_cannot_read_fails_every_rank(tmp_path):
     outs = _broadcast(tmp_path, "unreadable")
     why = "rank 0 holds checkpoint step 10 but could not read it"

@@ -10,8 +10,6 @@ import io
 import json
 import os
 import random
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -241,22 +239,9 @@ def test_a_crash_between_the_steps_of_a_resave_leaves_one_copy_loadable(tmp_path
 
 
 @pytest.fixture
-def tiny_disk(tmp_path: Path):
+def tiny_disk(tmpfs) -> Path:
     """A 1 MiB tmpfs (root only): small enough to fill with one call."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}): needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return tmpfs(1 << 20)
 
 
 def _leave_free(directory: Path, pages: int) -> None:
@@ -299,8 +284,9 @@ def test_a_full_disk_at_any_point_of_a_save_keeps_the_newest_good_checkpoint(tin
     assert 0 < failures < 44, "the sweep covered failures and successes"
 
 
+@pytest.mark.slow  # two real processes and gloo
 def test_broadcast_latest_refuses_a_crafted_checkpoint(tmp_path):
-    import socket
+    from test_checkpoint import run_pair
 
     script = f"""
 import os, sys, torch, torch.distributed as dist
@@ -321,24 +307,7 @@ except Exception as e:
     print("ERROR", rank, type(e).__name__, e, flush=True)
 dist.destroy_process_group()
 """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(r), str(port), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = run_pair(script, str(tmp_path))
     for rank, out in enumerate(outs):
         assert f"ERROR {rank} UnsafeCheckpointError" in out, outs
         assert "sent by rank 0" in out, outs

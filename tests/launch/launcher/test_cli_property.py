@@ -67,7 +67,7 @@ values = st.sampled_from(TRAPS) | st.text(
     st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12
 )
 PROPERTY = settings(
-    max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

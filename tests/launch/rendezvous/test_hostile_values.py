@@ -158,7 +158,7 @@ def anything(fields: list[str]) -> st.SearchStrategy[bytes]:
 
 
 PROPERTY = settings(
-    max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

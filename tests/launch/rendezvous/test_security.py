@@ -300,3 +300,63 @@ def test_another_user_cannot_keep_this_agent_from_hosting():
             handler.shutdown()
         squatter.kill()
         squatter.wait(10)
+
+
+# ---- a host that cannot serve says so at once --------------------------------------------------
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    from elastic_launch.net import ephemeral_range
+
+    low, _ = ephemeral_range()
+    assert all(free_port() < low for _ in range(20)), "a port no bind(0) or connection takes"
+
+
+@pytest.mark.slow  # real listeners; a silent one costs the probe's 2 s
+def test_what_listens_at_a_port_is_told_apart():
+    import socket
+
+    from elastic_launch.rendezvous.backends import NOBODY, OTHER, SERVICE, who_serves
+
+    port = free_port()
+    assert who_serves("127.0.0.1", port, None) == NOBODY
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen(4)
+        assert who_serves("127.0.0.1", port, None) == OTHER
+    for token in (None, "job"):  # refusing this node's missing credential, it is still ours
+        server = EmbeddedServer("127.0.0.1", 0, token=token)
+        try:
+            assert who_serves("127.0.0.1", server.port, None) == SERVICE
+        finally:
+            server.close()
+
+
+@pytest.mark.slow  # as above
+def test_an_agent_that_cannot_host_says_so_at_once_naming_the_port():
+    import socket
+    import time
+
+    from elastic_launch.rendezvous.api import RendezvousConnectionError
+
+    port = free_port()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen(4)
+        p = RendezvousParameters(
+            "c10d",
+            f"127.0.0.1:{port}",
+            "job",
+            2,
+            2,
+            1,
+            local_addr="127.0.0.1",
+            config={"join_timeout": "600"},
+        )
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as e:
+            EmbeddedRendezvous(p)
+        assert time.monotonic() - t0 < 60, "at once, not after join_timeout"
+    message = str(e.value)
+    assert f"cannot host the rendezvous service on 127.0.0.1:{port}" in message
+    assert "held by a program that is not a rendezvous service" in message

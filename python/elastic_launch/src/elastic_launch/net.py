@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import random
 import selectors
 import socket
 import threading
@@ -20,9 +21,38 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+#: Where free_port looks first: below the ephemeral range, which the kernel hands out to every
+#: bind to port 0 and every outgoing connection on this host.
+_QUIET_PORTS = (10000, 32768)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """This host's ephemeral ports (``ip_local_port_range``; Linux's default if unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel says is free on `host` now (on every interface when `host` is not
-    an address of this machine)."""
+    """A TCP port free on `host` now (on every interface when `host` is not an address of this
+    machine), for a server that another process binds later (MASTER_PORT, a test's rendezvous).
+    It is taken outside the ephemeral range when one is free there: a port the kernel picked
+    for a bind to port 0 is the kernel's to hand out again, to any outgoing connection or other
+    bind, before its user binds it."""
+    low, _ = ephemeral_range()
+    lo, hi = _QUIET_PORTS[0], min(_QUIET_PORTS[1], low)
+    rng = random.SystemRandom()
+    for _ in range(32 if hi > lo else 0):
+        port = rng.randrange(lo, hi)
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, 0))

@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+import socket
+import time
+from typing import TYPE_CHECKING, Any
 
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.net import host_port, is_local_host, is_loopback, parse_endpoint
+from elastic_launch.net import (
+    ephemeral_range,
+    host_port,
+    is_local_host,
+    is_loopback,
+    parse_endpoint,
+)
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
 )
@@ -37,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_EMBEDDED_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 HOST_LINGER_S = 300.0  # torchrun's exit barrier waits as long
+HOST_BIND_GRACE = 3.0  # seconds a port held by no listener may take to come free
 # Nodes the embedded service is measured to serve through a node loss (docs/rendezvous_scale.md:
 # at 1,024 on 2 cores the new round is final 18 s after the loss is seen; larger, not measured).
 EMBEDDED_MAX_NODES = 1024
@@ -73,25 +83,55 @@ class EmbeddedRendezvous(ElasticRendezvous):
         """Host the service when this node is its host: ``is_host`` says so, or the endpoint
         is this host and this agent is the first on it to bind the port. The port is bound
         exclusively (no SO_REUSEPORT): it is the lock that picks one host among the agents of
-        this host, and no other user can hold it for us."""
+        this host, and no other user can hold it for us. A port held by anything but another
+        agent's service is an error at once, on every agent of this host: no one waits for a
+        service that will not come."""
         wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
         if not wants_host:
             return
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
-        try:
-            self.server = EmbeddedServer(host, port, conf.token, _tls(conf))
-            logger.info("hosting the rendezvous service on %s", host_port(host, port))
-        except OSError as e:
+        low, high = ephemeral_range()
+        if low <= port <= high:
+            logger.warning(
+                "--rdzv-endpoint port %d is in this host's ephemeral range (%d-%d): the kernel "
+                "may give it to any outgoing connection before the service binds it; choose a "
+                "port below %d (the default is %d)",
+                port,
+                low,
+                high,
+                low,
+                DEFAULT_EMBEDDED_PORT,
+            )
+        give_up = time.monotonic() + HOST_BIND_GRACE
+        while True:
+            try:
+                self.server = EmbeddedServer(host, port, conf.token, _tls(conf))
+                logger.info("hosting the rendezvous service on %s", host_port(host, port))
+                return
+            except OSError as e:
+                error = e
             if conf.is_host:
                 raise RendezvousConfigError(
                     f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
-                    f"({e}); free the port, or leave is_host out"
+                    f"({error}); free the port, or leave is_host out"
                 ) from None
-            logger.info(
-                "not hosting the rendezvous service: %s (another agent of this host serves it)",
-                e,
-            )
+            holder = who_serves(host, port, _tls(conf))
+            if holder == SERVICE:
+                logger.info("another agent of this host serves the rendezvous: %s", error)
+                return
+            if holder == OTHER or time.monotonic() > give_up:
+                raise RendezvousConnectionError(
+                    f"cannot host the rendezvous service on {host_port(host, port)} ({error}): "
+                    + (
+                        "the port is held by a program that is not a rendezvous service"
+                        if holder == OTHER
+                        else f"the port stayed taken for {HOST_BIND_GRACE:g} s, with nothing "
+                        "listening there"
+                    )
+                    + "; free it or give every node another --rdzv-endpoint port"
+                ) from None
+            time.sleep(0.1)  # an outgoing connection's port, or a service starting: again
 
     @property
     def hosting(self) -> bool:
@@ -119,6 +159,38 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 )
         super().shutdown(cancel)
         self._stop_serving()
+
+
+SERVICE, OTHER, NOBODY = "service", "other", "nobody"
+
+
+def who_serves(host: str, port: int, tls: Any) -> str:
+    """What listens at host:port: an embedded rendezvous service (even one that refuses this
+    node's credentials), another program, or nothing."""
+    import grpc
+
+    from elastic_launch.rendezvous.embedded_server import VERSION
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError:
+        return NOBODY
+    target = host_port(host, port)
+    if tls is not None:
+        ca, cert, key = (open(p, "rb").read() if p else None for p in tls)  # noqa: SIM115
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca, key, cert))
+    else:
+        channel = grpc.insecure_channel(target)
+    stub: Any = rpc_pb2_grpc.MaintenanceStub  # generated code, untyped
+    with channel:
+        try:
+            reply = stub(channel).Status(rpc_pb2.StatusRequest(), timeout=2.0)
+            return SERVICE if reply.version == VERSION else OTHER
+        except grpc.RpcError as e:
+            refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
+            return SERVICE if refused and "rendezvous token" in (e.details() or "") else OTHER
 
 
 def check_parameters(params: RendezvousParameters) -> None:

@@ -576,29 +576,15 @@ class _Service(
             return [rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True)]
         create = arg
         w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
+        refused = functools.partial(
+            rpc_pb2.WatchResponse, header=header, watch_id=w.watch_id, created=True, canceled=True
+        )
         if len(mine) >= _WATCHERS_PER_STREAM:
-            return [
-                rpc_pb2.WatchResponse(
-                    header=header,
-                    watch_id=w.watch_id,
-                    created=True,
-                    canceled=True,
-                    cancel_reason=f"at most {_WATCHERS_PER_STREAM} watches on one stream",
-                )
-            ]
+            return [refused(cancel_reason=f"at most {_WATCHERS_PER_STREAM} watches on one stream")]
         start = create.start_revision
         if start and start <= self.s.compacted:
             # The events from `start` on are gone: the client must read again.
-            compacted = self.s.compacted + 1
-            return [
-                rpc_pb2.WatchResponse(
-                    header=header,
-                    watch_id=w.watch_id,
-                    created=True,
-                    canceled=True,
-                    compact_revision=compacted,
-                )
-            ]
+            return [refused(compact_revision=self.s.compacted + 1)]
         past = self.s.since(start, w) if start else []
         self.s.add_watcher(w)  # what comes after `past` arrives through `out`
         mine[w.watch_id] = w
