@@ -433,9 +433,12 @@ class LaunchPlan:
 MAX_RUN_ID = 256
 
 
-def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
+def plan_launch(
+    config: LaunchConfig, entrypoint: Entrypoint, own_rendezvous: bool = True
+) -> LaunchPlan:
     """Check `config` and `entrypoint` and parse what is left to parse: every error comes
-    before the first resource is opened."""
+    before the first resource is opened. Without `own_rendezvous` (the caller made the
+    handler, as torch's agent API does) the rendezvous settings are the handler's business."""
     check_config(config)
     run_id = config.run_id or random_id()
     signals = parse_signals(config.signals_to_handle)
@@ -456,7 +459,8 @@ def plan_launch(config: LaunchConfig, entrypoint: Entrypoint) -> LaunchPlan:
         master_addr=config.master_addr,
         master_port=config.master_port,
     )
-    check_parameters(rendezvous)
+    if own_rendezvous:
+        check_parameters(rendezvous)
     metrics = parse_bind(config.metrics_port, "--metrics-port") if config.metrics_port else None
     health = parse_bind(config.health_port, "--health-port") if config.health_port else None
     entrypoint.check(config.start_method)

@@ -54,7 +54,7 @@ def run(
     errors (LaunchError) when the job cannot be formed. `on_agent` sees the agent before it
     runs (tests, embedding). `rdzv`, a handler the caller made (the agent API's spec), is used
     instead of one built from `config`, and the caller shuts it down, as with torch's agent."""
-    plan = plan_launch(config, entrypoint)
+    plan = plan_launch(config, entrypoint, own_rendezvous=rdzv is None)
     c, run_id = plan.config, plan.run_id
     with contextlib.ExitStack() as stack:
         cancel = CancelToken()

@@ -13,6 +13,7 @@ Their ``--rdzv-conf`` keys are in :mod:`.conf`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_EMBEDDED_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 HOST_LINGER_S = 300.0  # torchrun's exit barrier waits as long
-HOST_BIND_GRACE = 3.0  # seconds a port held by no listener may take to come free
+HOST_BIND_GRACE = 30.0  # seconds a held port may take to serve or come free (as a start)
 # Nodes the embedded service is measured to serve through a node loss (docs/rendezvous_scale.md:
 # at 1,024 on 2 cores the new round is final 18 s after the loss is seen; larger, not measured).
 EMBEDDED_MAX_NODES = 1024
@@ -126,8 +127,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
                     + (
                         "the port is held by a program that is not a rendezvous service"
                         if holder == OTHER
-                        else f"the port stayed taken for {HOST_BIND_GRACE:g} s, with nothing "
-                        "listening there"
+                        else f"the port stayed taken for {HOST_BIND_GRACE:g} s, and nothing "
+                        "answered there as a rendezvous service"
                     )
                     + "; free it or give every node another --rdzv-endpoint port"
                 ) from None
@@ -166,17 +167,18 @@ SERVICE, OTHER, NOBODY = "service", "other", "nobody"
 
 def who_serves(host: str, port: int, tls: Any) -> str:
     """What listens at host:port: an embedded rendezvous service (even one that refuses this
-    node's credentials), another program, or nothing."""
+    node's credentials), another program, or nothing that answers yet."""
     import grpc
 
     from elastic_launch.rendezvous.embedded_server import VERSION
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            pass
-    except OSError:
-        return NOBODY
+    if tls is None:
+        http2 = _speaks_http2(host, port)
+        if http2 is None:
+            return NOBODY
+        if not http2:
+            return OTHER
     target = host_port(host, port)
     if tls is not None:
         ca, cert, key = (open(p, "rb").read() if p else None for p in tls)  # noqa: SIM115
@@ -187,10 +189,37 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     with channel:
         try:
             reply = stub(channel).Status(rpc_pb2.StatusRequest(), timeout=2.0)
-            return SERVICE if reply.version == VERSION else OTHER
+            return SERVICE if reply.version == VERSION else OTHER  # another version: etcd
         except grpc.RpcError as e:
-            refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
-            return SERVICE if refused and "rendezvous token" in (e.details() or "") else OTHER
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.UNAUTHENTICATED and "rendezvous token" in details:
+                return SERVICE  # ours, refusing this probe's missing credential
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return NOBODY  # a busy host that did not answer in time: ask again
+            return OTHER  # a gRPC server without etcd's Maintenance service
+
+
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _speaks_http2(host: str, port: int) -> bool | None:
+    """Whether what listens at host:port answers HTTP/2's connection preface with its SETTINGS
+    frame, as every gRPC server does at once; None if nothing listens or it says nothing."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as s:
+            s.settimeout(2.0)
+            s.sendall(_HTTP2_HELLO)
+            head = b""
+            while len(head) < 9:
+                chunk = s.recv(9 - len(head))
+                if not chunk:
+                    return False  # closed without a word of HTTP/2
+                head += chunk
+    except TimeoutError:
+        return None
+    except OSError as e:
+        return None if e.errno in (errno.ECONNREFUSED, None) else False
+    return head[3] == 0x04  # a SETTINGS frame
 
 
 def check_parameters(params: RendezvousParameters) -> None:
