@@ -389,10 +389,10 @@ def _count_deliveries() -> None:
         original = cls.from_json.__func__  # type: ignore[attr-defined]
 
         def make_decode(original: Any = original, cls: Any = cls) -> Any:
-            def decode(klass: Any, data: bytes) -> Any:
+            def decode(klass: Any, data: bytes, *key: str) -> Any:
                 count(f"decode.{cls.__name__}")
                 count(f"decode.{cls.__name__}.bytes", len(data))
-                return original(klass, data)
+                return original(klass, data, *key)
 
             return classmethod(decode)
 
