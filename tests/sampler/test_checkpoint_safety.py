@@ -254,6 +254,7 @@ def _leave_free(directory: Path, pages: int) -> None:
             os.posix_fallocate(f.fileno(), 0, free - pages * 4096)
 
 
+@pytest.mark.slow  # mounts a tmpfs
 @pytest.mark.parametrize("resave", [False, True], ids=["new step", "existing step"])
 def test_a_full_disk_at_any_point_of_a_save_keeps_the_newest_good_checkpoint(tiny_disk, resave):
     # Free space is swept page by page so that the disk fills up at every point of the save:

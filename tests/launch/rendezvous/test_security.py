@@ -174,6 +174,7 @@ def tls_conf(tls_files: dict[str, Path]) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow  # openssl makes the certificates
 def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
     endpoint = f"127.0.0.1:{free_port()}"
     conf = {**tls_conf(tls_files), "token": "job", "join_timeout": "30", "last_call_timeout": "1"}
@@ -199,6 +200,7 @@ def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
         pool.shutdown(wait=False)
 
 
+@pytest.mark.slow  # openssl makes the certificates
 def test_the_tls_service_refuses_plain_and_certificateless_clients(tls_files):
     port = free_port()
     c = tls_conf(tls_files)
@@ -228,6 +230,7 @@ def etcd(endpoint: str, backend: str = "etcd", **conf: str) -> RendezvousParamet
     return RendezvousParameters(backend, endpoint, "job", 1, 2, 1, config=conf)
 
 
+@pytest.mark.slow  # openssl makes the certificates
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_any_tls_option_means_tls(backend, tls_files):
     p = etcd("etcd0:2379", backend, cacert=str(tls_files["ca"]))
@@ -237,6 +240,7 @@ def test_any_tls_option_means_tls(backend, tls_files):
         check_parameters(p)
 
 
+@pytest.mark.slow  # openssl makes the certificates
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_a_password_is_never_sent_without_tls_unless_allowed(backend, tls_files, tmp_path):
     password = secret(tmp_path, "pw")
@@ -255,6 +259,7 @@ def test_a_password_is_never_sent_without_tls_unless_allowed(backend, tls_files,
 # ---- the host: chosen by the port, which no other user can hold for us ------------------------
 
 
+@pytest.mark.slow  # a squatter process as user nobody
 def test_another_user_cannot_keep_this_agent_from_hosting():
     # The host was picked by an abstract-socket lock named after the port, which any local user
     # could bind first: the agent then never hosted and its job failed after join_timeout.
