@@ -415,3 +415,28 @@ def test_a_worker_that_cannot_take_part_tells_the_agent_it_failed_for_good(monke
     with pytest.raises(ConfigError, match="no service the workers share"):
         CoordinatorP2P("gloo", "etcd://h:1/r?min_workers=1", 4)
     assert (tmp_path / "loop").read_text() == FATAL, "not replaced again and again"
+
+
+def test_a_failed_init_process_group_does_not_rename_the_next_group():
+    """torch counts groups to name them and the count rises even when init_process_group
+    fails; a rank whose init failed (a peer gone mid-handshake) must name its next group as
+    its peers do, or every later init waits for keys nobody writes."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    c = coordinator(0, 2, FakeTeam())
+    short = datetime.timedelta(milliseconds=200)
+    with pytest.raises(RuntimeError):  # rank 1 never comes
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2, timeout=short)
+    assert not dist.is_initialized()
+    c._destroy_process_group()
+    c.store = dist.HashStore()
+    c.rank, c.world_size, c.timeout = 0, 1, short
+    c.init_process_group()
+    try:
+        assert distributed_c10d._get_default_group().group_name == "0", "as its peers name it"
+    finally:
+        c._destroy_process_group()
+        assert not dist.is_initialized()

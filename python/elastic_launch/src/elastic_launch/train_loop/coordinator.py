@@ -342,6 +342,8 @@ class ElasticCoordinator(Coordinator):
                 if dist.is_initialized():
                     with contextlib.suppress(Exception):
                         dist.destroy_process_group()
+        elif dist.is_available():
+            _forget_failed_init()
         self.coordinator_process_group = None
         self.store = None
 
@@ -565,3 +567,15 @@ class CoordinatorP2P(ElasticCoordinator):
             max_num_trainers=max_num_trainers,
             loop_file=loop_file,
         )
+
+
+def _forget_failed_init() -> None:
+    """torch names the default group by a counter that ``init_process_group`` raises before it
+    connects and resets only when the group is destroyed: after an init that failed (a peer
+    that left mid-handshake) this rank's next group would carry another name than its peers',
+    and every later init would wait for keys no peer writes. Reset it as destroying would."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
