@@ -33,8 +33,8 @@ def health(port: int) -> dict:
 
 
 def rdzv_files() -> set[str]:
-    """Files an embedded rendezvous host might leave in the temporary directory (older
-    versions left lock files there; this one holds an abstract socket instead)."""
+    """Files an embedded rendezvous host might leave in the temporary directory (none: the
+    port itself decides who hosts)."""
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "elasticrun-rdzv-*")))
 
 

@@ -176,3 +176,26 @@ def test_waiting_for_clients_ends_at_a_cancellation(server):
         assert time.monotonic() - t0 < 10.0
     finally:
         other.close()
+
+
+def test_a_task_that_ignores_cancellation_does_not_hold_up_the_stop():
+    """A stop cancels what runs on the service's loop and gives it a moment: one task that
+    will not end (a stream stuck in a handler) must not keep the service's thread, and with
+    it the launcher's exit, waiting."""
+    import asyncio
+    import contextlib
+
+    server = EmbeddedServer("127.0.0.1", 0, token=None)
+    release = threading.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    asyncio.run_coroutine_threadsafe(stubborn(), server._loop)
+    try:
+        server.close(grace=0)
+        assert not server._thread.is_alive(), "the service's thread still waits for the task"
+    finally:
+        release.set()

@@ -74,7 +74,8 @@ class SmallHttpServer:
         for task in left:
             task.cancel()
         with contextlib.suppress(BaseException):
-            self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            if left:  # a second at most: a stop is never held up by a connection
+                self._loop.run_until_complete(asyncio.wait(left, timeout=1.0))
         self._loop.close()
 
     @property

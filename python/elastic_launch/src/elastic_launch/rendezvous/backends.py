@@ -138,9 +138,9 @@ class EmbeddedRendezvous(ElasticRendezvous):
     def hosting(self) -> bool:
         return self.server is not None
 
-    def _stop_serving(self) -> None:
+    def _stop_serving(self, grace: float = 1.0) -> None:
         if self.server is not None:
-            self.server.close()
+            self.server.close(grace)
             self.server = None
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
@@ -159,7 +159,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
                     HOST_LINGER_S,
                 )
         super().shutdown(cancel)
-        self._stop_serving()
+        self._stop_serving(0.0 if cancel.cancelled else 1.0)  # a stopped launcher does not wait
 
 
 SERVICE, OTHER, NOBODY = "service", "other", "nobody"
@@ -170,6 +170,7 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     node's credentials), another program, or nothing that answers yet."""
     import grpc
 
+    from elastic_launch.rendezvous import etcd_v3
     from elastic_launch.rendezvous.embedded_server import VERSION
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
@@ -179,16 +180,10 @@ def who_serves(host: str, port: int, tls: Any) -> str:
             return NOBODY
         if not http2:
             return OTHER
-    target = host_port(host, port)
-    if tls is not None:
-        ca, cert, key = (open(p, "rb").read() if p else None for p in tls)  # noqa: SIM115
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca, key, cert))
-    else:
-        channel = grpc.insecure_channel(target)
     stub: Any = rpc_pb2_grpc.MaintenanceStub  # generated code, untyped
-    with channel:
+    with etcd_v3.channel(host_port(host, port), tls) as probe:
         try:
-            reply = stub(channel).Status(rpc_pb2.StatusRequest(), timeout=2.0)
+            reply = stub(probe).Status(rpc_pb2.StatusRequest(), timeout=2.0)
             return SERVICE if reply.version == VERSION else OTHER  # another version: etcd
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""

@@ -25,12 +25,14 @@ from typing import Any
 
 import grpc
 
-from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.cancel import NEVER, CancelToken, join
 from elastic_launch.net import host_port
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+_END_TIMEOUT = 1.0  # seconds the service's tasks get to end once cancelled, at a stop
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
 # What a client can make the service hold is bounded. Past these, the oldest history is
@@ -655,13 +657,17 @@ class EmbeddedServer:
             self._loop.run_forever()
         finally:
             # Whatever is left (the lease expirer, streams a slow stop left behind) is
-            # cancelled and awaited before the loop closes.
+            # cancelled and given a moment to end before the loop closes: a stop is never
+            # held up by a task that will not end.
             left = asyncio.all_tasks(self._loop)
             for task in left:
                 task.cancel()
             with contextlib.suppress(BaseException):
-                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+                if left:
+                    self._loop.run_until_complete(asyncio.wait(left, timeout=_END_TIMEOUT))
+                self._loop.run_until_complete(
+                    asyncio.wait_for(self._loop.shutdown_asyncgens(), _END_TIMEOUT)
+                )
             self._loop.close()
 
     async def _start(self, started: concurrent.futures.Future[int]) -> None:
@@ -721,15 +727,23 @@ class EmbeddedServer:
     def _stop_loop(self) -> None:
         with contextlib.suppress(RuntimeError):  # closed already
             self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        join(self._thread, 2 * _END_TIMEOUT + 1, "the rendezvous service's thread")
 
     def close(self, grace: float = 1.0) -> None:
+        """Stop serving: calls under way get `grace` seconds to finish (0: cut them off)."""
         if not self._thread.is_alive():
             return
         if self._server is not None:
             stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
-            with contextlib.suppress(Exception):
-                stopping.result(timeout=grace + 5)
+            try:
+                stopping.result(timeout=grace + _END_TIMEOUT)
+            except concurrent.futures.TimeoutError:
+                logger.warning(
+                    "the rendezvous service did not stop within %.0f s: going on",
+                    grace + _END_TIMEOUT,
+                )
+            except Exception as e:  # the loop is gone already: nothing left to stop
+                logger.debug("stopping the rendezvous service: %s", e)
         self._stop_loop()
 
 
