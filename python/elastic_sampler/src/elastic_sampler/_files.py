@@ -205,12 +205,10 @@ def _intact_record(target: Path) -> dict[str, int] | None:
     """The checksum record of the copy at `target`, if that copy verifies."""
     try:
         with open(target, "rb") as f:
-            if _problem(f, target) is not None:
-                return None
-        record = json.loads(meta_path(target).read_text())
-    except (OSError, ValueError, GoneError):
+            size, crc = _verified(f, target)
+    except (OSError, _UnusableError, GoneError):
         return None
-    return {"size": record["size"], "crc32": record["crc32"]}
+    return {"size": size, "crc32": crc}
 
 
 def _replace_verified(
@@ -262,9 +260,23 @@ def _crc_of(f: IO[bytes]) -> tuple[int, int]:
     return size, crc
 
 
+class _UnusableError(Exception):
+    """Why a checkpoint cannot be used."""
+
+
 def _problem(f: IO[bytes], target: Path) -> str | None:
     """Why the open checkpoint `f` cannot be used, or None. Raises GoneError if `target` was
     removed or replaced since `f` was opened (its checksum may belong to another file)."""
+    try:
+        _verified(f, target)
+    except _UnusableError as e:
+        return str(e)
+    return None
+
+
+def _verified(f: IO[bytes], target: Path) -> tuple[int, int]:
+    """The (size, crc32) of the open checkpoint `f`, which its checksum record accepts; else
+    _UnusableError saying why, or GoneError as for :func:`_problem`."""
 
     def gone() -> bool:
         try:
@@ -277,20 +289,20 @@ def _problem(f: IO[bytes], target: Path) -> str | None:
     except FileNotFoundError:
         if gone():
             raise GoneError(str(target)) from None
-        return "its checksum file is missing (the save did not finish)"
+        raise _UnusableError("its checksum file is missing (the save did not finish)") from None
     except (OSError, ValueError) as e:
-        return f"its checksum file is unreadable ({e})"
+        raise _UnusableError(f"its checksum file is unreadable ({e})") from None
     try:
         size, crc = _crc_of(f)
     except OSError as e:
-        return f"it cannot be read ({e.strerror or e})"
+        raise _UnusableError(f"it cannot be read ({e.strerror or e})") from None
     if (size, crc) not in accepted:
         if gone():
             raise GoneError(str(target))
         if size not in [s for s, _ in accepted]:
-            return f"it is torn ({size} bytes, {accepted[0][0]} were written)"
-        return "its contents are corrupt (checksum mismatch)"
-    return None
+            raise _UnusableError(f"it is torn ({size} bytes, {accepted[0][0]} were written)")
+        raise _UnusableError("its contents are corrupt (checksum mismatch)")
+    return size, crc
 
 
 def _accepted(record: Any) -> list[tuple[int, int]]:

@@ -67,6 +67,20 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def channel(
+    target: str,
+    tls: tuple[str | None, str | None, str | None] | None,
+    options: list[tuple[str, Any]] | None = None,
+) -> grpc.Channel:
+    """A gRPC channel to `target`: over TLS when `tls` (ca, cert, key paths, any may be
+    None) is given, else plain."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    ca, cert, key = (_read(p) if p else None for p in tls)
+    creds = grpc.ssl_channel_credentials(ca, key, cert)
+    return grpc.secure_channel(target, creds, options=options)
+
+
 def key_text(key: bytes) -> str:
     """A key as text. Keys under the job's prefix are ours, but anyone may write one that is
     not UTF-8: it reads with U+FFFD in place and matches none of ours."""
@@ -104,12 +118,7 @@ class EtcdV3Store(Store):
         self.name = name  # what the store is, in messages ("etcd at host:port", ...)
         self.retry_for = retry_for
         options = [("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000)]
-        if tls is not None:
-            ca, cert, key = (_read(p) if p else None for p in tls)
-            creds = grpc.ssl_channel_credentials(ca, key, cert)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = channel(target, tls, options)
         self._kv = rpc_pb2_grpc.KVStub(self._channel)
         self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
         self._watch = rpc_pb2_grpc.WatchStub(self._channel)
