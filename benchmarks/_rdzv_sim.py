@@ -221,6 +221,21 @@ def _share_channels() -> None:
     grpc.insecure_channel = insecure_channel
 
 
+def _own_connections() -> None:
+    """One connection per handler's channel, as one agent per machine has: gRPC otherwise
+    shares a subchannel (one TCP connection) between the channels of a process that have the
+    same target and options."""
+    import grpc
+
+    original = grpc.insecure_channel
+
+    def insecure_channel(target: str, options: Any = None, compression: Any = None) -> Any:
+        options = [*(options or []), ("grpc.use_local_subchannel_pool", 1)]
+        return original(target, options=options, compression=compression)
+
+    grpc.insecure_channel = insecure_channel
+
+
 def _quiet_grpc_waits() -> None:
     """gRPC's blocking calls wake every 0.1 s while they wait (to let signal handlers run),
     though an answer wakes them anyway. In an agent's own process that is a few wake-ups a
@@ -517,6 +532,8 @@ def _parse_args() -> argparse.Namespace:
 def _instrument(args: argparse.Namespace) -> None:
     if os.environ.get("RDZV_SIM_SHARED_CHANNEL", "1") == "1":
         _share_channels()
+    else:
+        _own_connections()
     _quiet_grpc_waits()
     _instrument_grpc()
     _instrument_store()

@@ -3,7 +3,7 @@ objects made as the launcher makes them, in a few processes (benchmarks/_rdzv_si
 workers), against etcd v3, etcd v2 and the embedded service.
 
     python benchmarks/bench_rdzv_scale.py [--n 32,128,512] [--backend etcd,etcd-v2,embedded]
-        [--procs 8] [--cap 120] [--no-loss] [--breakdown]
+        [--procs 8] [--cap 120] [--no-loss] [--breakdown] [--channels shared,own]
 
 Per backend and N, with `--nnodes N-1:N` (the round closes once N have joined; after a loss it
 closes at once, the lost member being known gone) and the default lease (heartbeat_timeout 5 s):
@@ -22,6 +22,13 @@ closes at once, the lost member being known gone) and the default lease (heartbe
   watches see its join key go, they call next_rendezvous(MEMBERSHIP); from the first survivor
   to notice (the expiry, within the watch's delivery) to the new round final and to the last
   survivor holding its result.
+
+Two shapes of simulator (`--channels`): "shared", the agents of a process share one gRPC
+channel (one connection); "own", each agent has its own channel and connection, as deployed.
+For etcd, a second table gives etcd's own side of each round in two windows, the joins (first
+join to the last one's start) and the last join to every result: its requests, the bytes it
+received and sent, and its CPU (from /proc), per agent, with the CPU that keep-alives alone
+cost it (measured for 5 s after the round, every agent waiting) taken off.
 
 Every wait is capped (`--cap`, per round); a round that does not complete is reported with what
 was seen (results, lease losses, the longest keep-alive gap). Every process started is ended
@@ -213,8 +220,10 @@ class Sim:
 class Run:
     """One backend at one N: its store, its processes, and the events they report."""
 
-    def __init__(self, backend: str, n: int, procs: int, log_dir: Path, conf: str) -> None:
-        self.backend, self.n, self.conf = backend, n, conf
+    def __init__(
+        self, backend: str, n: int, procs: int, log_dir: Path, conf: str, channels: str = "shared"
+    ) -> None:
+        self.backend, self.n, self.conf, self.channels = backend, n, conf, channels
         self.etcd: Etcd | None = None
         self.sims: list[Sim] = []
         self.done: dict[int, list[dict[str, Any]]] = {}  # handler -> its results
@@ -296,14 +305,16 @@ class Run:
             ]
             if role == "host":
                 cmd.append("--host")
-            log = open(self.log_dir / f"{self.backend}-{self.n}-{role}-{first}.log", "w")  # noqa: SIM115
+            name = f"{self.backend}-{self.channels}-{self.n}-{role}-{first}.log"
+            log = open(self.log_dir / name, "w")  # noqa: SIM115
+            shared = "1" if self.channels == "shared" else "0"
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "RDZV_SIM_SHARED_CHANNEL": shared},
             )
             log.close()
             sim = Sim(proc, first, count, role)
@@ -390,12 +401,43 @@ def _client_requests(counts: dict[str, float]) -> float:
     return total
 
 
+class Window:
+    """etcd's side of one stretch of a run: its counters and its own CPU (from /proc)."""
+
+    def __init__(self, run: Run, metrics: str | None) -> None:
+        self.run, self.metrics = run, metrics
+        self._begin()
+
+    def _begin(self) -> None:
+        self.t = time.monotonic()
+        self.cpu = _cpu(self.run.server_pid())
+        self.m = _metrics(self.metrics) if self.metrics else {}
+
+    def take(self) -> dict[str, Any]:
+        """What etcd did since the window began (or the last take), and begin anew."""
+        t, cpu, m = self.t, self.cpu, self.m
+        self._begin()
+        diff = _etcd_requests(m, self.m) if self.metrics else {}
+        return {"secs": self.t - t, "cpu": self.cpu - cpu, "etcd": diff}
+
+
+IDLE_WINDOW = 5.0  # seconds of keep-alives alone, after the round, to price them
+
+
 def measure(
-    backend: str, n: int, procs: int, cap: float, loss: bool, log_dir: Path, conf: str = CONF
+    backend: str,
+    n: int,
+    procs: int,
+    cap: float,
+    loss: bool,
+    log_dir: Path,
+    conf: str = CONF,
+    channels: str = "shared",
 ) -> dict:
-    """One backend at one N: the figures of the module's docstring, as a dict."""
-    result: dict[str, Any] = {"backend": backend, "n": n}
-    run = Run(backend, n, procs, log_dir, conf)
+    """One backend at one N: the figures of the module's docstring, as a dict. `channels`:
+    "shared" (one gRPC channel per simulator process) or "own" (one per agent, as deployed)."""
+    result: dict[str, Any] = {"backend": backend, "n": n, "channels": channels}
+    run = Run(backend, n, procs, log_dir, conf, channels)
     sampler: Sampler | None = None
     try:
         run.start()
@@ -404,6 +446,7 @@ def measure(
         m0 = _metrics(metrics) if metrics else {}
         run.snap()  # what starting cost (imports, no requests yet): reset
         cpu0 = _cpu(run.server_pid())
+        window = Window(run, metrics)
         last = next(s for s in run.sims if s.role == "last")
         for s in run.sims:
             if s is not last:
@@ -414,11 +457,13 @@ def measure(
         if not joined_all:
             result["error"] = f"only {len(run.joined)} of {n - 1} joined in {cap:.0f} s"
         time.sleep(0.5)  # the others wait, as in bench_rendezvous
+        result["window_joins"] = window.take()
         last.send("go")
         ok = run.wait(
             lambda: len(run.done) >= n or len(run.errors) > 0,
             cap if joined_all else 1.0,
         )
+        result["window_final"] = window.take()
         result.update(_round_outcome(run, n, t_start, ok))
         snaps = run.snap()
         result["client_round"] = _merge(snaps)
@@ -426,6 +471,10 @@ def measure(
         if metrics:
             m1 = _metrics(metrics)
             result["etcd_round"] = _etcd_requests(m0, m1)
+            if result["round_ok"]:  # every agent waits: keep-alives alone
+                window.take()
+                time.sleep(IDLE_WINDOW)
+                result["window_idle"] = window.take()
         assert sampler is not None
         result["store_round"] = sampler.reset()
         if loss and result["round_ok"]:
@@ -578,11 +627,63 @@ def table(results: list[dict]) -> str:
             if not r.get("loss_ok"):
                 loss_req += f" (did not complete: {r.get('loss_survivors_done', 0)}/{n - 1})"
         lines.append(
-            f"| {r['backend']} | {n} | {status} | {_s(r.get('join_to_final'))} | "
+            f"| {r['backend']}{', own channels' if r.get('channels') == 'own' else ''} | "
+            f"{n} | {status} | {_s(r.get('join_to_final'))} | "
             f"{_s(r.get('join_to_last_result'))} | {store_req} / "
             f"{_client_requests(client) / n:.1f} | {sent} | {peaks} | {lost} | "
             f"{_s(r.get('kill_to_detect'))} | {_s(r.get('detect_to_final'))} | "
             f"{_s(r.get('detect_to_last_result'))} | {loss_req} |"
+        )
+    return "\n".join(lines)
+
+
+def _keepalives_apart(r: dict, name: str) -> float:
+    """etcd's CPU in a window less what the same time of keep-alives alone cost it."""
+    w, idle = r[name], r.get("window_idle")
+    rate = idle["cpu"] / idle["secs"] if idle and idle["secs"] > 0 else 0.0
+    return max(w["cpu"] - rate * w["secs"], 0.0)
+
+
+def etcd_per_agent(r: dict) -> dict[str, float]:
+    """What etcd served per agent from the first join to the last result: requests
+    (keep-alives apart) and KiB received and sent."""
+    joins, final = r["window_joins"]["etcd"], r["window_final"]["etcd"]
+    both = {k: joins.get(k, 0.0) + final.get(k, 0.0) for k in set(joins) | set(final)}
+    n = r["n"]
+    return {
+        "requests": _served(both) / n,
+        "kib_in": both.get("etcd_network_client_grpc_received_bytes_total", 0.0) / 1024 / n,
+        "kib_out": both.get("etcd_network_client_grpc_sent_bytes_total", 0.0) / 1024 / n,
+    }
+
+
+def etcd_side(results: list[dict]) -> str:
+    """What etcd itself did for each round (keep-alives apart): requests, bytes and CPU per
+    agent, and its CPU in the last join's window; per agent figures flat in N mean O(N)."""
+    lines = [
+        "| channels | N | round | (a) last join -> final | etcd requests/agent | etcd KiB "
+        "in / out per agent | etcd CPU per agent: joins + final | etcd CPU, last join -> "
+        "results | etcd CPU of keep-alives alone |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r["backend"] != "etcd" or "window_final" not in r:
+            continue
+        n = r["n"]
+        status = "ok" if r.get("round_ok") else f"did not complete ({r.get('round_done', 0)}/{n})"
+        seen = etcd_per_agent(r)
+        idle = r.get("window_idle")
+        if idle:
+            cpu = _keepalives_apart(r, "window_joins") + _keepalives_apart(r, "window_final")
+            per = f"{cpu / n * 1e6:.0f} µs"
+            keepalive = f"{idle['cpu'] / idle['secs'] * 1000:.0f} ms/s"
+        else:
+            cpu = r["window_joins"]["cpu"] + r["window_final"]["cpu"]
+            per, keepalive = f"{cpu / n * 1e6:.0f} µs (keep-alives in)", "-"
+        lines.append(
+            f"| {r['channels']} | {n} | {status} | {_s(r.get('join_to_final'))} | "
+            f"{seen['requests']:.1f} | {seen['kib_in']:.1f} / {seen['kib_out']:.1f} | {per} | "
+            f"{_s(r['window_final']['cpu'])} | {keepalive} |"
         )
     return "\n".join(lines)
 
@@ -720,6 +821,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the raw results there")
     parser.add_argument("--logs", type=Path, help="keep the simulators' logs there")
     parser.add_argument(
+        "--channels",
+        default="shared",
+        help="shared (one gRPC channel per simulator process), own (one per agent, as "
+        "deployed), or both: shared,own",
+    )
+    parser.add_argument(
         "--leader-events",
         type=int,
         metavar="N",
@@ -740,14 +847,18 @@ def main() -> int:
     sizes = [int(x) for x in args.n.split(",")]
     if min(sizes) < 4:
         parser.error("--n: 4 agents at least")
+    shapes = [c.strip() for c in args.channels.split(",") if c.strip()]
+    for c in shapes:
+        if c not in ("shared", "own"):
+            parser.error(f"--channels {c!r}: choose from shared, own")
     results = []
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         logs.mkdir(parents=True, exist_ok=True)
         for n in sizes:
-            for b in backends:
+            for b, shape in ((b, c) for b in backends for c in shapes):
                 conf = f"{CONF},{args.conf}" if args.conf else CONF
-                r = measure(b, n, args.procs, args.cap, not args.no_loss, logs, conf)
+                r = measure(b, n, args.procs, args.cap, not args.no_loss, logs, conf, shape)
                 results.append(r)
                 print(table([r]).splitlines()[-1], flush=True)
                 if args.breakdown:
@@ -758,6 +869,9 @@ def main() -> int:
                     args.json.write_text(json.dumps(results, indent=1))
     print()
     print(table(results))
+    if any(r["backend"] == "etcd" for r in results):
+        print()
+        print(etcd_side(results))
     return 0
 
 

@@ -1,0 +1,32 @@
+"""The rendezvous scale benchmark's simulator (benchmarks/bench_rdzv_scale.py) at a small N:
+real handlers in two processes against a real etcd, in both of its shapes (one gRPC channel
+per process, one per agent as deployed). It must form the round, and etcd must serve both
+shapes the same requests and bytes per agent: the shared channel changes the client's cost,
+not what the store sees."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_rdzv_scale
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_both_simulator_shapes_form_the_round_and_etcd_serves_them_alike(tmp_path):
+    n = 12
+    seen = {}
+    for shape in ("shared", "own"):
+        r = bench_rdzv_scale.measure("etcd", n, 2, 60.0, False, tmp_path, channels=shape)
+        assert r["round_ok"], (shape, r.get("round_errors"), r.get("commits"))
+        assert r["round_done"] == n and r["world"] == [n]
+        seen[shape] = bench_rdzv_scale.etcd_per_agent(r)
+    shared, own = seen["shared"], seen["own"]
+    assert 8 <= own["requests"] <= 20, seen  # the protocol's 11-14 a round, and a retry or two
+    for what in ("requests", "kib_in", "kib_out"):
+        assert shared[what] == pytest.approx(own[what], rel=0.2), (what, seen)
