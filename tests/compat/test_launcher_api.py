@@ -139,9 +139,11 @@ def test_launch_elastic_worker_raise_exception(etcd_shared):
 
 def _launch_in_child(out: str, endpoint: str, run_id: str) -> None:
     os.environ["TEST_SENTINEL_PARENT"] = "FOOBAR"
-    elastic_launch(config(endpoint, 1, 2, 4, run_id=run_id), sys.executable)(
-        "-u", SCRIPT, f"--touch-file-dir={out}"
-    )
+    # torch's last call (30 s; ours is 3 s): the spawned agent, which imports everything
+    # afresh, may come seconds after the other on a busy machine, and upstream's 8 workers
+    # need it in the same round. Once both are there the round forms at once.
+    cfg = config(endpoint, 1, 2, 4, run_id=run_id, rdzv_configs={"last_call_timeout": 30})
+    elastic_launch(cfg, sys.executable)("-u", SCRIPT, f"--touch-file-dir={out}")
 
 
 def test_launch_elastic_multiple_agents(etcd_shared, out):

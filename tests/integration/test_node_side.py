@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -84,12 +86,28 @@ def launched():
             proc.wait()
 
 
+#: The launcher, able to print every thread's stack on SIGUSR2: a stop that overruns shows
+#: where it waits.
+DUMPING = [
+    sys.executable,
+    "-c",
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR2, all_threads=True);"
+    "sys.argv[0] = 'elasticrun'; from elastic_launch.launcher.cli import console_main; "
+    "console_main()",
+]
+
+
 def stop_with(proc, sig: int, within: float) -> tuple[int, str]:
     t0 = time.monotonic()
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        if proc.args[: len(DUMPING)] == DUMPING:
+            proc.send_signal(signal.SIGUSR2)
+        _, err = proc.communicate(timeout=60)
     took = time.monotonic() - t0
-    assert took < within, f"took {took:.1f} s to stop:\n{err[-3000:]}"
+    assert took < within, f"took {took:.1f} s to stop:\n{err[-6000:]}"
     return proc.returncode, err
 
 
@@ -112,7 +130,8 @@ def test_a_signal_while_waiting_in_the_rendezvous_ends_the_launcher(launched, tm
             "--health-port",
             str(port),
             *worker_args(tmp_path),
-        ]
+        ],
+        launcher=DUMPING,
     )
     launched.append(proc)
     assert wait_for(lambda: health(port).get("state") == "rendezvous"), "never waited"
