@@ -6,8 +6,9 @@ gloo on CPU, checkpoints that let a restarted group resume where the last one st
 It is an ordinary torchrun script: it reads RANK/WORLD_SIZE from the environment and calls
 ``init_process_group()``; elasticrun adds hang detection (a beat on every optimizer step) and
 restarts without any change here. elastic_sampler makes the resume exact: the sampler continues
-the epoch where the checkpoint says (on any number of workers) and checkpoints are atomic,
-checked, and written in the background. ``--crash-at-step`` and ``--hang-at-step`` inject a
+the epoch where the checkpoint says (on any number of workers), every step is kept in the
+node's memory (a failure loses no completed step) and checkpoints on disk are atomic, checked,
+and written in the background. ``--crash-at-step`` and ``--hang-at-step`` inject a
 failure on the first attempt, to watch the recovery. Progress is shown with tqdm; after a
 resume the bar starts at the resumed step, so its rate is the new run's.
 """
@@ -102,7 +103,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    p.add_argument("--checkpoint-every", type=int, default=20, help="steps")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=20,
+        help="steps between checkpoints on disk (every step is kept in memory)",
+    )
     p.add_argument(
         "--crash-at-step",
         type=int,
@@ -154,7 +160,8 @@ class Job:
     step: int = 0
 
     def save(self, epoch_steps: int) -> None:
-        """Rank 0 saves a checkpoint in the background (0 epoch steps: the next epoch's start)."""
+        """Rank 0 saves a checkpoint: to memory now, to disk in the background when due (0
+        epoch steps: the next epoch's start)."""
         state = training_state(
             self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
         )
@@ -211,9 +218,9 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
             job.record.flush()
         progress.update(1)
         progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
-        # (the epoch's last step is saved by the caller, as the start of the next epoch)
-        every = job.args.checkpoint_every
-        if job.step % every == 0 and job.rank == 0 and epoch_steps < len(job.loader):
+        # Every step goes to the memory tier (on disk every --checkpoint-every steps); the
+        # epoch's last step is saved by the caller, as the start of the next epoch.
+        if job.rank == 0 and epoch_steps < len(job.loader):
             job.save(epoch_steps)
     return loss
 
@@ -253,7 +260,11 @@ def setup(args: argparse.Namespace) -> Job:
         loader=DataLoader(data, batch_size=args.batch_size, sampler=sampler),
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-        checkpoints=CheckpointManager(args.checkpoint_dir, keep_last=3),  # rank 0 writes
+        # Rank 0 saves: every step to the node's memory (a restarted worker resumes at the
+        # step where the failure struck), every --checkpoint-every steps to disk.
+        checkpoints=CheckpointManager(
+            args.checkpoint_dir, keep_last=3, memory=True, persist_every=args.checkpoint_every
+        ),
     )
     if args.record_samples is not None:
         args.record_samples.mkdir(parents=True, exist_ok=True)

@@ -55,12 +55,25 @@ def _no_pet(monkeypatch):
         (["--preload", "none,numpy"], "--preload none turns preloading off, but modules are"),
         (["--preload", "torch", "--preload", "off"], "named too (torch)"),
         (["--preload", "torch,2d"], "--preload 'torch,2d': '2d' is not a module name"),
+        (["--memory-checkpoint-limit", "8 gigs"], "--memory-checkpoint-limit '8 gigs' is not"),
+        (["--memory-checkpoint-limit", "²GiB"], "--memory-checkpoint-limit '²GiB' is not"),
+        (["--memory-checkpoint-limit", "-1"], "--memory-checkpoint-limit '-1' is not valid"),
+        (["--memory-checkpoint-limit", "1KiB"], "is 1024 bytes: give at least 1MiB"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_quoting_it(flags, message):
     with pytest.raises(ConfigError) as e:
         config_of(*flags)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("2GB", 2 * 10**9), ("1048576", 1 << 20)],
+)
+def test_the_memory_checkpoint_limit_takes_units(value, expected):
+    assert config_of("--memory-checkpoint-limit", value).memory_checkpoint_limit == expected
+    assert config_of().memory_checkpoint_limit is None
 
 
 def test_the_nproc_limit_names_what_sets_it(monkeypatch):

@@ -75,6 +75,8 @@ class LaunchConfig:
     hang_timeout: float | None = None  # seconds; None: automatic (learned step time)
     hang_timeout_floor: float = 60.0  # automatic mode: never below this
     hang_timeout_factor: float = 10.0  # automatic mode: k x p99 step interval
+    # Bytes one rank's memory-tier checkpoints may take (two copies); None: no limit.
+    memory_checkpoint_limit: int | None = None
     # Module names the zygote imports; "auto": torch when the entrypoint imports it (the
     # default). Empty: no zygote, fresh interpreters (--preload none).
     preload: list[str] = field(default_factory=lambda: ["auto"])

@@ -394,6 +394,8 @@ def load(source: Any, where: str, map_location: Any, weights_only: bool) -> Any:
             return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         refused = re.search(r"unsupported GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(e))
+        if refused is None and "Unsupported operand" in str(e):
+            raise CheckpointError(f"{where} is not a torch checkpoint (unreadable data)") from e
         what = f" ({refused.group(1) or refused.group(2)})" if refused else ""
         raise UnsafeCheckpointError(
             f"{where} holds an object that loading with weights_only=True refuses to "

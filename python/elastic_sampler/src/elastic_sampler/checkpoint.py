@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-from elastic_sampler import _finish
+from elastic_sampler import _finish, _memory
 from elastic_sampler._files import (
     GoneError,
     UnusableError,
@@ -106,7 +106,14 @@ class CheckpointManager:
     A background save still running when the script ends (without `close()`) is finished
     before the process exits, for at most `finish_timeout` seconds; on SIGTERM, for at most the
     grace the launcher gives (``$ELASTICRUN_SHUTDOWN_TIMEOUT``, else 30 s). Past that it is
-    abandoned and its temporary file removed; the process says so on stderr either way."""
+    abandoned and its temporary file removed; the process says so on stderr either way.
+
+    With `memory` (under elasticrun), every save also goes to the memory tier: a slot in the
+    node's shared memory that outlives this worker (the launcher removes it when it ends), so
+    a replacement resumes from the last step saved, not the last one on disk. Steps reach the
+    disk every `persist_every` steps (counted from the last one written there); the others
+    live only in memory, two copies at most per rank. Outside elasticrun there is no slot:
+    `memory` warns once and only the disk is used."""
 
     def __init__(
         self,
@@ -116,9 +123,17 @@ class CheckpointManager:
         reuse_buffers: bool = True,
         *,
         finish_timeout: float = 300.0,
+        memory: bool = False,
+        persist_every: int = 1,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint")
+        if (
+            isinstance(persist_every, bool)
+            or not isinstance(persist_every, int)
+            or persist_every < 1
+        ):
+            raise ValueError(f"persist_every={persist_every!r}: give a number of steps >= 1")
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
             raise ValueError(f"prefix={prefix!r}: use letters, digits, '.', '_' and '-'")
         if not finish_timeout >= 0:  # also NaN
@@ -146,6 +161,16 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         remove_dead_temporaries(self.directory, f"{self.prefix}-")
+        self.persist_every = persist_every
+        self._persisted: int | None = None  # the last step written to disk by this manager
+        self._slot = _memory.slot_for(self.directory, prefix) if memory else None
+        if memory and self._slot is None:
+            warnings.warn(
+                "CheckpointManager(memory=True) outside elasticrun: there is no memory tier "
+                f"(${_memory.MEMORY_DIR_ENV} is set for its workers); steps reach the disk "
+                f"every {persist_every} step(s), and the others are not kept",
+                stacklevel=2,
+            )
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -162,6 +187,12 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the step as an integer >= 0")
         self.wait()  # one write at a time; raises a background error
+        if self._slot is not None:
+            self._slot.put(state, step)
+        last = self._persisted
+        if last is not None and step != last and abs(step - last) < self.persist_every:
+            return self.path(step)  # in memory only (or, outside elasticrun, not kept)
+        self._persisted = step
         if not background:
             return self._write(state, step)
         copied = snapshot(state, self._take_staging())  # no reference kept here: see snapshot
@@ -276,9 +307,14 @@ class CheckpointManager:
         return True
 
     def close(self) -> None:
-        """Finish any background write (raising its error) and free the copy's buffers."""
+        """Finish any background write (raising its error) and free the copy's buffers. The
+        memory tier's slot stays (a later worker of the job may resume from it)."""
         self._staging = None
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self._slot is not None:
+                self._slot.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -313,11 +349,55 @@ class CheckpointManager:
         return self._listing()[0]
 
     def latest_step(self, verified: bool = True) -> int | None:
-        """The newest step whose checkpoint verifies (or merely exists)."""
+        """The newest step whose checkpoint verifies (or merely exists), in memory or on
+        disk."""
+        in_memory = self._slot.latest_step() if self._slot is not None else None
         for step in reversed(self.steps()):
+            if in_memory is not None and step <= in_memory:
+                break
             if not verified or verify(self.path(step)) is None:
                 return step
-        return None
+        return in_memory
+
+    def _memory_state(
+        self, map_location: Any, model: torch.nn.Module | None, weights_only: bool
+    ) -> tuple[Any, int] | None:
+        """(state, step) from the memory tier, or None (no copy, or one that cannot be
+        loaded: said, and the disk is used)."""
+        if self._slot is None:
+            return None
+        try:
+            found = self._slot.load(map_location, weights_only)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:
+            warnings.warn(f"skipping the memory checkpoint: {e}; using the disk", stacklevel=3)
+            return None
+        if found is not None and model is not None:
+            check_fits(found[0], model, f"memory checkpoint step {found[1]}")
+        return found
+
+    def step_bytes(self, step: int) -> bytes:
+        """The serialized checkpoint `step` as this rank holds it (memory first, then disk)."""
+        if self._slot is not None:
+            got = self._slot.read()
+            if got is not None and got[1] == step:
+                return got[0]
+        return self.path(step).read_bytes()
+
+    def keep_copy(self, data: bytes, step: int) -> None:
+        """Keep checkpoint `step` (its serialized bytes, received from another rank): in the
+        memory tier if there is one, else on disk."""
+        if self._slot is not None:
+            self._slot.put_bytes(data, step)
+            return
+        path = self.path(step)
+        try:
+            size_written, crc = atomic_write(path, lambda f: f.write(data))
+            record_checksum(path, size_written, crc)
+        except (OSError, GoneError) as e:
+            reason = why(e) if isinstance(e, OSError) else "removed meanwhile"
+            logger.warning("could not keep a copy of checkpoint %s: %s", path, reason)
 
     def load_latest(
         self,
@@ -336,15 +416,24 @@ class CheckpointManager:
         `UnsafeCheckpointError`, not skipped. ``weights_only=False`` unpickles anything: only
         for files you wrote yourself."""
         self.wait()
+        in_memory = self._slot.latest_step() if self._slot is not None else None
         for _ in range(_RESCANS):
             try:
                 for step in reversed(self.steps()):
+                    if in_memory is not None and step <= in_memory:
+                        break  # the memory tier's copy is as new: no disk read
                     try:
                         state = read_verified(self.path(step), map_location, model, weights_only)
                     except UnusableError as e:
                         warnings.warn(f"skipping checkpoint '{e.path}': {e.problem}", stacklevel=2)
                         continue
                     return state, step
+                if in_memory is not None:
+                    found = self._memory_state(map_location, model, weights_only)
+                    if found is not None:
+                        return found
+                    in_memory = None
+                    continue  # the memory copy failed to load: the disk, from the newest
                 return None
             except GoneError:
                 continue  # pruned under us: newer checkpoints exist, look again
@@ -428,11 +517,10 @@ def broadcast_latest(
     holder = torch.tensor([me if local == step else 1 << 62], dtype=torch.int64)
     dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
     src = int(holder.item())
-    path = manager.path(step)
     data, problem = b"", ""
     if me == src:
         try:
-            data = path.read_bytes()
+            data = manager.step_bytes(step)
         except OSError as e:
             problem = why(e)
     # -1: the holder could not read it; every rank raises rather than waiting forever.
@@ -449,11 +537,6 @@ def broadcast_latest(
     dist.broadcast(buffer, src=src, group=group)
     raw = data if me == src else ctypes.string_at(buffer.data_ptr(), buffer.numel())
     if local != step:  # keep our own copy: this node may need it after the next failure
-        try:
-            size_written, crc = atomic_write(path, lambda f: f.write(raw))
-            record_checksum(path, size_written, crc)
-        except (OSError, GoneError) as e:
-            reason = why(e) if isinstance(e, OSError) else "removed meanwhile"
-            logger.warning("could not keep a copy of checkpoint %s: %s", path, reason)
+        manager.keep_copy(raw, step)
     where = f"checkpoint step {step} (sent by rank {src})"
     return load(io.BytesIO(raw), where, map_location, weights_only), step

@@ -20,6 +20,7 @@ from elastic_launch import api, compat
 from elastic_launch.api import AgentState, ConfigError, LaunchConfig
 from elastic_launch.errors import record
 from elastic_launch.launcher.config import (
+    check_memory_limit,
     check_range,
     parse_hang_timeout,
     parse_list,
@@ -249,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("elasticrun flags")
     _add(
         e,
+        "memory-checkpoint-limit",
+        default=None,
+        help="bytes one worker's memory-tier checkpoints may take (elastic_sampler's "
+        "CheckpointManager(memory=True) keeps two copies), as 8GiB; default: no limit",
+    )
+    _add(
+        e,
         "hang-timeout",
         default="auto",
         help="seconds without a beat before a worker counts as hung; 'auto' (default) learns "
@@ -417,6 +425,11 @@ def _numbers(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {d: num(d) for d in _FLOATS}
     out.update({d: int(num(d)) for d in _INTS})
     out.update({d: None if getattr(args, d) is None else int(num(d)) for d in _OPTIONAL_INTS})
+    limit = args.memory_checkpoint_limit
+    if limit is not None:
+        out["memory_checkpoint_limit"] = check_memory_limit(
+            limit, source(args, "memory_checkpoint_limit")
+        )
     shutdown = args.shutdown_timeout
     out["shutdown_timeout"] = (
         compat.shutdown_timeout() if shutdown is None else num("shutdown_timeout")

@@ -344,6 +344,47 @@ RANGES: dict[str, Range] = {
     )
 }
 
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_size(value: object, name: str) -> int:
+    """Bytes: a whole number with an optional unit (KiB, MiB, GiB, TiB, or KB, MB, GB, TB),
+    or a ConfigError that quotes `value` under `name`."""
+    text = str(value).strip()
+    m = re.fullmatch(r"([0-9]+)\s*([A-Za-z]*)", text)  # ASCII digits: not '²'
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(
+            f"{name} '{value}' is not valid: give bytes as a whole number with an optional "
+            "unit, such as 512MiB or 8GiB"
+        )
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+
+
+def check_memory_limit(value: object, name: str) -> int:
+    """The bytes one rank's memory-tier checkpoints may take (two copies of its state)."""
+    n = parse_size(value, name)
+    if n < 1 << 20:
+        raise ConfigError(
+            f"{name} '{value}' is {n} bytes: give at least 1MiB (a rank's memory tier holds "
+            "two copies of its checkpoint; size it for twice the state, as 8GiB)"
+        )
+    return n
+
 
 def check_range(field_name: str, value: object, name: str | None = None) -> float:
     """`value` for LaunchConfig's `field_name`, checked against :data:`RANGES`."""
@@ -519,3 +560,5 @@ def check_config(config: LaunchConfig) -> None:
                 "['auto']), or [] for fresh interpreters"
             )
     parse_signals(config.signals_to_handle)
+    if config.memory_checkpoint_limit is not None:
+        check_memory_limit(config.memory_checkpoint_limit, "memory_checkpoint_limit")

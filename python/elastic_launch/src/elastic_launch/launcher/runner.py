@@ -19,6 +19,7 @@ from elastic_launch import compat
 from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.health import HealthServer
+from elastic_launch.agent.memory_tier import memory_tier
 from elastic_launch.agent.summary import format_summary
 from elastic_launch.agent.watch import watch
 from elastic_launch.agent.workers import WorkerGroup
@@ -67,6 +68,7 @@ def run(
             Events.open(run_id, c.event_log_handler, c.events_file, plan.metrics)
         )
         node = stack.enter_context(watch(c.nproc_per_node, c.gpu_check_interval, guardian))
+        memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         chosen = preload.plan(c.preload, entrypoint)
         if chosen.hint:
             logger.info("--preload auto: %s", chosen.hint)
@@ -78,7 +80,7 @@ def run(
         if rdzv is None:
             rdzv = create_handler(plan.rendezvous)
             stack.callback(rdzv.shutdown, cancel)
-        env = {**timer_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
+        env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
         group = WorkerGroup(c, entrypoint, run_id, layout, node, spawner, guardian, env)
         stack.enter_context(group)
         log_dir = layout.run_dir if layout.kept and layout.keep_logs else None

@@ -1,0 +1,270 @@
+"""The memory tier's slot: one rank's newest checkpoint in a shared-memory file, where the
+rank's death cannot take it (the file outlives the process that wrote it).
+
+A slot is one file (on /dev/shm, or any directory): a header page and two buffers. A save
+goes into the buffer that does not hold the newest complete copy, so the previous copy stays
+whole until the new one is: its descriptor is cleared before the first byte is written and
+sealed (its sequence number written last) after the last one. A process killed at any moment
+therefore leaves the newest complete copy readable, and never a torn one that looks complete.
+Each sealed copy carries its step, its size, a CRC-32 of its bytes and a digest of the job's
+run id: a copy of another job, or one whose bytes changed, is never returned.
+
+Layout (little-endian): ``magic(8) version(4) pad(4) capacity(8)``, then two descriptors of
+``seq(8) step(8) size(8) crc32(4) pad(4) run(32)`` at 64 and 128; buffers at 4096 and
+4096 + capacity. A save that does not fit grows the slot: a new file with both buffers that
+big, holding the newest copy, renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_sampler._files import load
+from elastic_sampler.api import CheckpointError
+
+#: Set by elasticrun for its workers (the literal names are the contract with
+#: elastic_launch's agent/memory_tier.py): the node's directory for slots, in shared memory,
+#: which the launcher removes when it ends however it ends; and the bytes one slot may take.
+MEMORY_DIR_ENV = "ELASTICRUN_MEMORY_DIR"
+MEMORY_LIMIT_ENV = "ELASTICRUN_MEMORY_LIMIT"
+
+MAGIC = b"ERMEMCK1"
+VERSION = 1
+HEADER = 4096
+_HEAD = struct.Struct("<8sI4xQ")  # magic, version, capacity
+_DESC = struct.Struct("<QqQI4x32s")  # seq, step, size, crc32, run digest
+_DESC_AT = (64, 128)
+_MIN_CAPACITY = 1 << 20
+
+
+def run_digest(run_id: str) -> bytes:
+    return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
+
+
+def slot_bytes(capacity: int) -> int:
+    """What a slot whose buffers hold `capacity` bytes each takes in memory."""
+    return HEADER + 2 * capacity
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A sealed copy's descriptor: which buffer, its sequence number, what it holds."""
+
+    index: int
+    seq: int
+    step: int
+    size: int
+    crc: int
+    run: bytes
+
+
+class MemorySlot:
+    """One rank's slot at `path`, for the job `run_id`. `limit`: the bytes the slot may take
+    (both buffers and the header); a save that would need more is a CheckpointError and the
+    previous copy stays."""
+
+    def __init__(self, path: str | os.PathLike[str], run_id: str, limit: int | None = None) -> None:
+        self.path = Path(path)
+        self.run = run_digest(run_id)
+        self.run_id = run_id
+        self.limit = limit
+        self._map: mmap.mmap | None = None
+        self._capacity = 0
+
+    # ---- the file --------------------------------------------------------------------------
+
+    def _open(self) -> bool:
+        """Map the slot's file if it exists and is one; False if there is none."""
+        if self._map is not None:
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise CheckpointError(f"the memory slot '{self.path}' cannot be opened: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER:
+                return False
+            m = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, version, capacity = _HEAD.unpack_from(m, 0)
+        if magic != MAGIC or version != VERSION or slot_bytes(capacity) != size:
+            m.close()
+            return False  # not a slot of ours (or of another version): treated as none
+        self._map, self._capacity = m, capacity
+        return True
+
+    def _create(self, capacity: int, keep: _Copy | None) -> None:
+        """A new file with buffers of `capacity`, holding `keep` (a sealed copy of the current
+        file) as its only copy, renamed over the old one."""
+        need = slot_bytes(capacity)
+        if self.limit is not None and need > self.limit:
+            raise CheckpointError(
+                f"the memory tier needs {need} bytes for this rank ({capacity} bytes of state, "
+                f"twice, so that the previous step survives a save cut short), more than its "
+                f"limit of {self.limit} bytes: raise the limit, or save less state"
+            )
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, need)
+            m = mmap.mmap(fd, need)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CheckpointError(
+                f"cannot make a memory slot of {need} bytes at '{tmp.parent}': {e}"
+            ) from e
+        os.close(fd)
+        _HEAD.pack_into(m, 0, MAGIC, VERSION, capacity)
+        if keep is not None and self._map is not None:
+            start = HEADER + keep.index * self._capacity
+            m[HEADER : HEADER + keep.size] = self._map[start : start + keep.size]
+            _DESC.pack_into(m, _DESC_AT[0], keep.seq, keep.step, keep.size, keep.crc, keep.run)
+        try:
+            os.replace(tmp, self.path)
+        except OSError as e:
+            m.close()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CheckpointError(f"cannot put the memory slot at '{self.path}': {e}") from e
+        if self._map is not None:
+            self._map.close()
+        self._map, self._capacity = m, capacity
+
+    # ---- copies ----------------------------------------------------------------------------
+
+    def _copies(self) -> list[_Copy]:
+        """The sealed copies, newest first (not yet checked against their bytes)."""
+        assert self._map is not None
+        found = []
+        for index, at in enumerate(_DESC_AT):
+            seq, step, size, crc, run = _DESC.unpack_from(self._map, at)
+            if seq > 0 and 0 <= size <= self._capacity and step >= 0:
+                found.append(_Copy(index, seq, step, size, crc, run))
+        return sorted(found, key=lambda c: c.seq, reverse=True)
+
+    def _bytes(self, c: _Copy) -> memoryview:
+        assert self._map is not None
+        start = HEADER + c.index * self._capacity
+        return memoryview(self._map)[start : start + c.size]
+
+    def _intact(self, c: _Copy) -> bool:
+        with self._bytes(c) as view:
+            return c.run == self.run and zlib.crc32(view) == c.crc
+
+    def newest(self) -> tuple[int, _Copy] | None:
+        """(step, copy) of the newest copy of this job that verifies, or None."""
+        if not self._open():
+            return None
+        for c in self._copies():
+            if self._intact(c):
+                return c.step, c
+        return None
+
+    def latest_step(self) -> int | None:
+        found = self.newest()
+        return None if found is None else found[0]
+
+    def read(self) -> tuple[bytes, int] | None:
+        """(bytes, step) of the newest copy that verifies, copied out of the slot."""
+        found = self.newest()
+        if found is None:
+            return None
+        step, c = found
+        with self._bytes(c) as view:
+            data = bytes(view)
+        if zlib.crc32(data) != c.crc:  # overwritten while copied out: a writer is alive
+            return None
+        return data, step
+
+    def load(self, map_location: Any = "cpu", weights_only: bool = True) -> tuple[Any, int] | None:
+        """(state, step) of the newest copy that verifies, or None."""
+        got = self.read()
+        if got is None:
+            return None
+        data, step = got
+        where = f"memory checkpoint step {step} ('{self.path}')"
+        return load(io.BytesIO(data), where, map_location, weights_only), step
+
+    def put(self, state: Any, step: int) -> None:
+        """Make `state` the slot's newest copy, as checkpoint `step`."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.put_bytes(buffer.getbuffer(), step)
+
+    def put_bytes(self, data: Any, step: int) -> None:
+        """Make `data` (a serialized state) the slot's newest copy, as checkpoint `step`."""
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if not self._open() or size > self._capacity:
+            kept = self.newest() if self._map is not None else None
+            self._create(max(_MIN_CAPACITY, size + size // 4), kept[1] if kept else None)
+        assert self._map is not None
+        copies = self._copies()
+        newest = copies[0] if copies else None
+        index = 1 - newest.index if newest is not None else 0
+        at = _DESC_AT[index]
+        # Unsealed first: a copy cut short is never taken for a whole one.
+        _DESC.pack_into(self._map, at, 0, 0, 0, 0, bytes(32))
+        start = HEADER + index * self._capacity
+        self._map[start : start + size] = view
+        crc = zlib.crc32(view)
+        seq = (newest.seq if newest is not None else 0) + 1
+        _DESC.pack_into(self._map, at, 0, step, size, crc, self.run)
+        struct.pack_into("<Q", self._map, at, seq)  # sealed, last
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def remove(self) -> None:
+        """Close and delete the slot's file."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def slot_for(directory: Path, prefix: str) -> MemorySlot | None:
+    """This worker's slot for the checkpoints of `directory` (one per local rank, so that a
+    replacement on the same node finds its predecessor's), or None outside elasticrun."""
+    home = os.environ.get(MEMORY_DIR_ENV)
+    if not home:
+        return None
+    if not os.path.isdir(home):
+        raise CheckpointError(
+            f"${MEMORY_DIR_ENV}={home!r} is not a directory: it is set by elasticrun for its "
+            "workers; unset it, or run the script under elasticrun"
+        )
+    limit = None
+    raw_limit = os.environ.get(MEMORY_LIMIT_ENV)
+    if raw_limit:
+        if not raw_limit.isascii() or not raw_limit.isdigit():
+            raise CheckpointError(
+                f"${MEMORY_LIMIT_ENV}={raw_limit!r}: give the bytes one rank's memory "
+                "checkpoints may take, as a whole number (elasticrun sets it from "
+                "--memory-checkpoint-limit)"
+            )
+        limit = int(raw_limit)
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if not local_rank.isascii() or not local_rank.isdigit():
+        raise CheckpointError(f"$LOCAL_RANK={local_rank!r}: expected a whole number")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    where = hashlib.sha256(os.fsencode(directory.resolve())).hexdigest()[:12]
+    return MemorySlot(Path(home) / f"{prefix}-{where}-rank{int(local_rank)}", run_id, limit)

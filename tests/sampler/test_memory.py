@@ -1,0 +1,254 @@
+"""The memory tier's slot (elastic_sampler._memory): a rank's newest checkpoint in shared
+memory, double-buffered, verified, of this job only."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from elastic_sampler._memory import HEADER, MemorySlot, slot_bytes
+from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
+
+
+def state(step: int, n: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "step": step, "rng": torch.get_rng_state()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (
+        torch.equal(a["w"], b["w"]) and a["step"] == b["step"] and torch.equal(a["rng"], b["rng"])
+    )
+
+
+@pytest.fixture
+def path(tmp_path):
+    return tmp_path / "slot-0"
+
+
+def test_a_saved_step_loads_back_with_its_step(path):
+    slot = MemorySlot(path, "run-a")
+    assert slot.load() is None and slot.latest_step() is None
+    slot.put(state(7), 7)
+    loaded, step = slot.load()
+    assert step == 7 and same(loaded, state(7))
+    slot.close()
+    again = MemorySlot(path, "run-a")  # another process's view: the file, not this object
+    assert again.latest_step() == 7
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_the_newest_intact_copy_wins_and_a_damaged_one_falls_back_to_the_previous(path):
+    slot = MemorySlot(path, "run-a")
+    slot.put(state(1), 1)
+    slot.put(state(2), 2)
+    assert slot.latest_step() == 2
+    _, newest = slot.newest()
+    with open(path, "r+b") as f:  # one byte of step 2's copy changes
+        f.seek(HEADER + newest.index * slot._capacity + newest.size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loaded, step = MemorySlot(path, "run-a").load()
+    assert step == 1 and same(loaded, state(1))
+
+
+def test_a_copy_of_another_job_is_never_returned(path):
+    MemorySlot(path, "run-a").put(state(3), 3)
+    assert MemorySlot(path, "run-b").load() is None
+    assert MemorySlot(path, "run-a").latest_step() == 3
+
+
+def test_a_file_that_is_not_a_slot_reads_as_empty_and_is_replaced(path):
+    path.write_bytes(os.urandom(HEADER + 100))
+    slot = MemorySlot(path, "run-a")
+    assert slot.load() is None
+    slot.put(state(4), 4)
+    assert MemorySlot(path, "run-a").latest_step() == 4
+
+
+def test_a_larger_state_grows_the_slot_and_keeps_the_previous_copy(path):
+    slot = MemorySlot(path, "run-a")
+    slot.put(state(1, 10), 1)
+    small = slot._capacity
+    slot.put(state(2, 2_000_000), 2)  # 8 MB: more than the first slot held
+    assert slot._capacity > small
+    assert sorted(c.step for c in slot._copies()) == [1, 2], "the previous step moved along"
+    loaded, step = MemorySlot(path, "run-a").load()
+    assert step == 2 and same(loaded, state(2, 2_000_000))
+
+
+def test_a_save_beyond_the_limit_is_refused_and_the_previous_copy_stays(path):
+    slot = MemorySlot(path, "run-a", limit=slot_bytes(2 << 20))
+    slot.put(state(1, 1000), 1)
+    with pytest.raises(CheckpointError, match=r"more than its limit of \d+ bytes: raise the limit"):
+        slot.put(state(2, 1_000_000), 2)  # 4 MB, twice
+    loaded, step = MemorySlot(path, "run-a").load()
+    assert step == 1 and same(loaded, state(1, 1000))
+
+
+def test_a_crafted_copy_is_refused_by_default(path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    MemorySlot(path, "run-a").put({"x": Evil()}, 5)
+    with pytest.raises(UnsafeCheckpointError, match="weights_only=True refuses"):
+        MemorySlot(path, "run-a").load()
+
+
+SIZE = 32 << 20
+
+
+def payload(step: int) -> bytes:
+    return bytes([step % 256]) * SIZE
+
+
+def _save_forever(path: str, ready) -> None:
+    slot = MemorySlot(path, "run-a")
+    slot.put_bytes(payload(1), 1)
+    ready.set()
+    step = 2
+    while True:
+        slot.put_bytes(payload(step), step)
+        step += 1
+
+
+@pytest.mark.slow  # real processes, SIGKILLed
+def test_a_writer_killed_at_any_moment_leaves_a_whole_copy():
+    """A rank SIGKILLed while it copies a step into its slot: what the slot returns is a whole
+    copy, the bytes of the step it says, never a torn one. Killed at random moments."""
+    ctx = multiprocessing.get_context("fork")
+    rng = random.Random(0)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        path = os.path.join(d, "slot")
+        for _ in range(5):
+            ready = ctx.Event()
+            child = ctx.Process(target=_save_forever, args=(path, ready))
+            child.start()
+            try:
+                assert ready.wait(60), "the writer never saved its first step"
+                time.sleep(rng.uniform(0.0, 0.3))
+            finally:
+                os.kill(child.pid, signal.SIGKILL)
+                child.join(10)
+            got = MemorySlot(path, "run-a").read()
+            assert got is not None, "no whole copy left"
+            data, step = got
+            assert step >= 1 and data == payload(step)
+            os.unlink(path)
+
+
+# ---- the manager's memory tier -----------------------------------------------------------------
+
+
+@pytest.fixture
+def under_elasticrun(tmp_path, monkeypatch):
+    """The environment elasticrun gives a worker: the node's slot directory, the run id, the
+    local rank."""
+    home = tmp_path / "shm"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("ELASTICRUN_MEMORY_DIR", str(home))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("ELASTICRUN_MEMORY_LIMIT", raising=False)
+    return home
+
+
+def test_every_save_reaches_memory_and_every_nth_the_disk(tmp_path, under_elasticrun):
+    from elastic_sampler import CheckpointManager
+
+    with CheckpointManager(tmp_path / "ckpt", keep_last=5, memory=True, persist_every=5) as m:
+        for step in range(1, 13):
+            m.save(state(step), step, background=step % 2 == 0)
+    assert CheckpointManager(tmp_path / "ckpt").steps() == [1, 6, 11]
+    # A replacement worker (another manager, the same node and rank) resumes at the last step.
+    again = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=5)
+    assert again.latest_step() == 12
+    loaded, step = again.load_latest()
+    assert step == 12 and same(loaded, state(12))
+    assert len(list(under_elasticrun.iterdir())) == 1, "one slot for the rank"
+
+
+def test_a_disk_checkpoint_newer_than_memory_wins(tmp_path, under_elasticrun):
+    from elastic_sampler import CheckpointManager
+
+    CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100).save(state(3), 3)
+    CheckpointManager(tmp_path / "ckpt").save(state(9), 9)  # another writer, disk only
+    m = CheckpointManager(tmp_path / "ckpt", memory=True)
+    loaded, step = m.load_latest()
+    assert step == 9 == m.latest_step() and same(loaded, state(9))
+
+
+def test_memory_of_another_run_or_rank_is_not_used(tmp_path, under_elasticrun, monkeypatch):
+    from elastic_sampler import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
+    m.save(state(3), 3)  # disk and memory
+    m.save(state(5), 5)  # memory only
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 3
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")
+    assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 3
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 5
+
+
+def test_a_memory_copy_that_fails_to_load_falls_back_to_the_disk(tmp_path, under_elasticrun):
+    from elastic_sampler import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
+    m.save(state(2), 2)
+    m._slot.put_bytes(b"not a torch file", 5)  # sealed and checksummed, but not loadable
+    with pytest.warns(UserWarning, match="skipping the memory checkpoint"):
+        loaded, step = CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()
+    assert step == 2 and same(loaded, state(2))
+
+
+def test_outside_elasticrun_memory_warns_and_keeps_every_nth_step_on_disk(tmp_path, monkeypatch):
+    from elastic_sampler import CheckpointManager
+
+    monkeypatch.delenv("ELASTICRUN_MEMORY_DIR", raising=False)
+    with pytest.warns(UserWarning, match="outside elasticrun: there is no memory tier"):
+        m = CheckpointManager(tmp_path / "ckpt", keep_last=9, memory=True, persist_every=3)
+    for step in range(1, 8):
+        m.save(state(step), step)
+    assert m.steps() == [1, 4, 7]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("ELASTICRUN_MEMORY_LIMIT", "lots", r"\$ELASTICRUN_MEMORY_LIMIT='lots': give the bytes"),
+        ("ELASTICRUN_MEMORY_LIMIT", "²", r"\$ELASTICRUN_MEMORY_LIMIT='²'"),
+        ("LOCAL_RANK", "one", r"\$LOCAL_RANK='one': expected a whole number"),
+        ("ELASTICRUN_MEMORY_DIR", "/nonexistent/x", r"'/nonexistent/x' is not a directory"),
+    ],
+)
+def test_a_bad_memory_setting_is_a_clear_error(
+    tmp_path, under_elasticrun, monkeypatch, name, value, says
+):
+    from elastic_sampler import CheckpointManager
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(CheckpointError, match=says):
+        CheckpointManager(tmp_path / "ckpt", memory=True)
+
+
+def test_the_limit_reaches_the_slot(tmp_path, under_elasticrun, monkeypatch):
+    from elastic_sampler import CheckpointManager
+
+    monkeypatch.setenv("ELASTICRUN_MEMORY_LIMIT", str(slot_bytes(1 << 20)))
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=10)
+    m.save(state(1, 100), 1)
+    with pytest.raises(CheckpointError, match="more than its limit"):
+        m.save(state(2, 1_000_000), 2)
+    assert m.load_latest()[1] == 1
