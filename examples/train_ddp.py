@@ -160,12 +160,12 @@ class Job:
     step: int = 0
 
     def save(self, epoch_steps: int) -> None:
-        """Rank 0 saves a checkpoint: to memory now, to disk in the background when due (0
-        epoch steps: the next epoch's start)."""
+        """Rank 0 saves a checkpoint: to memory now, to disk in the background when due and
+        at every epoch's end (0 epoch steps: the next epoch's start)."""
         state = training_state(
             self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
         )
-        self.checkpoints.save(state, self.step, background=True)
+        self.checkpoints.save(state, self.step, background=True, persist=epoch_steps == 0 or None)
 
 
 def resume(job: Job) -> None:

@@ -168,7 +168,7 @@ def test_every_save_reaches_memory_and_every_nth_the_disk(tmp_path, under_elasti
     with CheckpointManager(tmp_path / "ckpt", keep_last=5, memory=True, persist_every=5) as m:
         for step in range(1, 13):
             m.save(state(step), step, background=step % 2 == 0)
-    assert CheckpointManager(tmp_path / "ckpt").steps() == [1, 6, 11]
+    assert CheckpointManager(tmp_path / "ckpt").steps() == [5, 10]
     # A replacement worker (another manager, the same node and rank) resumes at the last step.
     again = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=5)
     assert again.latest_step() == 12
@@ -177,10 +177,25 @@ def test_every_save_reaches_memory_and_every_nth_the_disk(tmp_path, under_elasti
     assert len(list(under_elasticrun.iterdir())) == 1, "one slot for the rank"
 
 
+def test_steps_off_the_multiples_reach_the_disk_at_the_spacing_and_when_asked(
+    tmp_path, under_elasticrun
+):
+    from elastic_sampler import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "ckpt", keep_last=9, memory=True, persist_every=4)
+    for step in (1, 3, 5, 7, 9, 10):
+        m.save(state(step), step, persist=True if step == 10 else None)
+    m.save(state(11), 11, persist=False)
+    m.close()
+    assert m.steps() == [5, 9, 10], "4 steps after the first save, again 4 later, and asked"
+    assert CheckpointManager(tmp_path / "ckpt", memory=True).latest_step() == 11
+
+
 def test_a_disk_checkpoint_newer_than_memory_wins(tmp_path, under_elasticrun):
     from elastic_sampler import CheckpointManager
 
     CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100).save(state(3), 3)
+    assert CheckpointManager(tmp_path / "ckpt").steps() == [], "step 3 is in memory only"
     CheckpointManager(tmp_path / "ckpt").save(state(9), 9)  # another writer, disk only
     m = CheckpointManager(tmp_path / "ckpt", memory=True)
     loaded, step = m.load_latest()
@@ -191,7 +206,7 @@ def test_memory_of_another_run_or_rank_is_not_used(tmp_path, under_elasticrun, m
     from elastic_sampler import CheckpointManager
 
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
-    m.save(state(3), 3)  # disk and memory
+    m.save(state(3), 3, persist=True)  # disk and memory
     m.save(state(5), 5)  # memory only
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 3
@@ -206,7 +221,7 @@ def test_a_memory_copy_that_fails_to_load_falls_back_to_the_disk(tmp_path, under
     from elastic_sampler import CheckpointManager
 
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
-    m.save(state(2), 2)
+    m.save(state(2), 2, persist=True)
     m._slot.put_bytes(b"not a torch file", 5)  # sealed and checksummed, but not loadable
     with pytest.warns(UserWarning, match="skipping the memory checkpoint"):
         loaded, step = CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()
@@ -221,7 +236,7 @@ def test_outside_elasticrun_memory_warns_and_keeps_every_nth_step_on_disk(tmp_pa
         m = CheckpointManager(tmp_path / "ckpt", keep_last=9, memory=True, persist_every=3)
     for step in range(1, 8):
         m.save(state(step), step)
-    assert m.steps() == [1, 4, 7]
+    assert m.steps() == [3, 6]
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,8 @@ class CheckpointManager:
         self._lock = threading.Lock()
         remove_dead_temporaries(self.directory, f"{self.prefix}-")
         self.persist_every = persist_every
-        self._persisted: int | None = None  # the last step written to disk by this manager
+        # The last step written to disk by this manager (or its first save, until one is).
+        self._persisted: int | None = None
         self._slot = _memory.slot_for(self.directory, prefix) if memory else None
         if memory and self._slot is None:
             warnings.warn(
@@ -177,10 +178,17 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.directory / f"{self.prefix}-{step:012d}.pt"
 
-    def save(self, state: Any, step: int, background: bool = False) -> Path:
+    def save(
+        self, state: Any, step: int, background: bool = False, *, persist: bool | None = None
+    ) -> Path:
         """Write `state` as checkpoint `step`. With `background`, the state is copied first
         (so training may change it right away) and written by a worker thread; at most one
         write is in flight, and its error surfaces on the next call.
+
+        With the memory tier, every step goes to memory, and to disk when it is due: a
+        multiple of `persist_every`, or `persist_every` steps after the last one written
+        there; ``persist=True`` writes it to disk anyway (the end of training, an epoch's
+        end), ``persist=False`` keeps it in memory only.
 
         Saving a step that exists already replaces it; until the new copy is durable the old
         one still loads, so a failure or a crash mid-save never loses the step."""
@@ -189,8 +197,7 @@ class CheckpointManager:
         self.wait()  # one write at a time; raises a background error
         if self._slot is not None:
             self._slot.put(state, step)
-        last = self._persisted
-        if last is not None and step != last and abs(step - last) < self.persist_every:
+        if not (self._due(step) if persist is None else persist):
             return self.path(step)  # in memory only (or, outside elasticrun, not kept)
         self._persisted = step
         if not background:
@@ -208,6 +215,15 @@ class CheckpointManager:
         _finish.started(self)
         self._thread.start()
         return self.path(step)
+
+    def _due(self, step: int) -> bool:
+        """Whether `step` goes to disk: every step without a memory tier's spacing
+        (persist_every 1), else multiples of persist_every and no gap of more."""
+        every, since = self.persist_every, self._persisted
+        if since is None:
+            self._persisted = since = step  # the gap counts from this manager's first save
+            return step % every == 0 or every == 1
+        return step % every == 0 or step == since or abs(step - since) >= every
 
     def _take_staging(self) -> Any:
         staging, self._staging = self._staging, None
