@@ -77,7 +77,6 @@ class MemorySlot:
     def __init__(self, path: str | os.PathLike[str], run_id: str, limit: int | None = None) -> None:
         self.path = Path(path)
         self.run = run_digest(run_id)
-        self.run_id = run_id
         self.limit = limit
         self._map: mmap.mmap | None = None
         self._capacity = 0
@@ -182,16 +181,18 @@ class MemorySlot:
         return None if found is None else found[0]
 
     def read(self) -> tuple[bytes, int] | None:
-        """(bytes, step) of the newest copy that verifies, copied out of the slot."""
-        found = self.newest()
-        if found is None:
+        """(bytes, step) of the newest copy that verifies, copied out of the slot. The copy is
+        what is checked: one pass, and a writer that changed the buffer meanwhile is caught."""
+        if not self._open():
             return None
-        step, c = found
-        with self._bytes(c) as view:
-            data = bytes(view)
-        if zlib.crc32(data) != c.crc:  # overwritten while copied out: a writer is alive
-            return None
-        return data, step
+        for c in self._copies():
+            if c.run != self.run:
+                continue
+            with self._bytes(c) as view:
+                data = bytes(view)
+            if zlib.crc32(data) == c.crc:
+                return data, c.step
+        return None
 
     def load(self, map_location: Any = "cpu", weights_only: bool = True) -> tuple[Any, int] | None:
         """(state, step) of the newest copy that verifies, or None."""
@@ -233,12 +234,6 @@ class MemorySlot:
         if self._map is not None:
             self._map.close()
             self._map = None
-
-    def remove(self) -> None:
-        """Close and delete the slot's file."""
-        self.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
 
 
 def slot_for(directory: Path, prefix: str) -> MemorySlot | None:
