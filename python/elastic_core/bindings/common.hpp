@@ -39,5 +39,6 @@ void register_heartbeat(py::module_& m);
 void register_gpu_health(py::module_& m);
 void register_barrier(py::module_& m);
 void register_watchdog(py::module_& m);
+void register_checksum(py::module_& m);
 
 }  // namespace elastic_py

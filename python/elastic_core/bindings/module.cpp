@@ -2,12 +2,13 @@
 #include "common.hpp"
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "Bindings of ElasticCore: heartbeats, watchdog, GPU health and barriers.";
+  m.doc() = "Bindings of ElasticCore: heartbeats, watchdog, GPU health, barriers, checksums.";
   elastic_py::register_errors(m);
   elastic_py::register_heartbeat(m);
   elastic_py::register_gpu_health(m);
   elastic_py::register_barrier(m);
   elastic_py::register_watchdog(m);
+  elastic_py::register_checksum(m);
 
   m.attr("ABI_VERSION") = elastic_abi_version();
   m.attr("LIBRARY_VERSION") = elastic_version();

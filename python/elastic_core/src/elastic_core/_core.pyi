@@ -4,7 +4,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import final
 
-from typing_extensions import Self
+from typing_extensions import Buffer, Self
 
 ABI_VERSION: int
 LIBRARY_VERSION: str
@@ -278,3 +278,10 @@ class Watchdog:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+def crc32c(data: Buffer, crc: int = 0) -> int: ...
+def copy_crc32c(dst: Buffer, src: int, size: int, crc: int = 0) -> int: ...
+def copy_crc32c_chunks(dst: Buffer, src: int, size: int, chunk: int) -> list[int]: ...
+def copy_crc32c_gather(
+    dst: Buffer, size: int, head: bytes, segments: list[tuple[int, int, int]], chunk: int
+) -> list[int]: ...
