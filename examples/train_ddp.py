@@ -16,6 +16,7 @@ resume the bar starts at the resumed step, so its rate is the new run's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import signal
@@ -93,6 +94,17 @@ def training_state(
     }
 
 
+def bucket_per_parameter() -> dict[str, Any]:
+    """DDP arguments that give each parameter a gradient bucket of its own, from the first step
+    on (torch >= 2.13; earlier: none). DDP puts every parameter in one bucket for a process's
+    first step and regroups them after it; with more than 2 ranks, a gradient's elements are
+    then summed across ranks in another order, and a resumed job's weights differ from an
+    uninterrupted one's in their last bits. With a bucket per parameter they do not."""
+    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+        return {"bucket_cap_mb_list": [0]}
+    return {}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=4)
@@ -149,6 +161,7 @@ class Job:
 
     args: argparse.Namespace
     rank: int
+    local_rank: int
     world: int
     attempt: int
     sampler: ElasticDistributedSampler
@@ -160,18 +173,23 @@ class Job:
     step: int = 0
 
     def save(self, epoch_steps: int) -> None:
-        """Rank 0 saves a checkpoint: to memory now, to disk in the background when due and
-        at every epoch's end (0 epoch steps: the next epoch's start)."""
+        """The first worker of each node keeps the step in the node's memory (so that a node's
+        loss loses no step while another node lives); rank 0 also writes it to disk in the
+        background when due, and at every epoch's end (0 epoch steps: the next epoch's
+        start). Every rank holds the same state under DDP: one copy per node is enough."""
+        if self.local_rank != 0:
+            return
         state = training_state(
             self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
         )
-        self.checkpoints.save(state, self.step, background=True, persist=epoch_steps == 0 or None)
+        persist = (epoch_steps == 0 or None) if self.rank == 0 else False
+        self.checkpoints.save(state, self.step, background=True, persist=persist)
 
 
 def resume(job: Job) -> None:
     """Every rank resumes from the newest intact checkpoint (sent by the rank that has it,
     should the directory be local to each node)."""
-    latest = broadcast_latest(job.checkpoints)
+    latest = broadcast_latest(job.checkpoints, keep=job.local_rank == 0)  # the node's saver
     if latest is None:
         return
     state, _ = latest
@@ -213,15 +231,16 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
         job.optimizer.step()  # elasticrun beats here
         job.step += 1
         time.sleep(max(0.0, job.args.step_time - (time.monotonic() - started)))
+        # Every step goes to the memory tier (on disk every --checkpoint-every steps), before
+        # it is reported done; the epoch's last step is saved by the caller, as the start of
+        # the next epoch.
+        if epoch_steps < len(job.loader):
+            job.save(epoch_steps)
         if job.record is not None:
             job.record.write(f"{epoch} {job.step} {','.join(map(str, ids.tolist()))}\n")
             job.record.flush()
         progress.update(1)
         progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
-        # Every step goes to the memory tier (on disk every --checkpoint-every steps); the
-        # epoch's last step is saved by the caller, as the start of the next epoch.
-        if job.rank == 0 and epoch_steps < len(job.loader):
-            job.save(epoch_steps)
     return loss
 
 
@@ -250,18 +269,19 @@ def setup(args: argparse.Namespace) -> Job:
     data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
     # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
     sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
-    model = DistributedDataParallel(SmallCNN(args.classes))
+    model = DistributedDataParallel(SmallCNN(args.classes), **bucket_per_parameter())
     job = Job(
         args,
         rank,
+        int(os.environ.get("LOCAL_RANK", "0")),
         world,
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         sampler=sampler,
         loader=DataLoader(data, batch_size=args.batch_size, sampler=sampler),
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-        # Rank 0 saves: every step to the node's memory (a restarted worker resumes at the
-        # step where the failure struck), every --checkpoint-every steps to disk.
+        # Every step to the node's memory (a restarted worker resumes at the step where the
+        # failure struck), every --checkpoint-every steps to disk.
         checkpoints=CheckpointManager(
             args.checkpoint_dir, keep_last=3, memory=True, persist_every=args.checkpoint_every
         ),
@@ -282,8 +302,7 @@ def main() -> None:
     for epoch in range(job.sampler.epoch, args.epochs):
         loss = train_epoch(job, epoch, progress)
         job.sampler.set_epoch(epoch + 1)  # the epoch is done: a checkpoint now starts the next
-        if job.rank == 0:
-            job.save(0)
+        job.save(0)
     progress.close()
     job.checkpoints.close()
     dist.barrier()

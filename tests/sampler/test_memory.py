@@ -8,9 +8,11 @@ import os
 import random
 import signal
 import time
+import warnings
 
 import pytest
 import torch
+from elastic_sampler import _payload
 from elastic_sampler._memory import HEADER, MemorySlot, slot_bytes
 from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 
@@ -109,21 +111,36 @@ def payload(step: int) -> bytes:
     return bytes([step % 256]) * SIZE
 
 
-def _save_forever(path: str, ready) -> None:
+def tensors(step: int) -> dict:
+    return {"w": torch.full((SIZE // 4,), step, dtype=torch.int32), "step": step}
+
+
+def _save_forever(path: str, ready, planned: bool) -> None:
     slot = MemorySlot(path, "run-a")
-    slot.put_bytes(payload(1), 1)
+    put = slot.put if planned else slot.put_bytes
+    make = tensors if planned else payload
+    put(make(1), 1)
     ready.set()
     step = 2
     while True:
-        slot.put_bytes(payload(step), step)
+        put(make(step), step)
         step += 1
 
 
+def whole(data: bytes, step: int, planned: bool) -> bool:
+    if not planned:
+        return data == payload(step)
+    got = _payload.decode(data, "test")
+    return got["step"] == step and bool((got["w"] == step).all())
+
+
 @pytest.mark.slow  # real processes, SIGKILLed
-def test_a_writer_killed_at_any_moment_leaves_a_whole_copy():
-    """A rank SIGKILLed while it copies a step into its slot: what the slot returns is a whole
-    copy, the bytes of the step it says, never a torn one. Killed at random moments."""
-    ctx = multiprocessing.get_context("fork")
+@pytest.mark.parametrize("planned", [False, True], ids=["bytes", "tensors"])
+def test_a_writer_killed_at_any_moment_leaves_a_whole_copy(planned):
+    """A rank SIGKILLed while it copies a step into its slot (bytes, or a state's tensors with
+    the checksum on a helper thread): what the slot returns is a whole copy of the step it
+    says, never a torn one. Killed at random moments."""
+    ctx = multiprocessing.get_context("spawn")  # torch in a forked child may deadlock
     rng = random.Random(0)
     import tempfile
 
@@ -131,7 +148,7 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_copy():
         path = os.path.join(d, "slot")
         for _ in range(5):
             ready = ctx.Event()
-            child = ctx.Process(target=_save_forever, args=(path, ready))
+            child = ctx.Process(target=_save_forever, args=(path, ready, planned))
             child.start()
             try:
                 assert ready.wait(60), "the writer never saved its first step"
@@ -142,7 +159,7 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_copy():
             got = MemorySlot(path, "run-a").read()
             assert got is not None, "no whole copy left"
             data, step = got
-            assert step >= 1 and data == payload(step)
+            assert step >= 1 and whole(data, step, planned)
             os.unlink(path)
 
 
@@ -174,7 +191,8 @@ def test_every_save_reaches_memory_and_every_nth_the_disk(tmp_path, under_elasti
     assert again.latest_step() == 12
     loaded, step = again.load_latest()
     assert step == 12 and same(loaded, state(12))
-    assert len(list(under_elasticrun.iterdir())) == 1, "one slot for the rank"
+    slots = [p for p in under_elasticrun.iterdir() if not p.name.endswith(".restores")]
+    assert len(slots) == 1, "one slot for the rank"
 
 
 def test_steps_off_the_multiples_reach_the_disk_at_the_spacing_and_when_asked(
@@ -267,3 +285,99 @@ def test_the_limit_reaches_the_slot(tmp_path, under_elasticrun, monkeypatch):
     with pytest.raises(CheckpointError, match="more than its limit"):
         m.save(state(2, 1_000_000), 2)
     assert m.load_latest()[1] == 1
+
+
+# ---- copies that overlap the next step ------------------------------------------------------
+
+
+def slow_copies(monkeypatch, seconds: float) -> None:
+    """Every copy to memory starts `seconds` late: long enough to see who waits for it."""
+    real = _payload.Plan.write
+
+    def late(self, view):
+        time.sleep(seconds)
+        return real(self, view)
+
+    monkeypatch.setattr(_payload.Plan, "write", late)
+
+
+def test_save_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(
+    tmp_path, under_elasticrun, monkeypatch
+):
+    from elastic_sampler import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 1000)  # 4 MB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
+    model(torch.ones(1, 1000)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    slow_copies(monkeypatch, 0.5)
+    m.save({"model": model.state_dict()}, 1)
+    assert m._copy is not None and not m._copy.join(0), "save() returned with the copy running"
+    optimizer.step()  # changes the weights, but only once the copy is over
+    assert m._copy.join(0)
+    assert not torch.equal(model.weight, before["weight"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a void copy would warn
+        m.wait()
+    loaded, step = CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()
+    assert step == 1
+    assert all(torch.equal(loaded["model"][k], v) for k, v in before.items())
+
+
+def test_a_tensor_changed_during_the_copy_voids_it_and_later_copies_finish_in_save(
+    tmp_path, under_elasticrun, monkeypatch
+):
+    from elastic_sampler import CheckpointManager
+
+    w = torch.zeros(1 << 20)
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
+    m.save({"w": w}, 1)
+    m.wait()
+    slow_copies(monkeypatch, 0.3)
+    m.save({"w": w}, 2)
+    w.add_(1)  # no optimizer step: nothing waits for the copy
+    with pytest.warns(UserWarning, match=r"step 2 was changed while .* memory keeps step 1"):
+        m.wait()
+    assert m.overlap is False and m.latest_step() == 1
+    m.save({"w": w}, 3)
+    assert m._copy is None, "copied inside save() from now on"
+    loaded, step = m.load_latest()
+    assert step == 3 and bool((loaded["w"] == 1).all())
+
+
+def test_a_small_state_is_copied_inside_save(tmp_path, under_elasticrun):
+    from elastic_sampler import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
+    m.save(state(1), 1)
+    assert m._copy is None and m.latest_step() == 1
+
+
+# ---- crash loops -----------------------------------------------------------------------------
+
+
+def test_a_memory_step_whose_restore_died_twice_falls_back_to_the_disk(tmp_path, under_elasticrun):
+    """Each manager stands for one worker: it restores, then dies before saving a newer step.
+    The third one is given the disk's step, and told why; a worker that saves again resets
+    the count."""
+    from elastic_sampler import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=4)
+    for step in range(1, 7):
+        m.save(state(step), step)
+    m.close()
+    for _ in range(2):  # restored, then the worker dies (no save)
+        assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 6
+    third = CheckpointManager(tmp_path / "ckpt", memory=True)
+    with pytest.warns(UserWarning, match="step 6 was restored 2 times, .* using the disk"):
+        loaded, step = third.load_latest()
+    assert step == 4 and same(loaded, state(4))
+    third.save(state(5), 5)  # training goes on from the disk's step
+    third.save(state(7), 7)
+    fourth = CheckpointManager(tmp_path / "ckpt", memory=True)
+    assert fourth.load_latest()[1] == 7
+    fourth.save(state(8), 8)  # past the restored step: the count is cleared
+    for _ in range(2):
+        assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 8

@@ -6,11 +6,12 @@ goes into the buffer that does not hold the newest complete copy, so the previou
 whole until the new one is: its descriptor is cleared before the first byte is written and
 sealed (its sequence number written last) after the last one. A process killed at any moment
 therefore leaves the newest complete copy readable, and never a torn one that looks complete.
-Each sealed copy carries its step, its size, a CRC-32 of its bytes and a digest of the job's
-run id: a copy of another job, or one whose bytes changed, is never returned.
+Each sealed copy carries its step, its size, a CRC-32C of its bytes and a digest of the job's
+run id: a copy of another job, or one whose bytes changed, is never returned. A copy holds a
+payload (`_payload`): a state laid out so that its tensors are copied in, not serialized.
 
 Layout (little-endian): ``magic(8) version(4) pad(4) capacity(8)``, then two descriptors of
-``seq(8) step(8) size(8) crc32(4) pad(4) run(32)`` at 64 and 128; buffers at 4096 and
+``seq(8) step(8) size(8) crc32c(4) pad(4) run(32)`` at 64 and 128; buffers at 4096 and
 4096 + capacity. A save that does not fit grows the slot: a new file with both buffers that
 big, holding the newest copy, renamed over the old one.
 """
@@ -18,19 +19,16 @@ big, holding the newest copy, renamed over the old one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
-import io
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from elastic_sampler._files import load
+from elastic_sampler import _payload
 from elastic_sampler.api import CheckpointError
 
 #: Set by elasticrun for its workers (the literal names are the contract with
@@ -40,12 +38,24 @@ MEMORY_DIR_ENV = "ELASTICRUN_MEMORY_DIR"
 MEMORY_LIMIT_ENV = "ELASTICRUN_MEMORY_LIMIT"
 
 MAGIC = b"ERMEMCK1"
-VERSION = 1
+VERSION = 2
 HEADER = 4096
 _HEAD = struct.Struct("<8sI4xQ")  # magic, version, capacity
-_DESC = struct.Struct("<QqQI4x32s")  # seq, step, size, crc32, run digest
+_DESC = struct.Struct("<QqQI4x32s")  # seq, step, size, crc32c, run digest
 _DESC_AT = (64, 128)
 _MIN_CAPACITY = 1 << 20
+
+
+_PAGE = 4096  # buffers start on pages: the copy's non-temporal stores want aligned targets
+
+
+def _pages(n: int) -> int:
+    return (n + _PAGE - 1) // _PAGE * _PAGE
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where `m` is mapped (the ctypes view that tells is let go at once: `m` may be closed)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
 def run_digest(run_id: str) -> bytes:
@@ -80,6 +90,7 @@ class MemorySlot:
         self.limit = limit
         self._map: mmap.mmap | None = None
         self._capacity = 0
+        self._base = 0  # the map's address
 
     # ---- the file --------------------------------------------------------------------------
 
@@ -104,19 +115,13 @@ class MemorySlot:
         if magic != MAGIC or version != VERSION or slot_bytes(capacity) != size:
             m.close()
             return False  # not a slot of ours (or of another version): treated as none
-        self._map, self._capacity = m, capacity
+        self._map, self._capacity, self._base = m, capacity, _address(m)
         return True
 
     def _create(self, capacity: int, keep: _Copy | None) -> None:
         """A new file with buffers of `capacity`, holding `keep` (a sealed copy of the current
         file) as its only copy, renamed over the old one."""
         need = slot_bytes(capacity)
-        if self.limit is not None and need > self.limit:
-            raise CheckpointError(
-                f"the memory tier needs {need} bytes for this rank ({capacity} bytes of state, "
-                f"twice, so that the previous step survives a save cut short), more than its "
-                f"limit of {self.limit} bytes: raise the limit, or save less state"
-            )
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -144,7 +149,7 @@ class MemorySlot:
             raise CheckpointError(f"cannot put the memory slot at '{self.path}': {e}") from e
         if self._map is not None:
             self._map.close()
-        self._map, self._capacity = m, capacity
+        self._map, self._capacity, self._base = m, capacity, _address(m)
 
     # ---- copies ----------------------------------------------------------------------------
 
@@ -165,7 +170,7 @@ class MemorySlot:
 
     def _intact(self, c: _Copy) -> bool:
         with self._bytes(c) as view:
-            return c.run == self.run and zlib.crc32(view) == c.crc
+            return c.run == self.run and _payload.checksum(view) == c.crc
 
     def newest(self) -> tuple[int, _Copy] | None:
         """(step, copy) of the newest copy of this job that verifies, or None."""
@@ -180,7 +185,7 @@ class MemorySlot:
         found = self.newest()
         return None if found is None else found[0]
 
-    def read(self) -> tuple[bytes, int] | None:
+    def read(self) -> tuple[bytearray, int] | None:
         """(bytes, step) of the newest copy that verifies, copied out of the slot. The copy is
         what is checked: one pass, and a writer that changed the buffer meanwhile is caught."""
         if not self._open():
@@ -188,9 +193,9 @@ class MemorySlot:
         for c in self._copies():
             if c.run != self.run:
                 continue
-            with self._bytes(c) as view:
-                data = bytes(view)
-            if zlib.crc32(data) == c.crc:
+            data = bytearray(c.size)  # checked as it is copied: what is returned is checked
+            start = self._base + HEADER + c.index * self._capacity
+            if _payload.copy_out(data, start, c.size) == c.crc:
                 return data, c.step
         return None
 
@@ -201,32 +206,73 @@ class MemorySlot:
             return None
         data, step = got
         where = f"memory checkpoint step {step} ('{self.path}')"
-        return load(io.BytesIO(data), where, map_location, weights_only), step
+        return _payload.decode(data, where, map_location, weights_only), step
 
     def put(self, state: Any, step: int) -> None:
         """Make `state` the slot's newest copy, as checkpoint `step`."""
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        self.put_bytes(buffer.getbuffer(), step)
+        self.put_plan(_payload.plan(state), step)
+
+    def put_plan(self, plan: _payload.Plan, step: int) -> bool:
+        """Copy a planned state in as checkpoint `step`; False (the previous copy kept) if its
+        tensors changed while they were copied."""
+        index = self._reserve(plan.size)
+        with self._region(index, plan.size) as view:
+            crc = plan.write(view)
+        if plan.changed():
+            return False
+        self._seal(index, step, plan.size, crc)
+        return True
 
     def put_bytes(self, data: Any, step: int) -> None:
-        """Make `data` (a serialized state) the slot's newest copy, as checkpoint `step`."""
+        """Make `data` (a payload, or a torch.save file's bytes) the slot's newest copy, as
+        checkpoint `step`."""
         view = memoryview(data).cast("B")
-        size = view.nbytes
-        if not self._open() or size > self._capacity:
+        index = self._reserve(view.nbytes)
+        with self._region(index, view.nbytes) as region:
+            region[:] = view
+            crc = _payload.checksum(region)
+        self._seal(index, step, view.nbytes, crc)
+
+    def check_room(self, size: int) -> int:
+        """The buffer size a copy of `size` bytes needs (the present one if it fits), or a
+        CheckpointError if the slot's limit does not allow it."""
+        if self._open() and size <= self._capacity:
+            return self._capacity
+        capacity = _pages(max(_MIN_CAPACITY, size + size // 4))  # room to grow a little
+        if self.limit is not None and slot_bytes(capacity) > self.limit:
+            capacity = max(_pages(size), (self.limit - HEADER) // 2 // _PAGE * _PAGE)
+        need = slot_bytes(capacity)
+        if self.limit is not None and need > self.limit:
+            raise CheckpointError(
+                f"the memory tier needs {need} bytes for this rank ({size} bytes of state, "
+                f"twice, so that the previous step survives a save cut short), more than its "
+                f"limit of {self.limit} bytes: raise the limit, or save less state"
+            )
+        return capacity
+
+    def _reserve(self, size: int) -> int:
+        """The buffer the next copy of `size` bytes goes to (the one not holding the newest
+        copy), unsealed: a copy cut short is never taken for a whole one."""
+        capacity = self.check_room(size)
+        if capacity != self._capacity or self._map is None:
             kept = self.newest() if self._map is not None else None
-            self._create(max(_MIN_CAPACITY, size + size // 4), kept[1] if kept else None)
+            self._create(capacity, kept[1] if kept else None)
         assert self._map is not None
         copies = self._copies()
-        newest = copies[0] if copies else None
-        index = 1 - newest.index if newest is not None else 0
-        at = _DESC_AT[index]
-        # Unsealed first: a copy cut short is never taken for a whole one.
-        _DESC.pack_into(self._map, at, 0, 0, 0, 0, bytes(32))
+        index = 1 - copies[0].index if copies else 0
+        _DESC.pack_into(self._map, _DESC_AT[index], 0, 0, 0, 0, bytes(32))
+        return index
+
+    def _region(self, index: int, size: int) -> memoryview:
+        assert self._map is not None
         start = HEADER + index * self._capacity
-        self._map[start : start + size] = view
-        crc = zlib.crc32(view)
-        seq = (newest.seq if newest is not None else 0) + 1
+        return memoryview(self._map)[start : start + size]
+
+    def _seal(self, index: int, step: int, size: int, crc: int) -> None:
+        assert self._map is not None
+        copies = self._copies()
+        seq = (copies[0].seq if copies else 0) + 1
+        at = _DESC_AT[index]
         _DESC.pack_into(self._map, at, 0, step, size, crc, self.run)
         struct.pack_into("<Q", self._map, at, seq)  # sealed, last
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import io
 import logging
 import os
 import re
@@ -20,7 +18,7 @@ from typing import IO, Any
 
 import torch
 
-from elastic_sampler import _finish, _memory
+from elastic_sampler import _finish, _memory, _overlap, _payload, _restores
 from elastic_sampler._files import (
     GoneError,
     UnusableError,
@@ -40,6 +38,8 @@ from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)
 
+#: A copy to memory smaller than this is done inside save(): a thread costs more.
+_OVERLAP_FROM = 1 << 20
 _RESCANS = 100  # load_latest: how often others' pruning may send it back to the newest step
 
 
@@ -113,7 +113,14 @@ class CheckpointManager:
     a replacement resumes from the last step saved, not the last one on disk. Steps reach the
     disk every `persist_every` steps (counted from the last one written there); the others
     live only in memory, two copies at most per rank. Outside elasticrun there is no slot:
-    `memory` warns once and only the disk is used."""
+    `memory` warns once and only the disk is used.
+
+    With `overlap` (the default), the copy of a large state to memory runs on a thread while
+    the next step computes, and the next ``optimizer.step()`` waits for it: save() costs about
+    a serialization of the state's small parts. The state's large tensors must then change
+    only in that optimizer step (a change torch sees otherwise voids the copy, with a warning,
+    and later copies finish inside save(); a change through ``.data`` is not seen: pass
+    ``overlap=False`` if training does that)."""
 
     def __init__(
         self,
@@ -125,6 +132,7 @@ class CheckpointManager:
         finish_timeout: float = 300.0,
         memory: bool = False,
         persist_every: int = 1,
+        overlap: bool = True,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint")
@@ -165,6 +173,15 @@ class CheckpointManager:
         # The last step written to disk by this manager (or its first save, until one is).
         self._persisted: int | None = None
         self._slot = _memory.slot_for(self.directory, prefix) if memory else None
+        self.overlap = overlap
+        self._copy: _overlap.Copy | None = None  # the memory copy in flight
+        self._restores = (
+            _restores.RestoreLog(self._slot.path.with_name(self._slot.path.name + ".restores"))
+            if self._slot is not None
+            else None
+        )
+        self._restored: int | None = None  # the step this manager restored from memory
+        self._fell_back: set[int] = set()  # memory steps not restored again (said once)
         if memory and self._slot is None:
             warnings.warn(
                 "CheckpointManager(memory=True) outside elasticrun: there is no memory tier "
@@ -195,8 +212,11 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the step as an integer >= 0")
         self.wait()  # one write at a time; raises a background error
+        if self._restored is not None and step > self._restored and self._restores is not None:
+            self._restores.clear()  # training went on past the restored step
+            self._restored = None
         if self._slot is not None:
-            self._slot.put(state, step)
+            self._to_memory(state, step)
         if not (self._due(step) if persist is None else persist):
             return self.path(step)  # in memory only (or, outside elasticrun, not kept)
         self._persisted = step
@@ -215,6 +235,42 @@ class CheckpointManager:
         _finish.started(self)
         self._thread.start()
         return self.path(step)
+
+    def _to_memory(self, state: Any, step: int) -> None:
+        assert self._slot is not None
+        plan = _payload.plan(state)
+        if self.overlap and plan.apart >= _OVERLAP_FROM:
+            # A limit is refused here, not at the next save (the skeleton's few bytes aside).
+            self._slot.check_room(plan.apart)
+            self._copy = _overlap.Copy(self._slot, plan, step)
+        else:
+            self._slot.put_plan(plan, step)
+
+    def _copied(self, timeout: float | None = None, *, report: bool = True) -> None:
+        """Wait for the memory copy in flight; with `report`, raise its error or say that it
+        was void."""
+        copy = self._copy
+        if copy is None:
+            return
+        if not copy.join(timeout):
+            raise TimeoutError(
+                f"the copy of step {copy.step} to memory did not finish in {timeout} s"
+            )
+        if not report:
+            return
+        self._copy = None
+        if copy.error is not None:
+            raise copy.error
+        if copy.kept is False:
+            self.overlap = False
+            kept = self._slot.latest_step() if self._slot is not None else None
+            warnings.warn(
+                f"checkpoint step {copy.step} was changed while it was copied to memory (a "
+                "large tensor of the state changed in place before the next optimizer step, "
+                f"or that step did not wait); memory keeps step {kept}, and later copies "
+                "finish before save() returns (pass overlap=False to say so from the start)",
+                stacklevel=3,
+            )
 
     def _due(self, step: int) -> bool:
         """Whether `step` goes to disk: every step without a memory tier's spacing
@@ -276,7 +332,8 @@ class CheckpointManager:
                     meta_path(self.path(step)).unlink()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for a background write; raise its error, if it failed."""
+        """Wait for a background write and a copy to memory; raise their errors."""
+        self._copied(timeout)
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
@@ -367,13 +424,41 @@ class CheckpointManager:
     def latest_step(self, verified: bool = True) -> int | None:
         """The newest step whose checkpoint verifies (or merely exists), in memory or on
         disk."""
-        in_memory = self._slot.latest_step() if self._slot is not None else None
+        in_memory = self._memory_step()
         for step in reversed(self.steps()):
             if in_memory is not None and step <= in_memory:
                 break
             if not verified or verify(self.path(step)) is None:
                 return step
         return in_memory
+
+    def _memory_step(self) -> int | None:
+        """The newest step in the memory tier, unless restoring it ended in a death twice."""
+        if self._slot is None:
+            return None
+        self._copied(report=False)
+        step = self._slot.latest_step()
+        if step is None or self._restores is None:
+            return step
+        if self._restores.attempts(step) >= _restores.LIMIT:
+            if step in self._fell_back:
+                return None
+            self._fell_back.add(step)
+            warnings.warn(
+                f"memory checkpoint step {step} was restored {_restores.LIMIT} times, and each "
+                "time the worker died before saving a newer step: not restoring it again; "
+                "using the disk",
+                stacklevel=3,
+            )
+            return None
+        return step
+
+    def restored_from_memory(self, step: int) -> None:
+        """Count a restore of `step` from memory (this rank's or a peer's): if the worker dies
+        again before saving a newer step, twice, the step is not restored from memory again."""
+        if self._restores is not None and self._restored != step:
+            self._restores.record(step)
+            self._restored = step
 
     def _memory_state(
         self, map_location: Any, model: torch.nn.Module | None, weights_only: bool
@@ -393,26 +478,31 @@ class CheckpointManager:
             check_fits(found[0], model, f"memory checkpoint step {found[1]}")
         return found
 
-    def step_bytes(self, step: int) -> bytes:
+    def step_bytes(self, step: int) -> bytes | bytearray:
         """The serialized checkpoint `step` as this rank holds it (memory first, then disk)."""
         if self._slot is not None:
+            self._copied(report=False)
             got = self._slot.read()
             if got is not None and got[1] == step:
                 return got[0]
         return self.path(step).read_bytes()
 
-    def keep_copy(self, data: bytes, step: int) -> None:
-        """Keep checkpoint `step` (its serialized bytes, received from another rank): in the
-        memory tier if there is one, else on disk."""
+    def keep_copy(self, data: Any, step: int) -> None:
+        """Keep checkpoint `step` (its bytes as another rank held them: a memory payload or a
+        file's) in the memory tier if there is one, else on disk (as a torch.save file)."""
         if self._slot is not None:
             self._slot.put_bytes(data, step)
             return
         path = self.path(step)
         try:
+            if _payload.is_payload(data):
+                where = f"checkpoint step {step} (a memory copy)"
+                write_verified(path, _payload.decode(data, where, "cpu", weights_only=True))
+                return
             size_written, crc = atomic_write(path, lambda f: f.write(data))
             record_checksum(path, size_written, crc)
-        except (OSError, GoneError) as e:
-            reason = why(e) if isinstance(e, OSError) else "removed meanwhile"
+        except (OSError, GoneError, CheckpointError) as e:
+            reason = why(e) if isinstance(e, OSError) else str(e) or "removed meanwhile"
             logger.warning("could not keep a copy of checkpoint %s: %s", path, reason)
 
     def load_latest(
@@ -432,7 +522,7 @@ class CheckpointManager:
         `UnsafeCheckpointError`, not skipped. ``weights_only=False`` unpickles anything: only
         for files you wrote yourself."""
         self.wait()
-        in_memory = self._slot.latest_step() if self._slot is not None else None
+        in_memory = self._memory_step()
         for _ in range(_RESCANS):
             try:
                 for step in reversed(self.steps()):
@@ -447,6 +537,7 @@ class CheckpointManager:
                 if in_memory is not None:
                     found = self._memory_state(map_location, model, weights_only)
                     if found is not None:
+                        self.restored_from_memory(found[1])
                         return found
                     in_memory = None
                     continue  # the memory copy failed to load: the disk, from the newest
@@ -515,11 +606,14 @@ def broadcast_latest(
     map_location: Any = "cpu",
     *,
     weights_only: bool = True,
+    keep: bool = True,
 ) -> tuple[Any, int] | None:
-    """For node-local storage: the ranks agree on the newest step any of them holds intact,
-    the lowest rank holding it sends it to all (gloo or any backend with broadcast), and the
-    others keep a copy in their own directory. Returns (state, step), or None if no rank has
-    a checkpoint. Every rank of `group` must call it."""
+    """For node-local storage: the ranks agree on the newest step any of them holds intact
+    (in memory or on disk), the lowest rank holding it sends it to all (gloo or any backend
+    with broadcast), and the others keep a copy (in their memory slot, else their directory)
+    unless `keep` is False: ranks that do not save pass it, so that a node holds one copy of
+    a state every rank shares. Returns (state, step), or None if no rank has a checkpoint.
+    Every rank of `group` must call it."""
     import torch.distributed as dist
 
     manager.wait()  # a background write of this rank's must be complete (or fail here)
@@ -533,7 +627,8 @@ def broadcast_latest(
     holder = torch.tensor([me if local == step else 1 << 62], dtype=torch.int64)
     dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
     src = int(holder.item())
-    data, problem = b"", ""
+    data: bytes | bytearray = b""
+    problem = ""
     if me == src:
         try:
             data = manager.step_bytes(step)
@@ -549,10 +644,13 @@ def broadcast_latest(
         )
     buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     if me == src:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        writable = data if isinstance(data, bytearray) else bytearray(data)
+        buffer.copy_(torch.frombuffer(writable, dtype=torch.uint8))
     dist.broadcast(buffer, src=src, group=group)
-    raw = data if me == src else ctypes.string_at(buffer.data_ptr(), buffer.numel())
-    if local != step:  # keep our own copy: this node may need it after the next failure
+    raw = data if me == src else memoryview(buffer.numpy())  # type: ignore[arg-type]
+    if keep and local != step:  # our own copy: this node may need it after the next failure
         manager.keep_copy(raw, step)
+    if _payload.is_payload(raw):  # a copy from a memory tier, this rank's or the sender's
+        manager.restored_from_memory(step)
     where = f"checkpoint step {step} (sent by rank {src})"
-    return load(io.BytesIO(raw), where, map_location, weights_only), step
+    return _payload.decode(raw, where, map_location, weights_only), step
