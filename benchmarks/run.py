@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_hang
 import bench_launch
+import bench_memory_tier
 import bench_rdzv_scale
 import bench_rendezvous
 import bench_replace
 import bench_sampler
 import bench_slurm
+import bench_steps_lost
 import bench_train_loop
 import hostile_load
 
@@ -36,6 +38,8 @@ SECTIONS = {
     "rendezvous": bench_rendezvous.run,
     "rdzv_scale": bench_rdzv_scale.run,  # N=32,128; more: bench_rdzv_scale.py --n
     "sampler": bench_sampler.run,
+    "memory_tier": bench_memory_tier.run,
+    "steps_lost": bench_steps_lost.run,
     "train_loop": bench_train_loop.run,
     "slurm": bench_slurm.run,
     "hostile": hostile_load.run,
