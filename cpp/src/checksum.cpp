@@ -47,34 +47,22 @@ bool has_sse42() noexcept {
   return yes;
 }
 
-__attribute__((target("sse4.2"))) uint32_t hw_raw(const unsigned char* p, size_t n,
-                                                  uint32_t c) noexcept {
-  uint64_t c64 = c;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t x;
-    std::memcpy(&x, p + i, 8);
-    c64 = _mm_crc32_u64(c64, x);
-  }
-  auto c32 = static_cast<uint32_t>(c64);
-  for (; i < n; ++i) c32 = _mm_crc32_u8(c32, p[i]);
-  return c32;
-}
-
-__attribute__((target("sse4.2"))) uint32_t copy_hw_raw(unsigned char* d, const unsigned char* s,
-                                                       size_t n, uint32_t c) noexcept {
+// CRC of n bytes at s, 8 at a time, continuing from c; with kCopy they are also stored at d.
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t hw_raw(unsigned char* d, const unsigned char* s,
+                                                  size_t n, uint32_t c) noexcept {
   uint64_t c64 = c;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     uint64_t x;
     std::memcpy(&x, s + i, 8);
     c64 = _mm_crc32_u64(c64, x);
-    std::memcpy(d + i, &x, 8);
+    if constexpr (kCopy) std::memcpy(d + i, &x, 8);
   }
   auto c32 = static_cast<uint32_t>(c64);
   for (; i < n; ++i) {
     c32 = _mm_crc32_u8(c32, s[i]);
-    d[i] = s[i];
+    if constexpr (kCopy) d[i] = s[i];
   }
   return c32;
 }
@@ -116,7 +104,7 @@ uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc) noexcept {
 uint32_t crc32c(const void* data, size_t n, uint32_t crc) noexcept {
   auto p = static_cast<const unsigned char*>(data);
 #if ELASTIC_X86
-  if (has_sse42()) return ~hw_raw(p, n, ~crc);
+  if (has_sse42()) return ~hw_raw<false>(nullptr, p, n, ~crc);
 #endif
   return ~portable_raw(p, n, ~crc);
 }
@@ -125,7 +113,7 @@ uint32_t copy_crc32c(void* dst, const void* src, size_t n, uint32_t crc) noexcep
   auto d = static_cast<unsigned char*>(dst);
   auto s = static_cast<const unsigned char*>(src);
 #if ELASTIC_X86
-  if (has_sse42()) return ~copy_hw_raw(d, s, n, ~crc);
+  if (has_sse42()) return ~hw_raw<true>(d, s, n, ~crc);
 #endif
   return ~copy_portable_raw(d, s, n, ~crc);
 }
@@ -138,8 +126,9 @@ void copy_crc32c_chunks(void* dst, const void* src, size_t n, size_t chunk,
   size_t k = 0;
 #if ELASTIC_X86
   if (has_sse42() && reinterpret_cast<uintptr_t>(d) % 8 == 0) {
-    for (; done + 3 * chunk <= n; done += 3 * chunk, k += 3) copy_three(d + done, s + done, chunk,
-                                                                         crcs + k);
+    for (; done + 3 * chunk <= n; done += 3 * chunk, k += 3) {
+      copy_three(d + done, s + done, chunk, crcs + k);
+    }
     _mm_sfence();  // the non-temporal stores are visible before the caller seals the copy
   }
 #endif
@@ -155,7 +144,8 @@ namespace {
 // written: a piece may come from several segments and gaps, so a running CRC carries over.
 class GridWriter {
  public:
-  GridWriter(unsigned char* dst, size_t chunk, uint32_t* crcs) : dst_(dst), chunk_(chunk), crcs_(crcs) {}
+  GridWriter(unsigned char* dst, size_t chunk, uint32_t* crcs)
+      : dst_(dst), chunk_(chunk), crcs_(crcs) {}
 
   void copy(const unsigned char* src, size_t n) {
     while (n > 0) {

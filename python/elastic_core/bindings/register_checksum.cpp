@@ -24,6 +24,10 @@ py::buffer_info writable(const py::buffer& dst, size_t size) {
   return info;
 }
 
+void check_chunk(size_t chunk) {
+  if (chunk == 0 || chunk % 8 != 0) throw py::value_error("chunk must be a positive multiple of 8");
+}
+
 }  // namespace
 
 void register_checksum(py::module_& m) {
@@ -50,7 +54,7 @@ void register_checksum(py::module_& m) {
   m.def(
       "copy_crc32c_chunks",
       [](const py::buffer& dst, uintptr_t src, size_t size, size_t chunk) {
-        if (chunk == 0 || chunk % 8 != 0) throw py::value_error("chunk must be a positive multiple of 8");
+        check_chunk(chunk);
         py::buffer_info info = writable(dst, size);
         std::vector<uint32_t> crcs((size + chunk - 1) / chunk);
         {
@@ -67,7 +71,7 @@ void register_checksum(py::module_& m) {
       "copy_crc32c_gather",
       [](const py::buffer& dst, size_t size, const py::bytes& head,
          const std::vector<std::tuple<size_t, uintptr_t, size_t>>& segments, size_t chunk) {
-        if (chunk == 0 || chunk % 8 != 0) throw py::value_error("chunk must be a positive multiple of 8");
+        check_chunk(chunk);
         py::buffer_info info = writable(dst, size);
         std::string_view head_bytes = head;
         std::vector<elastic::CopySegment> all;
