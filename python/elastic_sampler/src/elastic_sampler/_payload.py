@@ -185,9 +185,7 @@ def plan(state: Any) -> Plan:
             table.append((offset, dtype, tuple(t.shape), str(t.device)))
             offset = _align(offset + n)
             return TensorRef(len(table) - 1)
-        if type(x) in (dict, collections.OrderedDict) or (
-            isinstance(x, dict) and not isinstance(x, collections.defaultdict)
-        ):
+        if isinstance(x, dict) and not isinstance(x, collections.defaultdict):
             return _rebuilt(x, [(walk_key(k), walk(v)) for k, v in x.items()])
         if type(x) in (list, tuple):
             items = [walk(v) for v in x]

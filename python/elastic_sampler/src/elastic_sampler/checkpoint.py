@@ -240,8 +240,7 @@ class CheckpointManager:
         assert self._slot is not None
         plan = _payload.plan(state)
         if self.overlap and plan.apart >= _OVERLAP_FROM:
-            # A limit is refused here, not at the next save (the skeleton's few bytes aside).
-            self._slot.check_room(plan.apart)
+            self._slot.check_room(plan.size)  # a limit is refused here, not at the next save
             self._copy = _overlap.Copy(self._slot, plan, step)
         else:
             self._slot.put_plan(plan, step)
