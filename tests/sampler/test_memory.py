@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 
@@ -345,6 +346,30 @@ def test_a_tensor_changed_during_the_copy_voids_it_and_later_copies_finish_in_sa
     assert m._copy is None, "copied inside save() from now on"
     loaded, step = m.load_latest()
     assert step == 3 and bool((loaded["w"] == 1).all())
+
+
+def test_the_optimizer_step_waits_for_the_copy_but_not_for_what_follows_it(tmp_path):
+    from elastic_sampler._memory import MemorySlot
+    from elastic_sampler._overlap import Copy
+
+    w = torch.nn.Parameter(torch.zeros(1 << 18))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones_like(w)
+    sending = threading.Event()
+    release = threading.Event()
+    sent = []
+
+    def send(kept: bool) -> None:  # a replica's exchange: reads the slot, not the state
+        sending.set()
+        release.wait(30)
+        sent.append(kept)
+
+    copy = Copy(MemorySlot(tmp_path / "slot", "run"), _payload.plan({"w": w}), 1, send)
+    assert sending.wait(30), "what follows runs once the state is copied"
+    optimizer.step()  # returns while the exchange still runs
+    assert not copy.join(0)
+    release.set()
+    assert copy.join(30) and sent == [True] and copy.error is None
 
 
 def test_a_small_state_is_copied_inside_save(tmp_path, under_elasticrun):

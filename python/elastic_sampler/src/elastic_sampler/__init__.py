@@ -4,7 +4,8 @@ that are never lost.
 - :class:`ElasticDistributedSampler`: torch's sampler plus ``start_index`` and a
   ``state_dict()`` that resumes on any number of replicas with every sample exactly once.
 - :class:`CheckpointManager`: atomic, checksummed checkpoints, keep the last K, load the newest
-  that verifies, optional background saving; :func:`broadcast_latest` for node-local storage.
+  that verifies, optional background saving; :func:`broadcast_latest` for node-local
+  storage, :func:`restore_latest` for states that differ per rank.
 
 Needs only torch.
 """
@@ -25,6 +26,7 @@ from elastic_sampler.checkpoint import (
     CheckpointManager,
     broadcast_latest,
     load_checkpoint,
+    restore_latest,
     save_checkpoint,
     snapshot,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "__version__",
     "broadcast_latest",
     "load_checkpoint",
+    "restore_latest",
     "save_checkpoint",
     "snapshot",
     "verify",

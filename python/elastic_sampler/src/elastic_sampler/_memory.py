@@ -6,12 +6,15 @@ goes into the buffer that does not hold the newest complete copy, so the previou
 whole until the new one is: its descriptor is cleared before the first byte is written and
 sealed (its sequence number written last) after the last one. A process killed at any moment
 therefore leaves the newest complete copy readable, and never a torn one that looks complete.
-Each sealed copy carries its step, its size, a CRC-32C of its bytes and a digest of the job's
-run id: a copy of another job, or one whose bytes changed, is never returned. A copy holds a
-payload (`_payload`): a state laid out so that its tensors are copied in, not serialized.
+Each sealed copy carries its step, its size, a CRC-32C of its bytes, a digest of the job's
+run id, and whose state it is: the rank that saved it and the world it saved in, or -1 for a
+state every rank shares. A copy of another job, or one whose bytes changed, is never returned;
+a slot returns only its owner's copies (a replica slot, `_replica`, holds a peer's). A copy
+holds a payload (`_payload`): a state laid out so that its tensors are copied in, not
+serialized.
 
 Layout (little-endian): ``magic(8) version(4) pad(4) capacity(8)``, then two descriptors of
-``seq(8) step(8) size(8) crc32c(4) pad(4) run(32)`` at 64 and 128; buffers at 4096 and
+``seq(8) step(8) size(8) crc32c(4) owner(4) world(4) run(32)`` at 64 and 192; buffers at 4096 and
 4096 + capacity. A save that does not fit grows the slot: a new file with both buffers that
 big, holding the newest copy, renamed over the old one.
 """
@@ -38,11 +41,13 @@ MEMORY_DIR_ENV = "ELASTICRUN_MEMORY_DIR"
 MEMORY_LIMIT_ENV = "ELASTICRUN_MEMORY_LIMIT"
 
 MAGIC = b"ERMEMCK1"
-VERSION = 2
+VERSION = 3
 HEADER = 4096
 _HEAD = struct.Struct("<8sI4xQ")  # magic, version, capacity
-_DESC = struct.Struct("<QqQI4x32s")  # seq, step, size, crc32c, run digest
-_DESC_AT = (64, 128)
+_DESC = struct.Struct("<QqQIii32s")  # seq, step, size, crc32c, owner, world, run digest
+_DESC_AT = (64, 192)
+#: The owner of a state every rank holds alike (a DDP state): any rank may take it.
+SHARED = -1
 _MIN_CAPACITY = 1 << 20
 
 
@@ -56,6 +61,10 @@ def _pages(n: int) -> int:
 def _address(m: mmap.mmap) -> int:
     """Where `m` is mapped (the ctypes view that tells is let go at once: `m` may be closed)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def _fields(c: _Copy) -> tuple[int, int, int, int, int, int, bytes]:
+    return c.seq, c.step, c.size, c.crc, c.owner, c.world, c.run
 
 
 def run_digest(run_id: str) -> bytes:
@@ -76,18 +85,30 @@ class _Copy:
     step: int
     size: int
     crc: int
+    owner: int
+    world: int
     run: bytes
 
 
 class MemorySlot:
     """One rank's slot at `path`, for the job `run_id`. `limit`: the bytes the slot may take
     (both buffers and the header); a save that would need more is a CheckpointError and the
-    previous copy stays."""
+    previous copy stays. `owner`: whose copies the slot returns and seals (`SHARED`, or a
+    rank), in a world of `world` ranks."""
 
-    def __init__(self, path: str | os.PathLike[str], run_id: str, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        run_id: str,
+        limit: int | None = None,
+        *,
+        owner: int = SHARED,
+        world: int = 0,
+    ) -> None:
         self.path = Path(path)
         self.run = run_digest(run_id)
         self.limit = limit
+        self.owner, self.world = owner, world
         self._map: mmap.mmap | None = None
         self._capacity = 0
         self._base = 0  # the map's address
@@ -139,7 +160,7 @@ class MemorySlot:
         if keep is not None and self._map is not None:
             start = HEADER + keep.index * self._capacity
             m[HEADER : HEADER + keep.size] = self._map[start : start + keep.size]
-            _DESC.pack_into(m, _DESC_AT[0], keep.seq, keep.step, keep.size, keep.crc, keep.run)
+            _DESC.pack_into(m, _DESC_AT[0], *_fields(keep))
         try:
             os.replace(tmp, self.path)
         except OSError as e:
@@ -153,15 +174,32 @@ class MemorySlot:
 
     # ---- copies ----------------------------------------------------------------------------
 
-    def _copies(self) -> list[_Copy]:
-        """The sealed copies, newest first (not yet checked against their bytes)."""
+    def _copies(self, anyone: bool = False) -> list[_Copy]:
+        """The sealed copies of the slot's owner (with `anyone`, of any owner), newest first
+        (not yet checked against their bytes)."""
         assert self._map is not None
         found = []
         for index, at in enumerate(_DESC_AT):
-            seq, step, size, crc, run = _DESC.unpack_from(self._map, at)
+            seq, step, size, crc, owner, world, run = _DESC.unpack_from(self._map, at)
             if seq > 0 and 0 <= size <= self._capacity and step >= 0:
-                found.append(_Copy(index, seq, step, size, crc, run))
-        return sorted(found, key=lambda c: c.seq, reverse=True)
+                found.append(_Copy(index, seq, step, size, crc, owner, world, run))
+        found.sort(key=lambda c: c.seq, reverse=True)
+        return found if anyone else [c for c in found if self._mine(c)]
+
+    def _mine(self, c: _Copy) -> bool:
+        return c.owner == self.owner and (self.owner == SHARED or c.world == self.world)
+
+    def held(self) -> list[_Copy]:
+        """Every copy of this job in the slot that verifies, whoever's state it is, newest
+        first."""
+        if not self._open():
+            return []
+        return [c for c in self._copies(anyone=True) if self._intact(c)]
+
+    def view(self, c: _Copy) -> memoryview:
+        """The bytes of the copy `c` (from `held`), in place: release the view before the
+        slot's next save."""
+        return self._bytes(c)
 
     def _bytes(self, c: _Copy) -> memoryview:
         assert self._map is not None
@@ -191,13 +229,27 @@ class MemorySlot:
         if not self._open():
             return None
         for c in self._copies():
-            if c.run != self.run:
-                continue
-            data = bytearray(c.size)  # checked as it is copied: what is returned is checked
-            start = self._base + HEADER + c.index * self._capacity
-            if _payload.copy_out(data, start, c.size) == c.crc:
+            data = self.read_copy(c)
+            if data is not None:
                 return data, c.step
         return None
+
+    def read_copy(self, c: _Copy) -> bytearray | None:
+        """The bytes of the copy `c`, copied out and checked as they are; None if they do not
+        verify (or are another job's)."""
+        if c.run != self.run:
+            return None
+        data = bytearray(c.size)
+        start = self._base + HEADER + c.index * self._capacity
+        return data if _payload.copy_out(data, start, c.size) == c.crc else None
+
+    def last(self) -> _Copy | None:
+        """The owner's newest sealed copy, not checked again (the copy just made: its
+        checksum was taken as it was written)."""
+        if not self._open():
+            return None
+        copies = self._copies()
+        return copies[0] if copies else None
 
     def load(self, map_location: Any = "cpu", weights_only: bool = True) -> tuple[Any, int] | None:
         """(state, step) of the newest copy that verifies, or None."""
@@ -220,7 +272,7 @@ class MemorySlot:
             crc = plan.write(view)
         if plan.changed():
             return False
-        self._seal(index, step, plan.size, crc)
+        self._seal(index, step, plan.size, crc, self.owner, self.world)
         return True
 
     def put_bytes(self, data: Any, step: int) -> None:
@@ -231,7 +283,22 @@ class MemorySlot:
         with self._region(index, view.nbytes) as region:
             region[:] = view
             crc = _payload.checksum(region)
-        self._seal(index, step, view.nbytes, crc)
+        self._seal(index, step, view.nbytes, crc, self.owner, self.world)
+
+    def receive(self, size: int, fill: Any) -> int:
+        """Let `fill(region)` write a copy of `size` bytes straight into the slot (a peer's,
+        off the network); the buffer to `seal` it in. The previous copy stays whole until
+        then."""
+        index = self._reserve(size)
+        with self._region(index, size) as region:
+            fill(region)
+        return index
+
+    def seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
+        """Make the copy `receive` wrote the newest, as `owner`'s step `step`, with the
+        checksum its sender took: every reader checks it, so a copy damaged on its way is
+        never returned."""
+        self._seal(index, step, size, crc, owner, world)
 
     def check_room(self, size: int) -> int:
         """The buffer size a copy of `size` bytes needs (the present one if it fits), or a
@@ -260,7 +327,7 @@ class MemorySlot:
         assert self._map is not None
         copies = self._copies()
         index = 1 - copies[0].index if copies else 0
-        _DESC.pack_into(self._map, _DESC_AT[index], 0, 0, 0, 0, bytes(32))
+        _DESC.pack_into(self._map, _DESC_AT[index], 0, 0, 0, 0, SHARED, 0, bytes(32))
         return index
 
     def _region(self, index: int, size: int) -> memoryview:
@@ -268,12 +335,12 @@ class MemorySlot:
         start = HEADER + index * self._capacity
         return memoryview(self._map)[start : start + size]
 
-    def _seal(self, index: int, step: int, size: int, crc: int) -> None:
+    def _seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
         assert self._map is not None
-        copies = self._copies()
+        copies = self._copies(anyone=True)
         seq = (copies[0].seq if copies else 0) + 1
         at = _DESC_AT[index]
-        _DESC.pack_into(self._map, at, 0, step, size, crc, self.run)
+        _DESC.pack_into(self._map, at, 0, step, size, crc, owner, world, self.run)
         struct.pack_into("<Q", self._map, at, seq)  # sealed, last
 
     def close(self) -> None:
@@ -282,9 +349,12 @@ class MemorySlot:
             self._map = None
 
 
-def slot_for(directory: Path, prefix: str) -> MemorySlot | None:
+def slot_for(
+    directory: Path, prefix: str, kind: str = "rank", owner: int = SHARED, world: int = 0
+) -> MemorySlot | None:
     """This worker's slot for the checkpoints of `directory` (one per local rank, so that a
-    replacement on the same node finds its predecessor's), or None outside elasticrun."""
+    replacement on the same node finds its predecessor's), or None outside elasticrun. `kind`
+    "replica": the slot beside it that holds a peer's copies."""
     home = os.environ.get(MEMORY_DIR_ENV)
     if not home:
         return None
@@ -308,4 +378,5 @@ def slot_for(directory: Path, prefix: str) -> MemorySlot | None:
         raise CheckpointError(f"$LOCAL_RANK={local_rank!r}: expected a whole number")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     where = hashlib.sha256(os.fsencode(directory.resolve())).hexdigest()[:12]
-    return MemorySlot(Path(home) / f"{prefix}-{where}-rank{int(local_rank)}", run_id, limit)
+    name = f"{prefix}-{where}-{kind}{int(local_rank)}"
+    return MemorySlot(Path(home) / name, run_id, limit, owner=owner, world=world)

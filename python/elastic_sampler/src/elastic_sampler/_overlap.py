@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from elastic_sampler import _payload
@@ -27,7 +28,7 @@ STEP_WAIT = 300.0
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     for copy in list(_in_flight):
-        copy.join(STEP_WAIT)
+        copy.join_local(STEP_WAIT)
 
 
 def _install_hook() -> None:
@@ -69,14 +70,23 @@ _worker = _Worker()
 
 
 class Copy:
-    """One planned state being copied into `slot` as checkpoint `step`, on the copy thread."""
+    """One planned state being copied into `slot` as checkpoint `step`, on the copy thread;
+    then `then(kept)` runs there (the copy sent to a peer: it reads the slot, not the state,
+    so the next optimizer step need not wait for it)."""
 
-    def __init__(self, slot: MemorySlot, plan: _payload.Plan, step: int) -> None:
+    def __init__(
+        self,
+        slot: MemorySlot,
+        plan: _payload.Plan,
+        step: int,
+        then: Callable[[bool], None] | None = None,
+    ) -> None:
         _install_hook()
         self.step = step
-        self.kept: bool | None = None  # once over: whether the slot took it
+        self.kept: bool | None = None  # once copied: whether the slot took it
         self.error: BaseException | None = None
-        self._slot, self._plan = slot, plan
+        self._slot, self._plan, self._then = slot, plan, then
+        self._local = threading.Event()  # the state is copied: training may change it
         self._over = threading.Event()
         _in_flight.add(self)
         _worker.submit(self)
@@ -89,8 +99,20 @@ class Copy:
         finally:
             self._plan = None  # type: ignore[assignment]  # the state's tensors let go
             _in_flight.discard(self)
+            self._local.set()
+        try:
+            if self._then is not None and self.error is None:
+                self._then(bool(self.kept))
+        except BaseException as e:
+            self.error = e
+        finally:
+            self._then = None
             self._over.set()
 
+    def join_local(self, timeout: float | None = None) -> bool:
+        """Wait until the state is copied; True once it is."""
+        return self._local.wait(timeout)
+
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the copy; True once it is over."""
+        """Wait for the copy and what follows it; True once both are over."""
         return self._over.wait(timeout)

@@ -22,6 +22,14 @@ class RestoreLog:
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    def last(self) -> int | None:
+        """The step the log counts restores of, if any."""
+        try:
+            parts = self.path.read_text(encoding="ascii").split()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(parts[0]) if len(parts) == 2 and parts[0].isdigit() else None
+
     def attempts(self, step: int) -> int:
         """How many times `step` was restored from memory with no newer step saved since."""
         try:

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import torch
 
-from elastic_sampler import _finish, _memory, _overlap, _payload, _restores
+from elastic_sampler import _finish, _memory, _overlap, _payload, _replica, _restores
 from elastic_sampler._files import (
     GoneError,
     UnusableError,
@@ -120,7 +120,13 @@ class CheckpointManager:
     a serialization of the state's small parts. The state's large tensors must then change
     only in that optimizer step (a change torch sees otherwise voids the copy, with a warning,
     and later copies finish inside save(); a change through ``.data`` is not seen: pass
-    ``overlap=False`` if training does that)."""
+    ``overlap=False`` if training does that).
+
+    With `replicas` 1, the state is this rank's own (a ZeRO or FSDP shard, per-rank RNG): the
+    files are named by rank (``<prefix>-rank<R>-<step>.pt``; every rank passes the same
+    directory and prefix), and each memory copy is also sent to the rank of the same local
+    rank on the next node, so that the loss of one node loses no rank's step. Every rank must
+    then save the same steps, and resume with `restore_latest`."""
 
     def __init__(
         self,
@@ -133,6 +139,7 @@ class CheckpointManager:
         memory: bool = False,
         persist_every: int = 1,
         overlap: bool = True,
+        replicas: int = 0,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint")
@@ -144,13 +151,21 @@ class CheckpointManager:
             raise ValueError(f"persist_every={persist_every!r}: give a number of steps >= 1")
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
             raise ValueError(f"prefix={prefix!r}: use letters, digits, '.', '_' and '-'")
+        if replicas not in (0, 1) or isinstance(replicas, bool):
+            raise ValueError(f"replicas={replicas!r}: give 0, or 1 (a copy on the next node)")
+        if replicas and not memory:
+            raise ValueError("replicas=1 replicates the memory tier: pass memory=True as well")
         if not finish_timeout >= 0:  # also NaN
             raise ValueError(f"finish_timeout={finish_timeout!r}: give seconds >= 0")
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self.prefix = prefix
+        self.replicas = replicas
+        rank, world = _memory.SHARED, 0
+        if replicas:  # files by rank: after a node's loss a rank may run on another node
+            rank, world = _replica.rank_and_world()
+        self.prefix = f"{prefix}-rank{rank}" if replicas else prefix
         self.finish_timeout = float(finish_timeout)
-        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d{{12,}})\.pt(\.meta\.json)?")
+        self._pattern = re.compile(rf"{re.escape(self.prefix)}-(\d{{12,}})\.pt(\.meta\.json)?")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             probe = self.directory / f".write-test-{os.getpid()}"
@@ -172,7 +187,16 @@ class CheckpointManager:
         self.persist_every = persist_every
         # The last step written to disk by this manager (or its first save, until one is).
         self._persisted: int | None = None
-        self._slot = _memory.slot_for(self.directory, prefix) if memory else None
+        # Slots are named by local rank, not rank: a replacement finds its predecessor's.
+        self._slot = (
+            _memory.slot_for(self.directory, prefix, owner=rank, world=world) if memory else None
+        )
+        replica = _memory.slot_for(self.directory, prefix, "replica") if replicas else None
+        self._replicator = (
+            _replica.Replicator(self._slot, replica, rank, world)
+            if replicas and self._slot is not None and replica is not None
+            else None
+        )
         self.overlap = overlap
         self._copy: _overlap.Copy | None = None  # the memory copy in flight
         self._restores = (
@@ -239,11 +263,16 @@ class CheckpointManager:
     def _to_memory(self, state: Any, step: int) -> None:
         assert self._slot is not None
         plan = _payload.plan(state)
+        rep = self._replicator
+        if rep is not None:
+            rep.ready()
         if self.overlap and plan.apart >= _OVERLAP_FROM:
             self._slot.check_room(plan.size)  # a limit is refused here, not at the next save
-            self._copy = _overlap.Copy(self._slot, plan, step)
+            self._copy = _overlap.Copy(self._slot, plan, step, rep.send if rep else None)
         else:
-            self._slot.put_plan(plan, step)
+            kept = self._slot.put_plan(plan, step)
+            if rep is not None:
+                rep.send(kept)
 
     def _copied(self, timeout: float | None = None, *, report: bool = True) -> None:
         """Wait for the memory copy in flight; with `report`, raise its error or say that it
@@ -431,6 +460,20 @@ class CheckpointManager:
                 return step
         return in_memory
 
+    def _disk_step(self) -> int | None:
+        """The newest step on disk that verifies (the memory tier aside)."""
+        for step in reversed(self.steps()):
+            if verify(self.path(step)) is None:
+                return step
+        return None
+
+    def _disk_state(self, step: int, map_location: Any, weights_only: bool) -> Any:
+        """Checkpoint `step` from disk, verified."""
+        try:
+            return read_verified(self.path(step), map_location, None, weights_only)
+        except (UnusableError, GoneError) as e:
+            raise CheckpointError(f"checkpoint step {step} cannot be read from disk: {e}") from e
+
     def _memory_step(self) -> int | None:
         """The newest step in the memory tier, unless restoring it ended in a death twice."""
         if self._slot is None:
@@ -615,6 +658,11 @@ def broadcast_latest(
     Every rank of `group` must call it."""
     import torch.distributed as dist
 
+    if manager.replicas:
+        raise ValueError(
+            "broadcast_latest sends one state to every rank, but a manager with replicas=1 "
+            "holds a state per rank: call restore_latest(manager)"
+        )
     manager.wait()  # a background write of this rank's must be complete (or fail here)
     local = manager.latest_step()
     best = torch.tensor([-1 if local is None else local], dtype=torch.int64)
@@ -653,3 +701,18 @@ def broadcast_latest(
         manager.restored_from_memory(step)
     where = f"checkpoint step {step} (sent by rank {src})"
     return _payload.decode(raw, where, map_location, weights_only), step
+
+
+def restore_latest(
+    manager: CheckpointManager, map_location: Any = "cpu", *, weights_only: bool = True
+) -> tuple[Any, int] | None:
+    """(this rank's state, step) for states that differ per rank (a manager with
+    ``replicas=1``): the ranks agree on the newest step held for every rank, in any node's
+    memory or on that rank's disk, and each rank gets its own state from the rank holding it
+    (itself if it can). None if no rank holds a checkpoint; a CheckpointError if no one step
+    is held for every rank. Every rank must call it. Without replicas (or outside
+    elasticrun), it is ``manager.load_latest()``."""
+    manager.wait()
+    if manager._replicator is None:
+        return manager.load_latest(map_location, weights_only=weights_only)
+    return _replica.restore(manager, map_location, weights_only)

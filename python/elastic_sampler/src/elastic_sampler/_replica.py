@@ -1,0 +1,343 @@
+"""Replicas of each rank's memory copy on a peer node, for states that differ per rank (ZeRO or
+FSDP shards, per-rank RNG): the loss of one node then loses no rank's newest step.
+
+The nodes form a ring (`ring_of`): a rank's copy goes to the rank of the same local rank on the
+next node, into that rank's replica slot, over a process group of its own (gloo) so that it
+never interleaves with training's collectives. It is sent on the copy thread after the rank's
+own copy, from the slot, not the state: the next optimizer step does not wait for it, the next
+save does. The receiver seals the bytes with the sender's checksum once they are all in: every
+reader checks it (a restore does), so checking again on arrival would only cost a pass.
+
+`restore` is the way back: the ranks agree on the newest step held for every rank (in any
+node's memory, or on that rank's disk), and each rank receives its own state from the lowest
+rank holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elastic_sampler import _payload, _restores
+from elastic_sampler._memory import MemorySlot, _Copy
+from elastic_sampler.api import CheckpointError
+
+if TYPE_CHECKING:
+    from elastic_sampler.checkpoint import CheckpointManager
+
+#: How long an exchange waits for a peer (a dead peer's node is restarted by the launcher well
+#: before this).
+TIMEOUT = datetime.timedelta(seconds=300)
+_HEAD, _DATA = 1, 2  # message tags: a copy's header, then its bytes
+_NONE = -1
+#: Entries a rank reports in `restore`: its two slots' copies (two each) and its disk's newest.
+_ENTRIES = 5
+_MEMORY, _DISK = 0, 1
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Where rank `rank`'s copies go (`partner`) and whose copies it holds (`source`)."""
+
+    rank: int
+    partner: int
+    source: int
+
+
+def ring_of(places: list[tuple[int, int]], rank: int) -> Ring | None:
+    """The ring for `rank`, from every rank's (node, local rank); None on a single node. The
+    nodes must hold the same local ranks (0 to n-1 each)."""
+    nodes: dict[int, dict[int, int]] = {}
+    for r, (node, local) in enumerate(places):
+        nodes.setdefault(node, {})[local] = r
+    order = sorted(nodes)
+    if len(order) < 2:
+        return None
+    size = len(nodes[order[0]])
+    for node in order:
+        if sorted(nodes[node]) != list(range(size)):
+            shape = {n: sorted(nodes[n]) for n in order}
+            raise CheckpointError(
+                f"replicas need every node to run the same local ranks (0 to n-1), not "
+                f"{shape} (node: local ranks): give every node the same --nproc-per-node"
+            )
+    node, local = places[rank]
+    i = order.index(node)
+    return Ring(
+        rank,
+        partner=nodes[order[(i + 1) % len(order)]][local],
+        source=nodes[order[(i - 1) % len(order)]][local],
+    )
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This worker's rank and the world's size, from the launcher's variables."""
+    rank, world = _whole_number("RANK"), _whole_number("WORLD_SIZE")
+    if not rank < world:
+        raise CheckpointError(f"$RANK={rank} is not below $WORLD_SIZE={world}")
+    return rank, world
+
+
+def _whole_number(name: str) -> int:
+    raw = os.environ.get(name, "")
+    if not raw.isascii() or not raw.isdigit():
+        raise CheckpointError(
+            f"${name}={raw!r}: replicas need the launcher's rank variables (RANK, WORLD_SIZE, "
+            "GROUP_RANK), as elasticrun and torchrun set them"
+        )
+    return int(raw)
+
+
+class Replicator:
+    """Sends this rank's copies to its partner and keeps its source's, for one manager."""
+
+    def __init__(self, own: MemorySlot, replica: MemorySlot, rank: int, world: int) -> None:
+        self.own, self.replica = own, replica
+        self.rank, self.world = rank, world
+        self.group: Any = None
+        self.ring: Ring | None = None
+        self._said_alone = False
+
+    def ready(self) -> None:
+        """Form the ring (once; every rank must call it, in the same order as its other
+        collectives: it makes a process group)."""
+        if self.group is not None:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError(
+                "CheckpointManager(replicas=1) sends each save to a peer node: call "
+                "torch.distributed.init_process_group() before the first save"
+            )
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world):
+            raise CheckpointError(
+                f"$RANK/$WORLD_SIZE say rank {self.rank} of {self.world}, but the process "
+                f"group says rank {dist.get_rank()} of {dist.get_world_size()}"
+            )
+        self.group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        node, local = _whole_number("GROUP_RANK"), _whole_number("LOCAL_RANK")
+        place = torch.tensor([node, local], dtype=torch.int64)
+        places = [torch.empty(2, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(places, place, group=self.group)
+        self.ring = ring_of([(int(p[0]), int(p[1])) for p in places], self.rank)
+        if self.ring is not None:
+            self.replica.owner, self.replica.world = self.ring.source, self.world
+
+    def send(self, kept: bool) -> None:
+        """Exchange the newest copies around the ring: ours to the partner (nothing new if
+        the save was not `kept`), the source's into the replica slot."""
+        ring = self.ring
+        if ring is None:
+            if not self._said_alone:
+                self._said_alone = True
+                warnings.warn(
+                    "CheckpointManager(replicas=1) on a single node: there is no peer node to "
+                    "hold a replica; each rank keeps its own copy only",
+                    stacklevel=2,
+                )
+            return
+        import torch.distributed as dist
+
+        latest = self.own.last() if kept else None
+        head = [_NONE, _NONE, 0] if latest is None else [latest.step, latest.size, latest.crc]
+        out = torch.tensor(head, dtype=torch.int64)
+        sends: list[Any] = [dist.isend(out, dst=ring.partner, group=self.group, tag=_HEAD)]
+        got = torch.empty(3, dtype=torch.int64)
+        dist.recv(got, src=ring.source, group=self.group, tag=_HEAD)
+        view = data = None
+        try:
+            if latest is not None:
+                view = self.own.view(latest)
+                data = torch.frombuffer(view, dtype=torch.uint8)
+                sends.append(dist.isend(data, dst=ring.partner, group=self.group, tag=_DATA))
+            step, size, crc = (int(v) for v in got)
+            if size > 0:
+                self._keep(ring.source, step, size, crc)
+            for request in sends:
+                request.wait()
+        finally:
+            data = None
+            if view is not None:
+                with contextlib.suppress(BufferError):  # still held by a failed send
+                    view.release()
+
+    def _keep(self, source: int, step: int, size: int, crc: int) -> None:
+        import torch.distributed as dist
+
+        def fill(region: memoryview) -> None:
+            target = torch.frombuffer(region, dtype=torch.uint8)
+            try:
+                dist.recv(target, src=source, group=self.group, tag=_DATA)
+            finally:
+                del target
+
+        index = self.replica.receive(size, fill)
+        self.replica.seal(index, step, size, crc, source, self.world)
+
+
+# ---- the way back ---------------------------------------------------------------------------
+
+
+def _inventory(
+    manager: CheckpointManager, rep: Replicator
+) -> tuple[list[int], dict[tuple[int, int], tuple[MemorySlot, _Copy]]]:
+    """This rank's report (a step no memory copy of which may be restored again, then
+    `_ENTRIES` of owner, step, tier) and the memory copies it can send."""
+    banned = _NONE
+    log = manager._restores
+    if log is not None:
+        step = log.last()
+        if step is not None and log.attempts(step) >= _restores.LIMIT:
+            banned = step
+    copies = {
+        (c.owner, c.step): (slot, c)
+        for slot in (rep.replica, rep.own)  # the own slot's, if both hold one
+        for c in slot.held()
+        if c.owner >= 0 and c.world == rep.world
+    }
+    entries = [(owner, step, _MEMORY) for owner, step in copies]
+    disk = manager._disk_step()
+    if disk is not None:
+        entries.append((rep.rank, disk, _DISK))
+    report = [banned]
+    for i in range(_ENTRIES):
+        report.extend(entries[i] if i < len(entries) else (_NONE, _NONE, _NONE))
+    return report, copies
+
+
+def _held(
+    reports: list[list[int]], world: int
+) -> tuple[dict[tuple[int, int], list[int]], set[tuple[int, int]]]:
+    """Who holds what: (owner, step) to the ranks holding it in memory, and the (owner, step)
+    on the owner's disk. Memory copies of a step whose restores died `_restores.LIMIT` times
+    on any rank are left out."""
+    banned = {r[0] for r in reports if r[0] != _NONE}
+    memory: dict[tuple[int, int], list[int]] = {}
+    disk: set[tuple[int, int]] = set()
+    for holder, report in enumerate(reports):
+        for i in range(_ENTRIES):
+            owner, step, tier = report[1 + 3 * i : 4 + 3 * i]
+            if owner < 0 or owner >= world or step < 0:
+                continue
+            if tier == _MEMORY and step not in banned:
+                memory.setdefault((owner, step), []).append(holder)
+            elif tier == _DISK and owner == holder:
+                disk.add((owner, step))
+    return memory, disk
+
+
+def choose(reports: list[list[int]], world: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """From every rank's report: the newest step held for every rank, and for each rank who
+    gives it its state (the rank itself if it can, else the lowest rank holding it in memory)
+    and from which tier; None if no rank holds anything. A CheckpointError if no one step is
+    held for every rank."""
+    memory, disk = _held(reports, world)
+    steps = {step for _, step in memory} | {step for _, step in disk}
+    if not steps:
+        return None
+    for step in sorted(steps, reverse=True):
+        plan = []
+        for owner in range(world):
+            holders = sorted(memory.get((owner, step), []))
+            if owner in holders or (holders and (owner, step) not in disk):
+                plan.append((owner if owner in holders else holders[0], _MEMORY))
+            elif (owner, step) in disk:
+                plan.append((owner, _DISK))
+            else:
+                break
+        else:
+            return step, plan
+    newest = {
+        o: max([s for (w, s) in memory if w == o] + [s for (w, s) in disk if w == o], default=None)
+        for o in range(world)
+    }
+    raise CheckpointError(
+        "no checkpoint step is held for every rank (the newest each rank's state has, in "
+        f"memory or on its disk: {newest}); the ranks cannot resume together. Restore a step "
+        "by hand, or start from scratch"
+    )
+
+
+def restore(
+    manager: CheckpointManager, map_location: Any, weights_only: bool
+) -> tuple[Any, int] | None:
+    """(this rank's state, step) at the newest step held for every rank; None if there is
+    none. Every rank must call it."""
+    import torch.distributed as dist
+
+    rep = manager._replicator
+    assert rep is not None
+    rep.ready()
+    mine, copies = _inventory(manager, rep)
+    reports = [torch.empty(len(mine), dtype=torch.int64) for _ in range(rep.world)]
+    dist.all_gather(reports, torch.tensor(mine, dtype=torch.int64), group=rep.group)
+    chosen = choose([r.tolist() for r in reports], rep.world)
+    if chosen is None:
+        return None
+    step, plan = chosen
+    me = rep.rank
+    views: list[memoryview] = []
+    sends: list[Any] = []
+    try:
+        for owner, (holder, _) in enumerate(plan):
+            if holder != me or owner == me:
+                continue
+            slot, c = copies[owner, step]
+            views.append(slot.view(c))
+            head = torch.tensor([c.size, c.crc], dtype=torch.int64)
+            sends.append(dist.isend(head, dst=owner, group=rep.group, tag=_HEAD))
+            data = torch.frombuffer(views[-1], dtype=torch.uint8)
+            sends.append(dist.isend(data, dst=owner, group=rep.group, tag=_DATA))
+            del data
+        holder, tier = plan[me]
+        raw: Any
+        if tier == _DISK:
+            raw = None
+        elif holder == me:
+            slot, c = copies[me, step]
+            raw = slot.read_copy(c)
+            if raw is None:
+                raise CheckpointError(
+                    f"rank {me}'s memory copy of checkpoint step {step} changed since it was "
+                    "verified: is another job using this node's memory slots?"
+                )
+        else:
+            raw = _receive(rep, holder, step)
+        for request in sends:
+            request.wait()
+    finally:
+        for view in views:
+            view.release()
+    if raw is None:
+        return manager._disk_state(step, map_location, weights_only), step
+    manager.restored_from_memory(step)
+    if copies.get((me, step), (None,))[0] is not rep.own:
+        rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
+    where = f"checkpoint step {step} of rank {me} (from rank {holder}'s memory)"
+    return _payload.decode(raw, where, map_location, weights_only), step
+
+
+def _receive(rep: Replicator, holder: int, step: int) -> bytearray:
+    import torch.distributed as dist
+
+    head = torch.empty(2, dtype=torch.int64)
+    dist.recv(head, src=holder, group=rep.group, tag=_HEAD)
+    size, crc = (int(v) for v in head)
+    data = bytearray(size)
+    target = torch.frombuffer(data, dtype=torch.uint8)
+    dist.recv(target, src=holder, group=rep.group, tag=_DATA)
+    del target
+    received = _payload.checksum(memoryview(data))
+    if received != crc:
+        raise CheckpointError(
+            f"checkpoint step {step} of rank {rep.rank}, sent by rank {holder}, arrived "
+            f"damaged (checksum {received:#x}, sent {crc:#x})"
+        )
+    return data

@@ -1,0 +1,261 @@
+"""Replicas of per-rank states on a peer node (`replicas=1`) and the per-rank restore."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from elastic_sampler import CheckpointError, CheckpointManager, broadcast_latest, restore_latest
+from elastic_sampler._memory import SHARED, MemorySlot
+from elastic_sampler._replica import Ring, choose, ring_of
+
+M, D, N = 0, 1, -1  # tiers in a report, and "none"
+
+
+def report(*entries: tuple[int, int, int], banned: int = N) -> list[int]:
+    """A rank's report: (owner, step, tier) entries, padded to five."""
+    flat = [banned]
+    for i in range(5):
+        flat.extend(entries[i] if i < len(entries) else (N, N, N))
+    return flat
+
+
+# ---- the ring ----------------------------------------------------------------------------------
+
+
+def test_each_rank_sends_to_its_local_rank_on_the_next_node():
+    places = [(0, 0), (0, 1), (1, 0), (1, 1)]  # 2 nodes x 2
+    assert ring_of(places, 0) == Ring(0, partner=2, source=2)
+    assert ring_of(places, 3) == Ring(3, partner=1, source=1)
+    three = [(5, 0), (9, 0), (7, 0)]  # nodes by their group rank, in any order of ranks
+    assert ring_of(three, 0) == Ring(0, partner=2, source=1)  # node 5 -> 7 -> 9 -> 5
+    assert ring_of(three, 1) == Ring(1, partner=0, source=2)
+
+
+def test_one_node_has_no_ring_and_uneven_nodes_are_a_clear_error():
+    assert ring_of([(0, 0), (0, 1)], 1) is None
+    with pytest.raises(CheckpointError, match=r"same local ranks.*\{0: \[0, 1\], 1: \[0\]\}"):
+        ring_of([(0, 0), (0, 1), (1, 0)], 0)
+
+
+# ---- agreeing on a step ------------------------------------------------------------------------
+
+
+def test_every_rank_takes_its_own_newest_copy_when_all_survive():
+    reports = [report((r, 7, M), (r, 6, M), ((r + 2) % 4, 7, M)) for r in range(4)]
+    assert choose(reports, 4) == (7, [(0, M), (1, M), (2, M), (3, M)])
+
+
+def test_after_a_node_loss_the_newcomers_get_their_state_from_the_replicas():
+    # Ranks 0 and 1 are new (nothing); 2 and 3 survived, holding their own and 0/1's replicas.
+    reports = [report(), report(), report((2, 7, M), (0, 7, M)), report((3, 7, M), (1, 7, M))]
+    assert choose(reports, 4) == (7, [(2, M), (3, M), (2, M), (3, M)])
+
+
+def test_a_node_lost_during_an_exchange_resumes_at_the_step_every_rank_has():
+    # The survivors saved 8, but the lost node's replicas of step 8 never arrived.
+    reports = [
+        report(),
+        report(),
+        report((2, 8, M), (2, 7, M), (0, 7, M)),
+        report((3, 8, M), (3, 7, M), (1, 7, M)),
+    ]
+    assert choose(reports, 4) == (7, [(2, M), (3, M), (2, M), (3, M)])
+
+
+def test_disk_serves_a_rank_whose_memory_is_gone_and_a_newer_disk_step_wins():
+    reports = [report((0, 5, D)), report((1, 5, M), (1, 5, D))]
+    assert choose(reports, 2) == (5, [(0, D), (1, M)])
+    newer = [report((0, 5, M), (0, 10, D)), report((1, 5, M), (1, 10, D))]
+    assert choose(newer, 2) == (10, [(0, D), (1, D)])
+    # Another rank's memory copy is preferred to none, the owner's disk to another's memory.
+    both = [report((0, 5, M), (1, 5, M)), report((1, 5, D))]
+    assert choose(both, 2) == (5, [(0, M), (1, D)])
+
+
+def test_a_step_whose_restores_died_twice_is_not_taken_from_memory():
+    reports = [report((0, 9, M), (0, 5, D), banned=9), report((1, 9, M), (1, 5, D))]
+    assert choose(reports, 2) == (5, [(0, D), (1, D)])
+
+
+def test_nothing_held_is_none_and_no_common_step_is_a_clear_error():
+    assert choose([report(), report()], 2) is None
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint step is held for every rank.*\{0: 9, 1: 4\}"
+    ):
+        choose([report((0, 9, M)), report((1, 4, D))], 2)
+    # A report naming a rank outside the world, or a disk step of another rank, is ignored.
+    assert choose([report((7, 9, M), (1, 9, D)), report()], 2) is None
+
+
+# ---- slots hold their owner's copies -----------------------------------------------------------
+
+
+def test_a_slot_returns_only_its_owners_copies_and_holds_any(tmp_path):
+    mine = MemorySlot(tmp_path / "slot", "run", owner=1, world=4)
+    mine.put({"w": torch.ones(3)}, 5)
+    other = MemorySlot(tmp_path / "slot", "run", owner=2, world=4)
+    assert other.latest_step() is None, "rank 2 never takes rank 1's state"
+    resized = MemorySlot(tmp_path / "slot", "run", owner=1, world=8)
+    assert resized.latest_step() is None, "a shard of a world of 4 is not one of 8"
+    shared = MemorySlot(tmp_path / "slot", "run", owner=SHARED)
+    assert shared.latest_step() is None
+    assert [(c.owner, c.world, c.step) for c in other.held()] == [(1, 4, 5)]
+    assert mine.latest_step() == 5
+
+
+def test_a_received_copy_is_sealed_under_its_senders_rank(tmp_path):
+    sender = MemorySlot(tmp_path / "a", "run", owner=3, world=4)
+    sender.put({"w": torch.arange(10)}, 7)
+    sent = sender.last()
+    assert sent is not None
+    replica = MemorySlot(tmp_path / "b", "run", owner=3, world=4)
+    with sender.view(sent) as source:
+
+        def fill(region: memoryview) -> None:
+            region[:] = source
+
+        index = replica.receive(sent.size, fill)
+    replica.seal(index, 7, sent.size, sent.crc, 3, 4)
+    state, step = replica.load() or (None, None)
+    assert step == 7 and torch.equal(state["w"], torch.arange(10))
+    # A copy damaged on its way is sealed with the sender's checksum, and never returned.
+    index = replica.receive(
+        sent.size, lambda region: region.__setitem__(slice(None), bytes(sent.size))
+    )
+    replica.seal(index, 8, sent.size, sent.crc, 3, 4)
+    assert replica.latest_step() == 7
+    assert [c.step for c in replica.held()] == [7]
+
+
+# ---- the manager -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rank_env(tmp_path, monkeypatch):
+    for name, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ELASTICRUN_MEMORY_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+
+
+def test_replicas_name_files_by_rank_and_need_the_memory_tier(tmp_path, rank_env):
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
+    assert m.path(5).name == "checkpoint-rank3-000000000005.pt"
+    with pytest.raises(ValueError, match="replicas=2"):
+        CheckpointManager(tmp_path / "ckpt", memory=True, replicas=2)
+    with pytest.raises(ValueError, match="pass memory=True"):
+        CheckpointManager(tmp_path / "ckpt", replicas=1)
+    with pytest.raises(ValueError, match="call restore_latest"):
+        broadcast_latest(m)
+
+
+def test_replicas_without_the_launchers_variables_are_a_clear_error(
+    tmp_path, rank_env, monkeypatch
+):
+    monkeypatch.setenv("RANK", "x3")
+    with pytest.raises(CheckpointError, match=r"\$RANK='x3'.*elasticrun and torchrun set"):
+        CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(CheckpointError, match=r"\$RANK=4 is not below \$WORLD_SIZE=4"):
+        CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
+
+
+def test_a_save_before_the_process_group_is_a_clear_error(tmp_path, rank_env):
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
+    with pytest.raises(CheckpointError, match=r"call torch\.distributed\.init_process_group"):
+        m.save({"w": torch.ones(3)}, 1)
+
+
+def test_without_replicas_restore_latest_is_load_latest(tmp_path):
+    m = CheckpointManager(tmp_path)
+    assert restore_latest(m) is None
+    m.save({"w": torch.ones(3)}, 4)
+    state, step = restore_latest(m) or (None, None)
+    assert step == 4 and torch.equal(state["w"], torch.ones(3))
+
+
+# ---- real processes: 2 nodes x 2 ranks, gloo ---------------------------------------------------
+
+# argv: rank, port, root, phase, node of this rank. Each rank's state is its own: a large
+# tensor (odd steps: copied on the copy thread) or a small one (even steps: inside save()).
+JOB = """
+import os, sys, warnings, torch, torch.distributed as dist
+from elastic_sampler import CheckpointManager, restore_latest
+rank, port, root, phase, node = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+os.environ.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2),
+                  ELASTICRUN_MEMORY_DIR=os.path.join(root, "node" + node), TORCHELASTIC_RUN_ID="run")
+os.makedirs(os.environ["ELASTICRUN_MEMORY_DIR"], exist_ok=True)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=4)
+m = CheckpointManager(os.path.join(root, "ckpt"), memory=True, replicas=1, persist_every=5)
+
+def state(step):
+    n = 300_000 if step % 2 else 10
+    return {"rank": rank, "w": torch.full((n,), float(1000 * rank + step))}
+
+got = restore_latest(m)
+if phase == "train":
+    assert got is None, got
+    for step in range(1, 8):
+        m.save(state(step), step)
+    m.close()
+    print("TRAINED", rank, flush=True)
+else:
+    loaded, step = got
+    ok = loaded["rank"] == rank and torch.equal(loaded["w"], state(step)["w"])
+    print("RESUMED", rank, step, ok, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_job(root: Path, phase: str, nodes: list[str]) -> list[str]:
+    """Four ranks of JOB; `nodes[r]`: the node (its memory) rank r runs on. The disk is
+    shared, as a whole job's loss needs."""
+    from elastic_launch.net import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOB, str(r), port, str(root), phase, nodes[r]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
+
+
+@pytest.mark.slow  # four real processes and gloo, three times
+def test_a_lost_node_costs_no_rank_its_newest_step_and_the_whole_job_the_disks(tmp_path):
+    import shutil
+
+    outs = run_job(tmp_path, "train", ["a", "a", "b", "b"])
+    assert all(f"TRAINED {r}" in outs[r] for r in range(4)), outs
+    # Node b is lost and replaced by node c; the ranks are dealt anew: the newcomers take
+    # ranks 0 and 1, node a's workers ranks 2 and 3, so every rank's state is elsewhere.
+    shutil.rmtree(tmp_path / "nodeb")
+    outs = run_job(tmp_path, "resume", ["c", "c", "a", "a"])
+    assert all(f"RESUMED {r} 7 True" in outs[r] for r in range(4)), outs
+    # The whole job is lost: only the disk (every 5 steps) is left.
+    shutil.rmtree(tmp_path / "nodea")
+    shutil.rmtree(tmp_path / "nodec")
+    outs = run_job(tmp_path, "resume", ["d", "d", "e", "e"])
+    assert all(f"RESUMED {r} 5 True" in outs[r] for r in range(4)), outs
