@@ -5,6 +5,10 @@ be taken for a hang, or a real hang that must be found.
 
 Every rank takes 5 steps, runs the phase, takes 5 more steps and exits 0. Each process writes
 its pid to DIR/<rank>.pid first, so the test can end everything it started.
+
+The busy phases work a quarter of the time (as a host thread feeding a GPU): five times the
+CPU the detector takes for evidence of progress, and, for the six such workers a test runs
+side by side, a load the machine carries without starving the tests running beside them.
 """
 
 from __future__ import annotations
@@ -14,10 +18,21 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 LEGITIMATE = ("first_step", "eval", "metric", "checkpoint")
 HANGS = ("sigstop", "peer_stopped", "deadlock", "sleep")
+WORK, REST = 0.025, 0.075  # seconds: a quarter of a core
+
+
+def busy(until: float, work: Callable[[], object]) -> None:
+    """Run `work` over and over until `until`, resting after each slice of WORK seconds."""
+    while time.monotonic() < until:
+        end = min(until, time.monotonic() + WORK)
+        while time.monotonic() < end:
+            work()
+        time.sleep(max(0.0, min(REST, until - time.monotonic())))
 
 
 def deadlock() -> None:
@@ -59,12 +74,9 @@ def phase(args: argparse.Namespace, rank: int, model: Any, steps: Any, until: fl
 
     if args.phase == "eval":  # forward passes only
         with torch.no_grad():
-            while time.monotonic() < until:
-                model.module(torch.randn(512, 64))
+            busy(until, lambda: model.module(torch.randn(512, 64)))
     elif args.phase == "metric":  # pure Python
-        total = 0
-        while time.monotonic() < until:
-            total += sum(i * i for i in range(10_000))
+        busy(until, lambda: sum(i * i for i in range(10_000)))
     elif args.phase == "checkpoint":
         checkpoint(args.out, rank, until)
     elif args.phase in ("sigstop", "peer_stopped"):
@@ -106,8 +118,7 @@ def main() -> None:
     until = time.monotonic() + args.seconds
     if args.phase == "first_step":  # compilation or warm-up before the first step
         a = torch.randn(256, 256)
-        while time.monotonic() < until:
-            a = torch.tanh(a @ a)
+        busy(until, lambda: torch.tanh(a @ a))
     steps(5)
     phase(args, rank, model, steps, until)
     steps(5)
