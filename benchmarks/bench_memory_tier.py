@@ -7,6 +7,11 @@
   against the no-snapshot block next to it; the figure is the median of 5 rounds. Run with the
   step's compute on 1 thread (a GPU job: the host's cores are free) and on 2 (every core of
   this machine computing).
+- replicas: the same step on two processes standing for two nodes (one rank each, both cores
+  computing, gloo over loopback), saving every step with replicas=1 (each rank's copy also
+  sent to the other), against no snapshot, the tier alone, and torch's own primitives for
+  the same end: torch.save of the state into bytes, exchanged with the peer by
+  torch.distributed send and recv. Rank 0's figures.
 - one copy: the time to put a 1 GB state into the tier (plan, copy, checksum, seal), against a
   plain memcpy of 1 GB into memory already mapped, and torch.save of it into /dev/shm. Median
   of 5.
@@ -27,9 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from common import Row, run_json
+from common import Row, free_port, run_json
 
 HERE = Path(__file__).resolve().parent
 STATE_MB = 100
@@ -129,7 +133,7 @@ def per_step(kind: str, threads: int, rounds: int, steps: int) -> dict:
         "tier_blocking": lambda: tier(blocking),
         "torch_save_shm": torch_save,
     }
-    measured = _interleaved(work, modes, manager, rounds, steps)
+    measured = _interleaved(work, modes, [manager], rounds, steps)
     for m in (manager, blocking):
         m.close()
     out = {
@@ -146,7 +150,7 @@ def per_step(kind: str, threads: int, rounds: int, steps: int) -> dict:
     return out
 
 
-def _interleaved(work: Workload, modes: dict, manager: Any, rounds: int, steps: int) -> dict:
+def _interleaved(work: Workload, modes: dict, managers: list, rounds: int, steps: int) -> dict:
     """Each mode's step time, and its overhead against no snapshot.
 
     This VM's speed drifts by tens of percent over seconds: each round runs every mode in
@@ -159,7 +163,8 @@ def _interleaved(work: Workload, modes: dict, manager: Any, rounds: int, steps: 
     for snap in modes.values():  # warm: buffers and slots exist
         work.step()
         snap()
-    manager.wait()
+    for manager in managers:
+        manager.wait()
     block = max(1, steps // BLOCKS)
     for r in range(rounds):
         spent = dict.fromkeys(modes, 0.0)
@@ -182,7 +187,8 @@ def _interleaved(work: Workload, modes: dict, manager: Any, rounds: int, steps: 
                     blocked[name] += time.perf_counter() - s
                 spent[name] += time.perf_counter() - t
                 each[name].append(time.perf_counter() - t)
-                manager.wait()
+                for manager in managers:
+                    manager.wait()
         for name in modes:
             times[name].append(spent[name] / (block * BLOCKS))
             # Each block against the no-snapshot block of the same cycle (seconds apart).
@@ -197,6 +203,83 @@ def _interleaved(work: Workload, modes: dict, manager: Any, rounds: int, steps: 
         "overhead": {k: statistics.median(v) for k, v in paired.items()},
         "overhead_rounds": {k: [round(100 * x, 1) for x in v] for k, v in paired.items()},
     }
+
+
+def replicas(rank: int, port: int, rounds: int, steps: int) -> dict:
+    """Rank `rank` of two, each its own node: see the module's docstring."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from elastic_sampler import CheckpointManager
+
+    shm = tempfile.mkdtemp(prefix=f"bench-replica-{rank}-", dir="/dev/shm")
+    _env(shm)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", GROUP_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    work = Workload(torch, "compute")
+    size = torch.tensor([work.size])
+    dist.broadcast(size, src=0)  # the same step on both: the exchange pairs them
+    work.size = int(size.item())
+    disk = tempfile.mkdtemp(prefix="bench-replica-ckpt-")
+    local = CheckpointManager(disk, memory=True, persist_every=10**9, prefix="local")
+    replicated = CheckpointManager(disk, memory=True, replicas=1, persist_every=10**9)
+    counter = iter(range(1, 10**9))
+    peer = 1 - rank
+
+    def torch_exchange() -> None:
+        buffer = io.BytesIO()
+        torch.save(work.state(), buffer)
+        out = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        sizes = [torch.tensor([out.numel()]), torch.empty(1, dtype=torch.int64)]
+        sent = dist.isend(sizes[0], dst=peer)
+        dist.recv(sizes[1], src=peer)
+        sent.wait()
+        got = torch.empty(int(sizes[1].item()), dtype=torch.uint8)
+        sent = dist.isend(out, dst=peer)
+        dist.recv(got, src=peer)
+        sent.wait()
+
+    modes = {
+        "none": lambda: None,
+        "tier": lambda: local.save(work.state(), next(counter)),
+        "tier_replicas": lambda: replicated.save(work.state(), next(counter)),
+        "torch_exchange": torch_exchange,
+    }
+    measured = _interleaved(work, modes, [local, replicated], rounds, steps)
+    for m in (local, replicated):
+        m.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)
+    state_bytes = sum(p.numel() * p.element_size() for p in work.model.parameters())
+    return {"state_mb": state_bytes / (1 << 20), "size": work.size, **measured}
+
+
+def _replicas_pair(rounds: int, steps: int) -> dict:
+    """Rank 0's figures from a pair of `replicas` children."""
+    import subprocess
+
+    port = free_port()
+    me = [sys.executable, str(Path(__file__).resolve()), "--child", "replicas"]
+    args = ["--port", str(port), "--rounds", str(rounds), "--steps", str(steps)]
+    procs = [
+        subprocess.Popen([*me, "--rank", str(r), *args], stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the replicas benchmark failed: {outs}")
+    return json.loads(outs[0].strip().splitlines()[-1])
 
 
 def one_copy(rounds: int) -> dict:
@@ -273,6 +356,22 @@ def run(cases: tuple[tuple[str, int], ...] = CASES, rounds: int = 5, steps: int 
                 f"{100 * got['overhead']['tier_blocking']:.1f}%",
             )
         )
+    got = _replicas_pair(rounds, steps)
+    base = got["step_ms"]["none"]
+    rows.append(
+        Row(
+            "memory_tier",
+            "memory snapshot every step, replicated to a peer node: % of step time",
+            100 * got["overhead"]["tier_replicas"],
+            100 * got["overhead"]["torch_exchange"],
+            "torch.save + send/recv to the peer",
+            "%",
+            f"2 processes as 2 nodes, gloo over loopback, both cores computing; "
+            f"{got['state_mb']:.0f} MB state per rank, step {base:.0f} ms with no snapshot; "
+            f"median of {rounds} (rounds: {got['overhead_rounds']['tier_replicas']} %); "
+            f"the tier without replicas {100 * got['overhead']['tier']:.1f}%",
+        )
+    )
     copy = run_json([*me, "--child", "one-copy", "--rounds", str(rounds)], timeout=1800)
     rows.append(
         Row(
@@ -291,7 +390,10 @@ def run(cases: tuple[tuple[str, int], ...] = CASES, rounds: int = 5, steps: int 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--child", choices=["per-step", "one-copy"])
+    p.add_argument("--child", choices=["per-step", "one-copy", "replicas"])
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--only-replicas", action="store_true", help="measure the replicas alone")
     p.add_argument("--kind", choices=["compute", "mlp"], default="compute")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
@@ -299,6 +401,12 @@ def main() -> int:
     args = p.parse_args()
     if args.child == "per-step":
         print(json.dumps(per_step(args.kind, args.threads, args.rounds, args.steps)))
+        return 0
+    if args.child == "replicas":
+        print(json.dumps(replicas(args.rank, args.port, args.rounds, args.steps)))
+        return 0
+    if args.only_replicas:
+        print(json.dumps(_replicas_pair(args.rounds, args.steps)))
         return 0
     if args.child == "one-copy":
         print(json.dumps(one_copy(args.rounds)))
