@@ -125,8 +125,10 @@ def _descendants(pid: int) -> list[int]:
 class TwoNodes:
     """One run's files and nodes."""
 
-    def __init__(self, root: Path, name: str, launcher: str) -> None:
+    def __init__(self, root: Path, name: str, launcher: str, job: tuple[str, ...] = ()) -> None:
+        """`job`: arguments added to the example's (JOB)."""
         self.root = root / name
+        self.job = job
         self.root.mkdir(parents=True, exist_ok=True)
         self.launcher = launcher
         self.samples = self.root / "samples"
@@ -156,6 +158,7 @@ class TwoNodes:
             *extra,
             str(EXAMPLE),
             *JOB,
+            *self.job,
             "--checkpoint-dir",
             str(self.root / "checkpoints"),
             "--record-samples",

@@ -29,7 +29,12 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's convention
-from elastic_sampler import CheckpointManager, ElasticDistributedSampler, broadcast_latest
+from elastic_sampler import (
+    CheckpointManager,
+    ElasticDistributedSampler,
+    broadcast_latest,
+    restore_latest,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -141,6 +146,12 @@ def parse_args() -> argparse.Namespace:
         "kill or cut off its parts by hand while it trains)",
     )
     p.add_argument(
+        "--replicas",
+        action="store_true",
+        help="every rank saves its own copy, kept on a peer node too, as a sharded state "
+        "(ZeRO, FSDP) would be: CheckpointManager(replicas=1) and restore_latest",
+    )
+    p.add_argument(
         "--record-samples",
         type=Path,
         default=None,
@@ -176,20 +187,25 @@ class Job:
         """The first worker of each node keeps the step in the node's memory (so that a node's
         loss loses no step while another node lives); rank 0 also writes it to disk in the
         background when due, and at every epoch's end (0 epoch steps: the next epoch's
-        start). Every rank holds the same state under DDP: one copy per node is enough."""
-        if self.local_rank != 0:
+        start). Every rank holds the same state under DDP: one copy per node is enough. With
+        --replicas every rank saves, as each would its own shard."""
+        if self.local_rank != 0 and not self.args.replicas:
             return
         state = training_state(
             self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
         )
-        persist = (epoch_steps == 0 or None) if self.rank == 0 else False
+        writes = self.rank == 0 or self.args.replicas
+        persist = (epoch_steps == 0 or None) if writes else False
         self.checkpoints.save(state, self.step, background=True, persist=persist)
 
 
 def resume(job: Job) -> None:
     """Every rank resumes from the newest intact checkpoint (sent by the rank that has it,
     should the directory be local to each node)."""
-    latest = broadcast_latest(job.checkpoints, keep=job.local_rank == 0)  # the node's saver
+    if job.args.replicas:  # each rank's own state, from wherever it survived
+        latest = restore_latest(job.checkpoints)
+    else:
+        latest = broadcast_latest(job.checkpoints, keep=job.local_rank == 0)  # the node's saver
     if latest is None:
         return
     state, _ = latest
@@ -283,7 +299,11 @@ def setup(args: argparse.Namespace) -> Job:
         # Every step to the node's memory (a restarted worker resumes at the step where the
         # failure struck), every --checkpoint-every steps to disk.
         checkpoints=CheckpointManager(
-            args.checkpoint_dir, keep_last=3, memory=True, persist_every=args.checkpoint_every
+            args.checkpoint_dir,
+            keep_last=3,
+            memory=True,
+            persist_every=args.checkpoint_every,
+            replicas=1 if args.replicas else 0,
         ),
     )
     if args.record_samples is not None:

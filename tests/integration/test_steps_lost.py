@@ -1,7 +1,8 @@
 """No completed step is lost: a DDP job of 2 nodes x 2 workers (examples/train_ddp.py, a disk
 checkpoint every 50 steps) has a worker SIGKILLed, or a whole node SIGKILLed and replaced, at a
 random step; it resumes from the memory tier at the newest completed step, and ends with the
-very weights of a fault-free run. The benchmark beside torchrun is
+very weights of a fault-free run. With --replicas every rank saves its own copy, kept on the
+other node too (as a sharded state would be), and resumes it with restore_latest. The benchmark beside torchrun is
 benchmarks/bench_steps_lost.py; the job's driver is shared with it."""
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["worker", "node"])
-def test_a_fault_at_a_random_step_loses_no_completed_step(tmp_path, reference, fault):
-    kill_at = random.Random(fault).randint(10, STEPS - 15)  # a fixed draw per fault
-    got = TwoNodes(tmp_path, fault, "elasticrun").run(fault, kill_at)
+@pytest.mark.parametrize(
+    ("fault", "job"),
+    [
+        pytest.param("worker", (), id="worker"),
+        pytest.param("node", (), id="node"),
+        pytest.param("node", ("--replicas",), id="node-replicas"),
+    ],
+)
+def test_a_fault_at_a_random_step_loses_no_completed_step(tmp_path, reference, fault, job):
+    kill_at = random.Random(fault + "".join(job)).randint(10, STEPS - 15)  # a fixed draw
+    got = TwoNodes(tmp_path, fault, "elasticrun", job).run(fault, kill_at)
     print(
         f"{fault}: killed at {kill_at}, completed {got.completed_at_kill}, resumed "
         f"{got.resumed}, back in {got.recovery_s:.2f} s"
