@@ -21,6 +21,7 @@ from elastic_sampler import (
     load_checkpoint,
     save_checkpoint,
 )
+from ranks_util import run_ranks
 
 
 def model_state(seed: int = 0) -> dict:
@@ -193,31 +194,7 @@ dist.destroy_process_group()
 
 
 def _broadcast(tmp_path: Path, mode: str) -> list[str]:
-    return run_pair(BROADCAST, str(tmp_path), mode)
-
-
-def run_pair(script: str, *args: str) -> list[str]:
-    """Two processes running `script` as ranks 0 and 1 (argv: rank, a free port, `args`);
-    their stdouts."""
-    from elastic_launch.net import free_port
-
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(r), str(port), *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
+    return run_ranks(BROADCAST, 2, str(tmp_path), mode)
 
 
 @pytest.mark.slow  # two real processes and gloo

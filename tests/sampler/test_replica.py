@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import torch
 from elastic_sampler import CheckpointError, CheckpointManager, broadcast_latest, restore_latest
 from elastic_sampler._memory import SHARED, MemorySlot
 from elastic_sampler._replica import Ring, choose, ring_of
+from ranks_util import run_ranks
 
 M, D, N = 0, 1, -1  # tiers in a report, and "none"
 
@@ -185,12 +184,14 @@ def test_without_replicas_restore_latest_is_load_latest(tmp_path):
 
 # ---- real processes: 2 nodes x 2 ranks, gloo ---------------------------------------------------
 
-# argv: rank, port, root, phase, node of this rank. Each rank's state is its own: a large
-# tensor (odd steps: copied on the copy thread) or a small one (even steps: inside save()).
+# argv: rank, port, root, phase, every rank's node ("a,a,b,b"). Each rank's state is its own:
+# a large tensor (odd steps: copied on the copy thread) or a small one (even steps: inside
+# save()).
 JOB = """
 import os, sys, warnings, torch, torch.distributed as dist
 from elastic_sampler import CheckpointManager, restore_latest
-rank, port, root, phase, node = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+rank, port, root, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+node = sys.argv[5].split(",")[rank]
 os.environ.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2),
                   ELASTICRUN_MEMORY_DIR=os.path.join(root, "node" + node), TORCHELASTIC_RUN_ID="run")
 os.makedirs(os.environ["ELASTICRUN_MEMORY_DIR"], exist_ok=True)
@@ -214,32 +215,15 @@ else:
     print("RESUMED", rank, step, ok, flush=True)
 dist.barrier()
 dist.destroy_process_group()
+print("EXIT 0", rank, flush=True)
 """
 
 
 def run_job(root: Path, phase: str, nodes: list[str]) -> list[str]:
     """Four ranks of JOB; `nodes[r]`: the node (its memory) rank r runs on. The disk is
     shared, as a whole job's loss needs."""
-    from elastic_launch.net import free_port
-
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", JOB, str(r), port, str(root), phase, nodes[r]],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_ranks(JOB, 4, str(root), phase, ",".join(nodes))
+    assert all(f"EXIT 0 {r}" in out for r, out in enumerate(outs)), outs
     return outs
 
 
