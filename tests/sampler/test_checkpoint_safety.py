@@ -287,7 +287,7 @@ def test_a_full_disk_at_any_point_of_a_save_keeps_the_newest_good_checkpoint(tin
 
 @pytest.mark.slow  # two real processes and gloo
 def test_broadcast_latest_refuses_a_crafted_checkpoint(tmp_path):
-    from test_checkpoint import run_pair
+    from ranks_util import run_ranks
 
     script = f"""
 import os, sys, torch, torch.distributed as dist
@@ -308,7 +308,7 @@ except Exception as e:
     print("ERROR", rank, type(e).__name__, e, flush=True)
 dist.destroy_process_group()
 """
-    outs = run_pair(script, str(tmp_path))
+    outs = run_ranks(script, 2, str(tmp_path))
     for rank, out in enumerate(outs):
         assert f"ERROR {rank} UnsafeCheckpointError" in out, outs
         assert "sent by rank 0" in out, outs

@@ -348,7 +348,7 @@ def test_a_tensor_changed_during_the_copy_voids_it_and_later_copies_finish_in_sa
     assert step == 3 and bool((loaded["w"] == 1).all())
 
 
-def test_the_optimizer_step_waits_for_the_copy_but_not_for_what_follows_it(tmp_path):
+def test_the_optimizer_step_waits_for_the_copy_but_not_for_what_follows_it(tmp_path, monkeypatch):
     from elastic_sampler._memory import MemorySlot
     from elastic_sampler._overlap import Copy
 
@@ -364,12 +364,17 @@ def test_the_optimizer_step_waits_for_the_copy_but_not_for_what_follows_it(tmp_p
         release.wait(30)
         sent.append(kept)
 
+    slow_copies(monkeypatch, 0.3)
+    before = w.detach().clone()
     copy = Copy(MemorySlot(tmp_path / "slot", "run"), _payload.plan({"w": w}), 1, send)
-    assert sending.wait(30), "what follows runs once the state is copied"
-    optimizer.step()  # returns while the exchange still runs
+    optimizer.step()  # waits for the copy, and returns while what follows it still runs
+    assert copy.join_local(0), "the optimizer step did not wait for the copy"
     assert not copy.join(0)
     release.set()
     assert copy.join(30) and sent == [True] and copy.error is None
+    assert sending.is_set()
+    state, _ = MemorySlot(tmp_path / "slot", "run").load() or (None, None)
+    assert torch.equal(state["w"], before), "the copy holds the step before the update"
 
 
 def test_a_small_state_is_copied_inside_save(tmp_path, under_elasticrun):

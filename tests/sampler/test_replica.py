@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_sampler import CheckpointError, CheckpointManager, broadcast_latest, restore_latest
+from elastic_sampler import (
+    CheckpointError,
+    CheckpointManager,
+    _payload,
+    broadcast_latest,
+    restore_latest,
+)
 from elastic_sampler._memory import SHARED, MemorySlot
 from elastic_sampler._replica import Ring, choose, ring_of
 from ranks_util import run_ranks
@@ -14,10 +20,10 @@ from ranks_util import run_ranks
 M, D, N = 0, 1, -1  # tiers in a report, and "none"
 
 
-def report(*entries: tuple[int, int, int], banned: int = N) -> list[int]:
-    """A rank's report: (owner, step, tier) entries, padded to five."""
-    flat = [banned]
-    for i in range(5):
+def report(*entries: tuple[int, int, int], banned: int = N, other_world: int = 0) -> list[int]:
+    """A rank's report: (owner, step, tier) entries, padded to eight."""
+    flat = [banned, other_world]
+    for i in range(8):
         flat.extend(entries[i] if i < len(entries) else (N, N, N))
     return flat
 
@@ -75,9 +81,21 @@ def test_disk_serves_a_rank_whose_memory_is_gone_and_a_newer_disk_step_wins():
     assert choose(both, 2) == (5, [(0, M), (1, D)])
 
 
-def test_a_step_whose_restores_died_twice_is_not_taken_from_memory():
+def test_a_step_whose_restores_died_twice_and_older_ones_come_from_disk_only():
     reports = [report((0, 9, M), (0, 5, D), banned=9), report((1, 9, M), (1, 5, D))]
     assert choose(reports, 2) == (5, [(0, D), (1, D)])
+    # The step before the banned one is in memory too: it is not restored from there (that
+    # restore would count anew, forget the ban, and the loop would go on).
+    older = [
+        report((0, 9, M), (0, 8, M), (0, 5, D), banned=9),
+        report((1, 9, M), (1, 8, M), (1, 5, D)),
+    ]
+    assert choose(older, 2) == (5, [(0, D), (1, D)])
+
+
+def test_only_another_worlds_shards_are_a_clear_error_not_a_fresh_start():
+    with pytest.raises(CheckpointError, match=r"a world of \[8\] rank\(s\), and this world has 4"):
+        choose([report(other_world=8), report(), report(), report()], 4)
 
 
 def test_nothing_held_is_none_and_no_common_step_is_a_clear_error():
@@ -146,15 +164,37 @@ def rank_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
 
 
-def test_replicas_name_files_by_rank_and_need_the_memory_tier(tmp_path, rank_env):
+def test_replicas_name_files_by_rank_and_world_and_need_the_memory_tier(tmp_path, rank_env):
     m = CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
-    assert m.path(5).name == "checkpoint-rank3-000000000005.pt"
+    assert m.path(5).name == "checkpoint-rank3of4-000000000005.pt"
+    with pytest.raises(ValueError, match=r"replicas=1\.0"):
+        CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1.0)
     with pytest.raises(ValueError, match="replicas=2"):
         CheckpointManager(tmp_path / "ckpt", memory=True, replicas=2)
     with pytest.raises(ValueError, match="pass memory=True"):
         CheckpointManager(tmp_path / "ckpt", replicas=1)
     with pytest.raises(ValueError, match="call restore_latest"):
         broadcast_latest(m)
+
+
+def test_a_rank_reports_each_copy_once_the_newest_and_other_worlds(tmp_path, rank_env):
+    from elastic_sampler._replica import _inventory
+
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
+    rep = m._replicator
+    assert rep is not None
+    rep.own.put({"w": torch.zeros(3)}, 5)
+    rep.own.put({"w": torch.ones(3)}, 5)  # saved again after a rollback: the newer counts
+    rep.replica.owner, rep.replica.world = 1, 4
+    rep.replica.put({"w": torch.zeros(2)}, 5)
+    report_, copies = _inventory(m, rep)
+    assert report_[:2] == [N, 0]
+    assert sorted(copies) == [(1, 5), (3, 5)]
+    slot, c = copies[3, 5]
+    assert slot is rep.own
+    assert torch.equal(_payload.decode(slot.read_copy(c), "t")["w"], torch.ones(3))
+    (tmp_path / "ckpt" / "checkpoint-rank1of8-000000000005.pt").write_bytes(b"x")
+    assert _inventory(m, rep)[0][1] == 8, "another world's files are reported"
 
 
 def test_replicas_without_the_launchers_variables_are_a_clear_error(

@@ -112,6 +112,9 @@ class MemorySlot:
         self._map: mmap.mmap | None = None
         self._capacity = 0
         self._base = 0  # the map's address
+        #: Views a failed transfer may still be writing or reading (gloo's thread): the map
+        #: is never closed or replaced under them.
+        self._pinned: list[memoryview] = []
 
     # ---- the file --------------------------------------------------------------------------
 
@@ -290,9 +293,19 @@ class MemorySlot:
         off the network); the buffer to `seal` it in. The previous copy stays whole until
         then."""
         index = self._reserve(size)
-        with self._region(index, size) as region:
+        region = self._region(index, size)
+        try:
             fill(region)
+        except BaseException:
+            self.pin(region)  # the transfer may still write into it
+            raise
+        region.release()
         return index
+
+    def pin(self, view: memoryview) -> None:
+        """Keep the map under `view` as long as this process lives (a transfer that failed
+        may still use it)."""
+        self._pinned.append(view)
 
     def seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
         """Make the copy `receive` wrote the newest, as `owner`'s step `step`, with the
@@ -321,6 +334,11 @@ class MemorySlot:
         """The buffer the next copy of `size` bytes goes to (the one not holding the newest
         copy), unsealed: a copy cut short is never taken for a whole one."""
         capacity = self.check_room(size)
+        if self._pinned and capacity != self._capacity:
+            raise CheckpointError(
+                f"the memory slot '{self.path}' cannot grow: a transfer of it failed and may "
+                "still use it; the worker must be restarted"
+            )
         if capacity != self._capacity or self._map is None:
             kept = self.newest() if self._map is not None else None
             self._create(capacity, kept[1] if kept else None)
@@ -344,7 +362,7 @@ class MemorySlot:
         struct.pack_into("<Q", self._map, at, seq)  # sealed, last
 
     def close(self) -> None:
-        if self._map is not None:
+        if self._map is not None and not self._pinned:
             self._map.close()
             self._map = None
 

@@ -72,7 +72,8 @@ _worker = _Worker()
 class Copy:
     """One planned state being copied into `slot` as checkpoint `step`, on the copy thread;
     then `then(kept)` runs there (the copy sent to a peer: it reads the slot, not the state,
-    so the next optimizer step need not wait for it)."""
+    so the next optimizer step need not wait for it). `then(False)` when the slot did not take
+    the copy."""
 
     def __init__(
         self,
@@ -101,10 +102,10 @@ class Copy:
             _in_flight.discard(self)
             self._local.set()
         try:
-            if self._then is not None and self.error is None:
-                self._then(bool(self.kept))
+            if self._then is not None:  # also after a failed copy: the peer waits for word
+                self._then(bool(self.kept) and self.error is None)
         except BaseException as e:
-            self.error = e
+            self.error = self.error or e
         finally:
             self._then = None
             self._over.set()

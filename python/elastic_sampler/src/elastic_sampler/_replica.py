@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,8 +38,11 @@ if TYPE_CHECKING:
 TIMEOUT = datetime.timedelta(seconds=300)
 _HEAD, _DATA = 1, 2  # message tags: a copy's header, then its bytes
 _NONE = -1
-#: Entries a rank reports in `restore`: its two slots' copies (two each) and its disk's newest.
-_ENTRIES = 5
+#: Entries a rank reports in `restore`: its two slots' copies (two each), and its disk's newest
+#: steps that verify. A report is ``banned, other world, `_ENTRIES` x (owner, step, tier)``.
+_MEMORY_ENTRIES, _DISK_ENTRIES = 4, 4
+_ENTRIES = _MEMORY_ENTRIES + _DISK_ENTRIES
+_FIELDS = 2
 _MEMORY, _DISK = 0, 1
 
 
@@ -103,6 +108,7 @@ class Replicator:
         self.group: Any = None
         self.ring: Ring | None = None
         self._said_alone = False
+        self._broken = ""  # why an exchange failed: the ring is out of step from then on
 
     def ready(self) -> None:
         """Form the ring (once; every rank must call it, in the same order as its other
@@ -121,18 +127,20 @@ class Replicator:
                 f"$RANK/$WORLD_SIZE say rank {self.rank} of {self.world}, but the process "
                 f"group says rank {dist.get_rank()} of {dist.get_world_size()}"
             )
-        self.group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         node, local = _whole_number("GROUP_RANK"), _whole_number("LOCAL_RANK")
+        group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         place = torch.tensor([node, local], dtype=torch.int64)
         places = [torch.empty(2, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(places, place, group=self.group)
-        self.ring = ring_of([(int(p[0]), int(p[1])) for p in places], self.rank)
+        dist.all_gather(places, place, group=group)
+        self.ring = ring_of([(int(p[0]), int(p[1])) for p in places], self.rank)  # or raise
         if self.ring is not None:
             self.replica.owner, self.replica.world = self.ring.source, self.world
+        self.group = group
 
-    def send(self, kept: bool) -> None:
-        """Exchange the newest copies around the ring: ours to the partner (nothing new if
-        the save was not `kept`), the source's into the replica slot."""
+    def send(self, kept: bool, copy: _Copy | None = None) -> None:
+        """Exchange the newest copies around the ring: ours to the partner (`copy`, else the
+        own slot's newest; nothing new if the save was not `kept`), the source's into the
+        replica slot. Every rank must call it for every save, failed or not."""
         ring = self.ring
         if ring is None:
             if not self._said_alone:
@@ -143,42 +151,64 @@ class Replicator:
                     stacklevel=2,
                 )
             return
+        if self._broken:
+            raise CheckpointError(
+                f"no checkpoint copy is sent to a peer node any more: an earlier exchange "
+                f"failed ({self._broken}); the worker must be restarted"
+            )
+        latest = copy if copy is not None else self.own.last() if kept else None
+        view: memoryview | None = None
+        try:
+            view = self._exchange(ring, latest)
+        except Exception as e:
+            self._broken = str(e)
+            if view is not None:
+                self.own.pin(view)  # a send may still read it
+            raise CheckpointError(
+                f"the exchange of checkpoint copies with rank {ring.partner} (ours) and rank "
+                f"{ring.source} (theirs) failed: {e}. Every rank must save the same steps; a "
+                "rank that died is replaced when the launcher restarts the group"
+            ) from e
+        if view is not None:
+            view.release()
+
+    def _exchange(self, ring: Ring, latest: _Copy | None) -> memoryview | None:
+        """The copies' headers, then their bytes; the view of ours, for the caller to
+        release once nothing can read it."""
         import torch.distributed as dist
 
-        latest = self.own.last() if kept else None
         head = [_NONE, _NONE, 0] if latest is None else [latest.step, latest.size, latest.crc]
         out = torch.tensor(head, dtype=torch.int64)
         sends: list[Any] = [dist.isend(out, dst=ring.partner, group=self.group, tag=_HEAD)]
         got = torch.empty(3, dtype=torch.int64)
         dist.recv(got, src=ring.source, group=self.group, tag=_HEAD)
-        view = data = None
+        view = None
+        if latest is not None:
+            view = self.own.view(latest)
+            data = torch.frombuffer(view, dtype=torch.uint8)
+            sends.append(dist.isend(data, dst=ring.partner, group=self.group, tag=_DATA))
+            del data
+        step, size, crc = (int(v) for v in got)
         try:
-            if latest is not None:
-                view = self.own.view(latest)
-                data = torch.frombuffer(view, dtype=torch.uint8)
-                sends.append(dist.isend(data, dst=ring.partner, group=self.group, tag=_DATA))
-            step, size, crc = (int(v) for v in got)
             if size > 0:
                 self._keep(ring.source, step, size, crc)
+        finally:
             for request in sends:
                 request.wait()
-        finally:
-            data = None
-            if view is not None:
-                with contextlib.suppress(BufferError):  # still held by a failed send
-                    view.release()
+        return view
 
     def _keep(self, source: int, step: int, size: int, crc: int) -> None:
         import torch.distributed as dist
 
         def fill(region: memoryview) -> None:
             target = torch.frombuffer(region, dtype=torch.uint8)
-            try:
-                dist.recv(target, src=source, group=self.group, tag=_DATA)
-            finally:
-                del target
+            dist.recv(target, src=source, group=self.group, tag=_DATA)
 
-        index = self.replica.receive(size, fill)
+        try:
+            index = self.replica.receive(size, fill)
+        except CheckpointError:  # no room for it: taken off the wire all the same, in step
+            dist.recv(torch.empty(size, dtype=torch.uint8), src=source, group=self.group, tag=_DATA)
+            raise
         self.replica.seal(index, step, size, crc, source, self.world)
 
 
@@ -188,45 +218,60 @@ class Replicator:
 def _inventory(
     manager: CheckpointManager, rep: Replicator
 ) -> tuple[list[int], dict[tuple[int, int], tuple[MemorySlot, _Copy]]]:
-    """This rank's report (a step no memory copy of which may be restored again, then
-    `_ENTRIES` of owner, step, tier) and the memory copies it can send."""
+    """This rank's report (see `_ENTRIES`) and the memory copies it can send."""
     banned = _NONE
     log = manager._restores
     if log is not None:
         step = log.last()
         if step is not None and log.attempts(step) >= _restores.LIMIT:
             banned = step
-    copies = {
-        (c.owner, c.step): (slot, c)
-        for slot in (rep.replica, rep.own)  # the own slot's, if both hold one
-        for c in slot.held()
-        if c.owner >= 0 and c.world == rep.world
-    }
-    entries = [(owner, step, _MEMORY) for owner, step in copies]
-    disk = manager._disk_step()
-    if disk is not None:
-        entries.append((rep.rank, disk, _DISK))
-    report = [banned]
+    other_world = 0
+    copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]] = {}
+    for slot in (rep.own, rep.replica):
+        for c in slot.held():  # newest first: a step saved twice is its newer copy
+            if c.owner < 0:
+                continue
+            if c.world != rep.world:
+                other_world = c.world
+                continue
+            copies.setdefault((c.owner, c.step), (slot, c))
+    entries = [(owner, step, _MEMORY) for owner, step in copies][:_MEMORY_ENTRIES]
+    entries += [(rep.rank, step, _DISK) for step in manager._disk_steps(_DISK_ENTRIES)]
+    other_world = other_world or _other_world(manager, rep.world)
+    report = [banned, other_world]
     for i in range(_ENTRIES):
         report.extend(entries[i] if i < len(entries) else (_NONE, _NONE, _NONE))
     return report, copies
+
+
+def _other_world(manager: CheckpointManager, world: int) -> int:
+    """A world size other than `world` that per-rank files of this manager's were saved in,
+    or 0."""
+    pattern = re.compile(rf"{re.escape(manager._family)}-rank\d+of(\d+)-\d{{12,}}\.pt")
+    with contextlib.suppress(OSError):
+        for path in manager.directory.iterdir():
+            m = pattern.fullmatch(path.name)
+            if m is not None and int(m.group(1)) != world:
+                return int(m.group(1))
+    return 0
 
 
 def _held(
     reports: list[list[int]], world: int
 ) -> tuple[dict[tuple[int, int], list[int]], set[tuple[int, int]]]:
     """Who holds what: (owner, step) to the ranks holding it in memory, and the (owner, step)
-    on the owner's disk. Memory copies of a step whose restores died `_restores.LIMIT` times
-    on any rank are left out."""
-    banned = {r[0] for r in reports if r[0] != _NONE}
+    on the owner's disk. A step whose restores from memory died `_restores.LIMIT` times on any
+    rank, and every older one, come from disk only (as without replicas: memory, then disk)."""
+    banned = max((r[0] for r in reports), default=_NONE)
     memory: dict[tuple[int, int], list[int]] = {}
     disk: set[tuple[int, int]] = set()
     for holder, report in enumerate(reports):
         for i in range(_ENTRIES):
-            owner, step, tier = report[1 + 3 * i : 4 + 3 * i]
+            at = _FIELDS + 3 * i
+            owner, step, tier = report[at : at + 3]
             if owner < 0 or owner >= world or step < 0:
                 continue
-            if tier == _MEMORY and step not in banned:
+            if tier == _MEMORY and step > banned:
                 memory.setdefault((owner, step), []).append(holder)
             elif tier == _DISK and owner == holder:
                 disk.add((owner, step))
@@ -235,25 +280,35 @@ def _held(
 
 def choose(reports: list[list[int]], world: int) -> tuple[int, list[tuple[int, int]]] | None:
     """From every rank's report: the newest step held for every rank, and for each rank who
-    gives it its state (the rank itself if it can, else the lowest rank holding it in memory)
-    and from which tier; None if no rank holds anything. A CheckpointError if no one step is
-    held for every rank."""
+    gives it its state and from which tier: the rank itself from memory, else its own disk,
+    else the lowest rank holding it in memory. None if no rank holds anything; a
+    CheckpointError if no one step is held for every rank, or if only another world's
+    per-rank states are."""
     memory, disk = _held(reports, world)
+    others = sorted({r[1] for r in reports if r[1] > 0})
     steps = {step for _, step in memory} | {step for _, step in disk}
-    if not steps:
+    if not steps and not others:
         return None
     for step in sorted(steps, reverse=True):
         plan = []
         for owner in range(world):
             holders = sorted(memory.get((owner, step), []))
-            if owner in holders or (holders and (owner, step) not in disk):
-                plan.append((owner if owner in holders else holders[0], _MEMORY))
+            if owner in holders:
+                plan.append((owner, _MEMORY))
             elif (owner, step) in disk:
                 plan.append((owner, _DISK))
+            elif holders:
+                plan.append((holders[0], _MEMORY))
             else:
                 break
         else:
             return step, plan
+    if not steps:
+        raise CheckpointError(
+            f"the checkpoints here are per-rank states of a world of {others} rank(s), and "
+            f"this world has {world}: a shard of one world is not one of another. Reshard "
+            "them, or move them away to start afresh"
+        )
     newest = {
         o: max([s for (w, s) in memory if w == o] + [s for (w, s) in disk if w == o], default=None)
         for o in range(world)
@@ -269,7 +324,7 @@ def restore(
     manager: CheckpointManager, map_location: Any, weights_only: bool
 ) -> tuple[Any, int] | None:
     """(this rank's state, step) at the newest step held for every rank; None if there is
-    none. Every rank must call it."""
+    none. Every rank must call it. A rank that fails makes every rank fail."""
     import torch.distributed as dist
 
     rep = manager._replicator
@@ -278,16 +333,56 @@ def restore(
     mine, copies = _inventory(manager, rep)
     reports = [torch.empty(len(mine), dtype=torch.int64) for _ in range(rep.world)]
     dist.all_gather(reports, torch.tensor(mine, dtype=torch.int64), group=rep.group)
-    chosen = choose([r.tolist() for r in reports], rep.world)
+    chosen = choose([r.tolist() for r in reports], rep.world)  # the same on every rank
     if chosen is None:
         return None
     step, plan = chosen
+    problem: BaseException | None = None
+    state: Any = None
+    try:
+        raw, holder = _take(rep, copies, step, plan, manager.path(step))
+        if plan[rep.rank][1] == _DISK:
+            state = manager._disk_state(step, map_location, weights_only)
+        else:
+            manager.restored_from_memory(step)
+            where = f"checkpoint step {step} of rank {rep.rank} (from rank {holder}'s memory)"
+            state = _payload.decode(raw, where, map_location, weights_only)
+        if copies.get((rep.rank, step), (None,))[0] is not rep.own:
+            rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
+    except Exception as e:
+        problem = e
+    failed = [torch.zeros(1, dtype=torch.int64) for _ in range(rep.world)]
+    dist.all_gather(failed, torch.tensor([1 if problem else 0]), group=rep.group)
+    if problem is not None:
+        raise problem
+    who = [r for r, f in enumerate(failed) if int(f.item())]
+    if who:
+        raise CheckpointError(
+            f"rank(s) {who} could not restore checkpoint step {step} (their errors say why); "
+            "no rank resumes without the others"
+        )
+    own = next((c for c in rep.own.held() if (c.owner, c.step) == (rep.rank, step)), None)
+    rep.send(own is not None, own)  # the peer node holds this step again before training
+    return state, step
+
+
+def _take(
+    rep: Replicator,
+    copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]],
+    step: int,
+    plan: list[tuple[int, int]],
+    file: Path,
+) -> tuple[Any, int]:
+    """This rank's part of a restore: send the copies it gives, and get its own (from its
+    memory, a peer's, or its disk's `file`); (its bytes, the rank that gave them)."""
+    import torch.distributed as dist
+
     me = rep.rank
     views: list[memoryview] = []
     sends: list[Any] = []
     try:
-        for owner, (holder, _) in enumerate(plan):
-            if holder != me or owner == me:
+        for owner, (holder, tier) in enumerate(plan):
+            if holder != me or owner == me or tier != _MEMORY:
                 continue
             slot, c = copies[owner, step]
             views.append(slot.view(c))
@@ -299,7 +394,7 @@ def restore(
         holder, tier = plan[me]
         raw: Any
         if tier == _DISK:
-            raw = None
+            raw = file.read_bytes()  # verified by _disk_steps; loaded from the file, checked
         elif holder == me:
             slot, c = copies[me, step]
             raw = slot.read_copy(c)
@@ -312,16 +407,13 @@ def restore(
             raw = _receive(rep, holder, step)
         for request in sends:
             request.wait()
-    finally:
+    except BaseException:
         for view in views:
-            view.release()
-    if raw is None:
-        return manager._disk_state(step, map_location, weights_only), step
-    manager.restored_from_memory(step)
-    if copies.get((me, step), (None,))[0] is not rep.own:
-        rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
-    where = f"checkpoint step {step} of rank {me} (from rank {holder}'s memory)"
-    return _payload.decode(raw, where, map_location, weights_only), step
+            rep.own.pin(view)  # a send may still read it
+        raise
+    for view in views:
+        view.release()
+    return raw, holder
 
 
 def _receive(rep: Replicator, holder: int, step: int) -> bytearray:
@@ -331,9 +423,7 @@ def _receive(rep: Replicator, holder: int, step: int) -> bytearray:
     dist.recv(head, src=holder, group=rep.group, tag=_HEAD)
     size, crc = (int(v) for v in head)
     data = bytearray(size)
-    target = torch.frombuffer(data, dtype=torch.uint8)
-    dist.recv(target, src=holder, group=rep.group, tag=_DATA)
-    del target
+    dist.recv(torch.frombuffer(data, dtype=torch.uint8), src=holder, group=rep.group, tag=_DATA)
     received = _payload.checksum(memoryview(data))
     if received != crc:
         raise CheckpointError(

@@ -123,10 +123,10 @@ class CheckpointManager:
     ``overlap=False`` if training does that).
 
     With `replicas` 1, the state is this rank's own (a ZeRO or FSDP shard, per-rank RNG): the
-    files are named by rank (``<prefix>-rank<R>-<step>.pt``; every rank passes the same
-    directory and prefix), and each memory copy is also sent to the rank of the same local
-    rank on the next node, so that the loss of one node loses no rank's step. Every rank must
-    then save the same steps, and resume with `restore_latest`."""
+    files are named by rank and world size (``<prefix>-rank<R>of<W>-<step>.pt``; every rank
+    passes the same directory and prefix), and each memory copy is also sent to the rank of
+    the same local rank on the next node, so that the loss of one node loses no rank's step.
+    Every rank must then save the same steps, and resume with `restore_latest`."""
 
     def __init__(
         self,
@@ -151,7 +151,7 @@ class CheckpointManager:
             raise ValueError(f"persist_every={persist_every!r}: give a number of steps >= 1")
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
             raise ValueError(f"prefix={prefix!r}: use letters, digits, '.', '_' and '-'")
-        if replicas not in (0, 1) or isinstance(replicas, bool):
+        if type(replicas) is not int or replicas not in (0, 1):
             raise ValueError(f"replicas={replicas!r}: give 0, or 1 (a copy on the next node)")
         if replicas and not memory:
             raise ValueError("replicas=1 replicates the memory tier: pass memory=True as well")
@@ -163,7 +163,9 @@ class CheckpointManager:
         rank, world = _memory.SHARED, 0
         if replicas:  # files by rank: after a node's loss a rank may run on another node
             rank, world = _replica.rank_and_world()
-        self.prefix = f"{prefix}-rank{rank}" if replicas else prefix
+        # With replicas, files by rank and world: a shard of one world is never another's.
+        self.prefix = f"{prefix}-rank{rank}of{world}" if replicas else prefix
+        self._family = prefix
         self.finish_timeout = float(finish_timeout)
         self._pattern = re.compile(rf"{re.escape(self.prefix)}-(\d{{12,}})\.pt(\.meta\.json)?")
         try:
@@ -270,7 +272,12 @@ class CheckpointManager:
             self._slot.check_room(plan.size)  # a limit is refused here, not at the next save
             self._copy = _overlap.Copy(self._slot, plan, step, rep.send if rep else None)
         else:
-            kept = self._slot.put_plan(plan, step)
+            try:
+                kept = self._slot.put_plan(plan, step)
+            except BaseException:
+                if rep is not None:
+                    rep.send(False)  # the peer waits for word of this save
+                raise
             if rep is not None:
                 rep.send(kept)
 
@@ -416,6 +423,8 @@ class CheckpointManager:
         finally:
             if self._slot is not None:
                 self._slot.close()
+            if self._replicator is not None:
+                self._replicator.replica.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -460,12 +469,16 @@ class CheckpointManager:
                 return step
         return in_memory
 
-    def _disk_step(self) -> int | None:
-        """The newest step on disk that verifies (the memory tier aside)."""
+    def _disk_steps(self, most: int) -> list[int]:
+        """The newest steps on disk that verify (at most `most`, newest first; the memory
+        tier aside)."""
+        found: list[int] = []
         for step in reversed(self.steps()):
+            if len(found) == most:
+                break
             if verify(self.path(step)) is None:
-                return step
-        return None
+                found.append(step)
+        return found
 
     def _disk_state(self, step: int, map_location: Any, weights_only: bool) -> Any:
         """Checkpoint `step` from disk, verified."""
