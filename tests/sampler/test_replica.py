@@ -283,3 +283,41 @@ def test_a_lost_node_costs_no_rank_its_newest_step_and_the_whole_job_the_disks(t
     shutil.rmtree(tmp_path / "nodec")
     outs = run_job(tmp_path, "resume", ["d", "d", "e", "e"])
     assert all(f"RESUMED {r} 5 True" in outs[r] for r in range(4)), outs
+
+
+# ---- failures keep the ring in step, and say so ------------------------------------------------
+
+
+def test_a_failed_exchange_names_both_peers_and_no_later_one_is_tried(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from elastic_sampler._replica import Replicator
+
+    own = MemorySlot(tmp_path / "own", "run", owner=0, world=2)
+    own.put({"w": torch.ones(3)}, 4)
+    rep = Replicator(own, MemorySlot(tmp_path / "replica", "run"), 0, 2)
+    rep.ring = Ring(0, partner=1, source=1)
+
+    class Sent:
+        def wait(self) -> None:
+            pass
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(dist, "isend", lambda *a, **k: Sent())
+    monkeypatch.setattr(dist, "recv", peer_gone)
+    with pytest.raises(CheckpointError, match=r"with rank 1 \(ours\) and rank 1 \(theirs\) failed"):
+        rep.send(True)
+    with pytest.raises(CheckpointError, match=r"an earlier exchange failed \(Connection closed"):
+        rep.send(True)
+
+
+def test_a_copy_that_failed_still_tells_the_peer(tmp_path):
+    from elastic_sampler._overlap import Copy
+
+    said = []
+    slot = MemorySlot(tmp_path / "slot", "run", limit=1)  # no room for anything
+    copy = Copy(slot, _payload.plan({"w": torch.ones(1 << 20)}), 1, said.append)
+    assert copy.join(30)
+    assert said == [False], "the peer hears that nothing new comes"
+    assert isinstance(copy.error, CheckpointError)
