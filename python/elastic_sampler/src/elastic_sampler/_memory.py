@@ -200,17 +200,14 @@ class MemorySlot:
         return [c for c in self._copies(anyone=True) if self._intact(c)]
 
     def view(self, c: _Copy) -> memoryview:
-        """The bytes of the copy `c` (from `held`), in place: release the view before the
-        slot's next save."""
-        return self._bytes(c)
-
-    def _bytes(self, c: _Copy) -> memoryview:
+        """The bytes of the copy `c`, in place: release the view before the slot's next
+        save."""
         assert self._map is not None
         start = HEADER + c.index * self._capacity
         return memoryview(self._map)[start : start + c.size]
 
     def _intact(self, c: _Copy) -> bool:
-        with self._bytes(c) as view:
+        with self.view(c) as view:
             return c.run == self.run and _payload.checksum(view) == c.crc
 
     def newest(self) -> tuple[int, _Copy] | None:
@@ -275,7 +272,7 @@ class MemorySlot:
             crc = plan.write(view)
         if plan.changed():
             return False
-        self._seal(index, step, plan.size, crc, self.owner, self.world)
+        self.seal(index, step, plan.size, crc, self.owner, self.world)
         return True
 
     def put_bytes(self, data: Any, step: int) -> None:
@@ -286,7 +283,7 @@ class MemorySlot:
         with self._region(index, view.nbytes) as region:
             region[:] = view
             crc = _payload.checksum(region)
-        self._seal(index, step, view.nbytes, crc, self.owner, self.world)
+        self.seal(index, step, view.nbytes, crc, self.owner, self.world)
 
     def receive(self, size: int, fill: Any) -> int:
         """Let `fill(region)` write a copy of `size` bytes straight into the slot (a peer's,
@@ -306,12 +303,6 @@ class MemorySlot:
         """Keep the map under `view` as long as this process lives (a transfer that failed
         may still use it)."""
         self._pinned.append(view)
-
-    def seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
-        """Make the copy `receive` wrote the newest, as `owner`'s step `step`, with the
-        checksum its sender took: every reader checks it, so a copy damaged on its way is
-        never returned."""
-        self._seal(index, step, size, crc, owner, world)
 
     def check_room(self, size: int) -> int:
         """The buffer size a copy of `size` bytes needs (the present one if it fits), or a
@@ -353,7 +344,10 @@ class MemorySlot:
         start = HEADER + index * self._capacity
         return memoryview(self._map)[start : start + size]
 
-    def _seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
+    def seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
+        """Make the copy written into buffer `index` the newest, as `owner`'s step `step`
+        with checksum `crc` (for a copy `receive` wrote, its sender's: every reader checks it,
+        so a copy damaged on its way is never returned)."""
         assert self._map is not None
         copies = self._copies(anyone=True)
         seq = (copies[0].seq if copies else 0) + 1

@@ -21,7 +21,6 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -157,9 +156,9 @@ class Replicator:
                 f"failed ({self._broken}); the worker must be restarted"
             )
         latest = copy if copy is not None else self.own.last() if kept else None
-        view: memoryview | None = None
+        view = None if latest is None else self.own.view(latest)
         try:
-            view = self._exchange(ring, latest)
+            self._exchange(ring, latest, view)
         except Exception as e:
             self._broken = str(e)
             if view is not None:
@@ -172,22 +171,14 @@ class Replicator:
         if view is not None:
             view.release()
 
-    def _exchange(self, ring: Ring, latest: _Copy | None) -> memoryview | None:
-        """The copies' headers, then their bytes; the view of ours, for the caller to
-        release once nothing can read it."""
+    def _exchange(self, ring: Ring, latest: _Copy | None, view: memoryview | None) -> None:
+        """The copies' headers, then their bytes (ours: `latest`, whose bytes are `view`)."""
         import torch.distributed as dist
 
         head = [_NONE, _NONE, 0] if latest is None else [latest.step, latest.size, latest.crc]
-        out = torch.tensor(head, dtype=torch.int64)
-        sends: list[Any] = [dist.isend(out, dst=ring.partner, group=self.group, tag=_HEAD)]
+        sends = _post(self.group, ring.partner, head, view)
         got = torch.empty(3, dtype=torch.int64)
         dist.recv(got, src=ring.source, group=self.group, tag=_HEAD)
-        view = None
-        if latest is not None:
-            view = self.own.view(latest)
-            data = torch.frombuffer(view, dtype=torch.uint8)
-            sends.append(dist.isend(data, dst=ring.partner, group=self.group, tag=_DATA))
-            del data
         step, size, crc = (int(v) for v in got)
         try:
             if size > 0:
@@ -195,7 +186,6 @@ class Replicator:
         finally:
             for request in sends:
                 request.wait()
-        return view
 
     def _keep(self, source: int, step: int, size: int, crc: int) -> None:
         import torch.distributed as dist
@@ -210,6 +200,18 @@ class Replicator:
             dist.recv(torch.empty(size, dtype=torch.uint8), src=source, group=self.group, tag=_DATA)
             raise
         self.replica.seal(index, step, size, crc, source, self.world)
+
+
+def _post(group: Any, dst: int, head: list[int], view: memoryview | None) -> list[Any]:
+    """Send a copy's header and, if `view`, its bytes to rank `dst`, without waiting: the
+    requests to wait for (before `view` is released)."""
+    import torch.distributed as dist
+
+    sends = [dist.isend(torch.tensor(head, dtype=torch.int64), dst=dst, group=group, tag=_HEAD)]
+    if view is not None:
+        data = torch.frombuffer(view, dtype=torch.uint8)
+        sends.append(dist.isend(data, dst=dst, group=group, tag=_DATA))
+    return sends
 
 
 # ---- the way back ---------------------------------------------------------------------------
@@ -339,16 +341,18 @@ def restore(
     step, plan = chosen
     problem: BaseException | None = None
     state: Any = None
+    mine_here = copies.get((rep.rank, step), (None, None))
     try:
-        raw, holder = _take(rep, copies, step, plan, manager.path(step))
-        if plan[rep.rank][1] == _DISK:
+        raw, holder = _take(rep, copies, step, plan)
+        if raw is None:  # from this rank's disk, verified as it is loaded
             state = manager._disk_state(step, map_location, weights_only)
+            rep.own.put(state, step)  # this node's own copy, for the next failure
         else:
             manager.restored_from_memory(step)
             where = f"checkpoint step {step} of rank {rep.rank} (from rank {holder}'s memory)"
             state = _payload.decode(raw, where, map_location, weights_only)
-        if copies.get((rep.rank, step), (None,))[0] is not rep.own:
-            rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
+            if mine_here[0] is not rep.own:
+                rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
     except Exception as e:
         problem = e
     failed = [torch.zeros(1, dtype=torch.int64) for _ in range(rep.world)]
@@ -361,8 +365,10 @@ def restore(
             f"rank(s) {who} could not restore checkpoint step {step} (their errors say why); "
             "no rank resumes without the others"
         )
-    own = next((c for c in rep.own.held() if (c.owner, c.step) == (rep.rank, step)), None)
-    rep.send(own is not None, own)  # the peer node holds this step again before training
+    # The peer node holds this step again before training: the copy this rank had, or the
+    # one it just put in its slot (its newest).
+    own = mine_here[1] if mine_here[0] is rep.own else rep.own.last()
+    rep.send(own is not None, own)
     return state, step
 
 
@@ -371,12 +377,10 @@ def _take(
     copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]],
     step: int,
     plan: list[tuple[int, int]],
-    file: Path,
-) -> tuple[Any, int]:
-    """This rank's part of a restore: send the copies it gives, and get its own (from its
-    memory, a peer's, or its disk's `file`); (its bytes, the rank that gave them)."""
-    import torch.distributed as dist
-
+) -> tuple[bytearray | None, int]:
+    """This rank's part of a restore: send the copies it gives, and get its own from its
+    memory or a peer's; (its bytes, or None when its disk gives it; the rank that gave
+    them)."""
     me = rep.rank
     views: list[memoryview] = []
     sends: list[Any] = []
@@ -386,15 +390,11 @@ def _take(
                 continue
             slot, c = copies[owner, step]
             views.append(slot.view(c))
-            head = torch.tensor([c.size, c.crc], dtype=torch.int64)
-            sends.append(dist.isend(head, dst=owner, group=rep.group, tag=_HEAD))
-            data = torch.frombuffer(views[-1], dtype=torch.uint8)
-            sends.append(dist.isend(data, dst=owner, group=rep.group, tag=_DATA))
-            del data
+            sends += _post(rep.group, owner, [c.size, c.crc], views[-1])
         holder, tier = plan[me]
-        raw: Any
+        raw: bytearray | None = None
         if tier == _DISK:
-            raw = file.read_bytes()  # verified by _disk_steps; loaded from the file, checked
+            pass  # read by the caller, verified as it is loaded
         elif holder == me:
             slot, c = copies[me, step]
             raw = slot.read_copy(c)

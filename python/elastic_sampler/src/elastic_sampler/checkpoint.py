@@ -160,10 +160,9 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.replicas = replicas
-        rank, world = _memory.SHARED, 0
-        if replicas:  # files by rank: after a node's loss a rank may run on another node
-            rank, world = _replica.rank_and_world()
-        # With replicas, files by rank and world: a shard of one world is never another's.
+        rank, world = _replica.rank_and_world() if replicas else (_memory.SHARED, 0)
+        # With replicas, files by rank (after a node's loss a rank may run on another node)
+        # and world (a shard of one world is never another's).
         self.prefix = f"{prefix}-rank{rank}of{world}" if replicas else prefix
         self._family = prefix
         self.finish_timeout = float(finish_timeout)
