@@ -82,22 +82,22 @@ def test_background_saves_reuse_the_previous_copy(tmp_path, reuse):
     weights, bias = torch.zeros(1000), torch.zeros(3)
     m.save({"model": {"w": weights, "b": bias}, "step": 1, "extra": [bias]}, 1, background=True)
     m.wait()
-    first = m._staging["model"]["w"] if reuse else None
+    first = m.disk_tier._staging["model"]["w"] if reuse else None
     weights.add_(1)
     # `b` changes shape: a new buffer for it, the old one for `w`.
     m.save({"model": {"w": weights, "b": torch.ones(4)}, "step": 2, "extra": []}, 2, True)
     weights.add_(1)  # training goes on while the copy is written
     m.wait()
     if reuse:
-        assert m._staging["model"]["w"] is first, "the buffer of the last copy was reused"
+        assert m.disk_tier._staging["model"]["w"] is first, "the buffer of the last copy was reused"
     else:
-        assert m._staging is None
+        assert m.disk_tier._staging is None
     one, two = load_checkpoint(m.path(1)), load_checkpoint(m.path(2))
     assert torch.equal(one["model"]["w"], torch.zeros(1000)), "a written copy never changes"
     assert torch.equal(two["model"]["w"], torch.ones(1000)) and two["step"] == 2
     assert torch.equal(two["model"]["b"], torch.ones(4)) and two["extra"] == []
     m.close()
-    assert m._staging is None, "close frees the buffers"
+    assert m.disk_tier._staging is None, "close frees the buffers"
 
 
 def test_background_errors_surface_on_the_next_call(tmp_path):
@@ -369,12 +369,12 @@ def test_a_user_sigterm_handler_is_left_alone(tmp_path):
 def test_a_checkpoint_pruned_while_it_is_read_sends_the_search_back_to_the_newest(
     tmp_path, monkeypatch
 ):
-    import elastic_sampler.checkpoint as checkpoint
+    import elastic_sampler._disk as disk
 
     m = CheckpointManager(tmp_path, keep_last=1)
     m.save(model_state(1), 1)
     other = CheckpointManager(tmp_path, keep_last=1)
-    real = checkpoint.read_verified
+    real = disk.read_verified
     calls = []
 
     def pruned_meanwhile(path, *args):
@@ -383,7 +383,7 @@ def test_a_checkpoint_pruned_while_it_is_read_sends_the_search_back_to_the_newes
             other.save(model_state(2), 2)
         return real(path, *args)
 
-    monkeypatch.setattr(checkpoint, "read_verified", pruned_meanwhile)
+    monkeypatch.setattr(disk, "read_verified", pruned_meanwhile)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no warning about it
         state, step = m.load_latest()

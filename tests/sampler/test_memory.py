@@ -241,7 +241,7 @@ def test_a_memory_copy_that_fails_to_load_falls_back_to_the_disk(tmp_path, under
 
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
     m.save(state(2), 2, persist=True)
-    m._slot.put_bytes(b"not a torch file", 5)  # sealed and checksummed, but not loadable
+    m.memory_tier.slot.put_bytes(b"not a torch file", 5)  # sealed and checksummed, but not loadable
     with pytest.warns(UserWarning, match="skipping the memory checkpoint"):
         loaded, step = CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()
     assert step == 2 and same(loaded, state(2))
@@ -315,9 +315,11 @@ def test_save_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     slow_copies(monkeypatch, 0.5)
     m.save({"model": model.state_dict()}, 1)
-    assert m._copy is not None and not m._copy.join(0), "save() returned with the copy running"
+    assert m.memory_tier._copy is not None and not m.memory_tier._copy.join(0), (
+        "save() returned with the copy running"
+    )
     optimizer.step()  # changes the weights, but only once the copy is over
-    assert m._copy.join(0)
+    assert m.memory_tier._copy.join(0)
     assert not torch.equal(model.weight, before["weight"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a void copy would warn
@@ -343,7 +345,7 @@ def test_a_tensor_changed_during_the_copy_voids_it_and_later_copies_finish_in_sa
         m.wait()
     assert m.overlap is False and m.latest_step() == 1
     m.save({"w": w}, 3)
-    assert m._copy is None, "copied inside save() from now on"
+    assert m.memory_tier._copy is None, "copied inside save() from now on"
     loaded, step = m.load_latest()
     assert step == 3 and bool((loaded["w"] == 1).all())
 
@@ -382,7 +384,7 @@ def test_a_small_state_is_copied_inside_save(tmp_path, under_elasticrun):
 
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
     m.save(state(1), 1)
-    assert m._copy is None and m.latest_step() == 1
+    assert m.memory_tier._copy is None and m.latest_step() == 1
 
 
 # ---- crash loops -----------------------------------------------------------------------------

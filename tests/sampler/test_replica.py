@@ -181,20 +181,20 @@ def test_a_rank_reports_each_copy_once_the_newest_and_other_worlds(tmp_path, ran
     from elastic_sampler._replica import _inventory
 
     m = CheckpointManager(tmp_path / "ckpt", memory=True, replicas=1)
-    rep = m._replicator
-    assert rep is not None
+    assert m.replica_tier is not None
+    rep = m.replica_tier.replicator
     rep.own.put({"w": torch.zeros(3)}, 5)
     rep.own.put({"w": torch.ones(3)}, 5)  # saved again after a rollback: the newer counts
     rep.replica.owner, rep.replica.world = 1, 4
     rep.replica.put({"w": torch.zeros(2)}, 5)
-    report_, copies = _inventory(m, rep)
+    report_, copies = _inventory(m.replica_tier)
     assert report_[:2] == [N, 0]
     assert sorted(copies) == [(1, 5), (3, 5)]
     slot, c = copies[3, 5]
     assert slot is rep.own
     assert torch.equal(_payload.decode(slot.read_copy(c), "t")["w"], torch.ones(3))
     (tmp_path / "ckpt" / "checkpoint-rank1of8-000000000005.pt").write_bytes(b"x")
-    assert _inventory(m, rep)[0][1] == 8, "another world's files are reported"
+    assert _inventory(m.replica_tier)[0][1] == 8, "another world's files are reported"
 
 
 def test_replicas_without_the_launchers_variables_are_a_clear_error(

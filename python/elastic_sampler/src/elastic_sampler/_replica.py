@@ -21,16 +21,15 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from elastic_sampler import _payload, _restores
+from elastic_sampler import _payload
+from elastic_sampler._disk import DiskTier
 from elastic_sampler._memory import MemorySlot, _Copy
+from elastic_sampler._memory_tier import MemoryTier
 from elastic_sampler.api import CheckpointError
-
-if TYPE_CHECKING:
-    from elastic_sampler.checkpoint import CheckpointManager
 
 #: How long an exchange waits for a peer (a dead peer's node is restarted by the launcher well
 #: before this).
@@ -214,19 +213,80 @@ def _post(group: Any, dst: int, head: list[int], view: memoryview | None) -> lis
     return sends
 
 
+class ReplicaTier:
+    """A peer node's memory: this rank's memory tier (`memory`), whose every copy is also sent
+    around the ring, and the replica slot (`replica`) that holds the previous node's copies.
+    `disk` and `family` (the manager's prefix, before the rank and world) serve the way back:
+    the steps each rank holds on disk, and files of another world size. `world`: this rank
+    and the world's size."""
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        replica: MemorySlot,
+        disk: DiskTier,
+        world: tuple[int, int],
+        family: str,
+    ) -> None:
+        self.memory, self.disk, self.family = memory, disk, family
+        rank, size = world
+        self.replicator = Replicator(memory.slot, replica, rank, size)
+
+    def save(self, state: Any, step: int) -> None:
+        """Save `state` to the memory tier; the copy then goes to the peer (on the copy
+        thread when it overlaps the next step). Every rank must save the same steps."""
+        self.replicator.ready()
+        self.memory.save(state, step, self.replicator.send)
+
+    def steps(self) -> list[int]:
+        """The steps of this rank's state held in this node's slots (own and replica), oldest
+        first."""
+        rep = self.replicator
+        held = {c.step for slot in (rep.own, rep.replica) for c in slot.held() if self._mine(c)}
+        return sorted(held)
+
+    def load(self, step: int, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+        """This rank's state at `step`, from this node's slots."""
+        rep = self.replicator
+        for slot in (rep.own, rep.replica):
+            for c in slot.held():
+                data = slot.read_copy(c) if self._mine(c) and c.step == step else None
+                if data is not None:
+                    where = f"checkpoint step {step} of rank {rep.rank} ('{slot.path}')"
+                    return _payload.decode(data, where, map_location, weights_only)
+        raise CheckpointError(f"checkpoint step {step} of rank {rep.rank} is not held here")
+
+    def _mine(self, c: _Copy) -> bool:
+        return c.owner == self.replicator.rank and c.world == self.replicator.world
+
+    def restore(self, map_location: Any, weights_only: bool) -> tuple[Any, int] | None:
+        """The ranks agree on a step and each gets its own state: see `restore`."""
+        return restore(self, map_location, weights_only)
+
+    def other_world(self) -> int:
+        """A world size other than this one that per-rank files of the family were saved in,
+        or 0."""
+        pattern = re.compile(rf"{re.escape(self.family)}-rank\d+of(\d+)-\d{{12,}}\.pt")
+        with contextlib.suppress(OSError):
+            for path in self.disk.directory.iterdir():
+                m = pattern.fullmatch(path.name)
+                if m is not None and int(m.group(1)) != self.replicator.world:
+                    return int(m.group(1))
+        return 0
+
+    def close(self) -> None:
+        self.replicator.replica.close()
+
+
 # ---- the way back ---------------------------------------------------------------------------
 
 
 def _inventory(
-    manager: CheckpointManager, rep: Replicator
+    tier: ReplicaTier,
 ) -> tuple[list[int], dict[tuple[int, int], tuple[MemorySlot, _Copy]]]:
     """This rank's report (see `_ENTRIES`) and the memory copies it can send."""
-    banned = _NONE
-    log = manager._restores
-    if log is not None:
-        step = log.last()
-        if step is not None and log.attempts(step) >= _restores.LIMIT:
-            banned = step
+    rep = tier.replicator
+    banned = tier.memory.banned()
     other_world = 0
     copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]] = {}
     for slot in (rep.own, rep.replica):
@@ -238,24 +298,12 @@ def _inventory(
                 continue
             copies.setdefault((c.owner, c.step), (slot, c))
     entries = [(owner, step, _MEMORY) for owner, step in copies][:_MEMORY_ENTRIES]
-    entries += [(rep.rank, step, _DISK) for step in manager._disk_steps(_DISK_ENTRIES)]
-    other_world = other_world or _other_world(manager, rep.world)
-    report = [banned, other_world]
+    entries += [(rep.rank, step, _DISK) for step in tier.disk.verified(_DISK_ENTRIES)]
+    other_world = other_world or tier.other_world()
+    report = [_NONE if banned is None else banned, other_world]
     for i in range(_ENTRIES):
         report.extend(entries[i] if i < len(entries) else (_NONE, _NONE, _NONE))
     return report, copies
-
-
-def _other_world(manager: CheckpointManager, world: int) -> int:
-    """A world size other than `world` that per-rank files of this manager's were saved in,
-    or 0."""
-    pattern = re.compile(rf"{re.escape(manager._family)}-rank\d+of(\d+)-\d{{12,}}\.pt")
-    with contextlib.suppress(OSError):
-        for path in manager.directory.iterdir():
-            m = pattern.fullmatch(path.name)
-            if m is not None and int(m.group(1)) != world:
-                return int(m.group(1))
-    return 0
 
 
 def _held(
@@ -322,17 +370,14 @@ def choose(reports: list[list[int]], world: int) -> tuple[int, list[tuple[int, i
     )
 
 
-def restore(
-    manager: CheckpointManager, map_location: Any, weights_only: bool
-) -> tuple[Any, int] | None:
+def restore(tier: ReplicaTier, map_location: Any, weights_only: bool) -> tuple[Any, int] | None:
     """(this rank's state, step) at the newest step held for every rank; None if there is
     none. Every rank must call it. A rank that fails makes every rank fail."""
     import torch.distributed as dist
 
-    rep = manager._replicator
-    assert rep is not None
+    rep = tier.replicator
     rep.ready()
-    mine, copies = _inventory(manager, rep)
+    mine, copies = _inventory(tier)
     reports = [torch.empty(len(mine), dtype=torch.int64) for _ in range(rep.world)]
     dist.all_gather(reports, torch.tensor(mine, dtype=torch.int64), group=rep.group)
     chosen = choose([r.tolist() for r in reports], rep.world)  # the same on every rank
@@ -343,16 +388,7 @@ def restore(
     state: Any = None
     mine_here = copies.get((rep.rank, step), (None, None))
     try:
-        raw, holder = _take(rep, copies, step, plan)
-        if raw is None:  # from this rank's disk, verified as it is loaded
-            state = manager._disk_state(step, map_location, weights_only)
-            rep.own.put(state, step)  # this node's own copy, for the next failure
-        else:
-            manager.restored_from_memory(step)
-            where = f"checkpoint step {step} of rank {rep.rank} (from rank {holder}'s memory)"
-            state = _payload.decode(raw, where, map_location, weights_only)
-            if mine_here[0] is not rep.own:
-                rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
+        state = _restore_mine(tier, copies, step, plan, (map_location, weights_only))
     except Exception as e:
         problem = e
     failed = [torch.zeros(1, dtype=torch.int64) for _ in range(rep.world)]
@@ -370,6 +406,31 @@ def restore(
     own = mine_here[1] if mine_here[0] is rep.own else rep.own.last()
     rep.send(own is not None, own)
     return state, step
+
+
+def _restore_mine(
+    tier: ReplicaTier,
+    copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]],
+    step: int,
+    plan: list[tuple[int, int]],
+    load: tuple[Any, bool],
+) -> Any:
+    """This rank's state at `step` (`load`: map_location, weights_only), from its memory, its
+    disk or a peer's memory, kept in its own slot for the next failure; the copies it gives
+    are sent meanwhile."""
+    rep = tier.replicator
+    map_location, weights_only = load
+    raw, holder = _take(rep, copies, step, plan)
+    if raw is None:  # from this rank's disk, verified as it is loaded
+        state = tier.disk.load(step, map_location, weights_only)
+        rep.own.put(state, step)  # this node's own copy, for the next failure
+        return state
+    tier.memory.restored(step)
+    where = f"checkpoint step {step} of rank {rep.rank} (from rank {holder}'s memory)"
+    state = _payload.decode(raw, where, map_location, weights_only)
+    if copies.get((rep.rank, step), (None,))[0] is not rep.own:
+        rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
+    return state
 
 
 def _take(

@@ -1,6 +1,25 @@
-"""Errors of elastic_sampler."""
+"""The interface of a checkpoint tier, and the errors of elastic_sampler."""
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CheckpointTier(Protocol):
+    """Where checkpoints live: the disk, the node's memory, a peer node's memory. A tier knows
+    where bytes are; `CheckpointManager`, which composes the tiers, knows which step goes
+    where and which one to load (as torch.distributed.checkpoint's storage layer and its
+    planner)."""
+
+    def save(self, state: Any, step: int) -> Any:
+        """Keep `state` as step `step`."""
+
+    def steps(self) -> list[int]:
+        """The steps held, oldest first."""
+
+    def load(self, step: int, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+        """Step `step`, checked; an error (a CheckpointError) if it is not held intact."""
 
 
 class ElasticSamplerError(Exception):
