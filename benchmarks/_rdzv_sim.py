@@ -369,9 +369,9 @@ def _count_store_ops() -> None:
 def _count_gap_reads() -> None:
     # etcd v3: the two reads that fill the gap between a watch's revision and the server's.
     try:
-        from elastic_launch.rendezvous.etcd_v3 import _EtcdWatch
+        from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch
 
-        gap_read = _EtcdWatch._read
+        gap_read = EtcdWatch._read
 
         def counted_gap(self: Any, key: bytes, revision: int) -> Any:
             kvs = gap_read(self, key, revision)
@@ -380,7 +380,7 @@ def _count_gap_reads() -> None:
             count(f"gap.range({name}).keys", len(kvs))
             return kvs
 
-        _EtcdWatch._read = counted_gap  # type: ignore[method-assign]
+        EtcdWatch._read = counted_gap  # type: ignore[method-assign]
     except ImportError:
         pass
 

@@ -217,12 +217,26 @@ class Sim:
             self.proc.stdin.flush()
 
 
+@dataclass(frozen=True)
+class Scale:
+    """One measurement: `backend` with `n` agents simulated by `procs` processes (their logs in
+    `log_dir`), the rendezvous settings `conf`; `channels` "shared" (one gRPC channel per
+    simulator process) or "own" (one per agent, as deployed)."""
+
+    backend: str
+    n: int
+    procs: int
+    log_dir: Path
+    conf: str = ""
+    channels: str = "shared"
+
+
 class Run:
     """One backend at one N: its store, its processes, and the events they report."""
 
-    def __init__(
-        self, backend: str, n: int, procs: int, log_dir: Path, conf: str, channels: str = "shared"
-    ) -> None:
+    def __init__(self, scale: Scale) -> None:
+        backend, n, procs, log_dir = scale.backend, scale.n, scale.procs, scale.log_dir
+        conf, channels = scale.conf or CONF, scale.channels
         self.backend, self.n, self.conf, self.channels = backend, n, conf, channels
         self.etcd: Etcd | None = None
         self.sims: list[Sim] = []
@@ -424,20 +438,11 @@ class Window:
 IDLE_WINDOW = 5.0  # seconds of keep-alives alone, after the round, to price them
 
 
-def measure(
-    backend: str,
-    n: int,
-    procs: int,
-    cap: float,
-    loss: bool,
-    log_dir: Path,
-    conf: str = CONF,
-    channels: str = "shared",
-) -> dict:
-    """One backend at one N: the figures of the module's docstring, as a dict. `channels`:
-    "shared" (one gRPC channel per simulator process) or "own" (one per agent, as deployed)."""
-    result: dict[str, Any] = {"backend": backend, "n": n, "channels": channels}
-    run = Run(backend, n, procs, log_dir, conf, channels)
+def measure(scale: Scale, cap: float, loss: bool) -> dict:
+    """One backend at one N: the figures of the module's docstring, as a dict (`cap`: how long
+    a round may take; `loss`: then lose a node and measure the next round)."""
+    result: dict[str, Any] = {"backend": scale.backend, "n": scale.n, "channels": scale.channels}
+    run = Run(scale)
     sampler: Sampler | None = None
     try:
         run.start()
@@ -447,43 +452,44 @@ def measure(
         run.snap()  # what starting cost (imports, no requests yet): reset
         cpu0 = _cpu(run.server_pid())
         window = Window(run, metrics)
-        last = next(s for s in run.sims if s.role == "last")
-        for s in run.sims:
-            if s is not last:
-                s.send("go")
-        t_start = time.monotonic()
-        joined_all = run.wait(lambda: len(run.joined) >= n - 1, cap)
-        result["joins_s"] = time.monotonic() - t_start
-        if not joined_all:
-            result["error"] = f"only {len(run.joined)} of {n - 1} joined in {cap:.0f} s"
-        time.sleep(0.5)  # the others wait, as in bench_rendezvous
-        result["window_joins"] = window.take()
-        last.send("go")
-        ok = run.wait(
-            lambda: len(run.done) >= n or len(run.errors) > 0,
-            cap if joined_all else 1.0,
-        )
-        result["window_final"] = window.take()
-        result.update(_round_outcome(run, n, t_start, ok))
-        snaps = run.snap()
-        result["client_round"] = _merge(snaps)
+        _form_round(run, result, cap, window)
         result["store_cpu_round"] = _cpu(run.server_pid()) - cpu0
         if metrics:
-            m1 = _metrics(metrics)
-            result["etcd_round"] = _etcd_requests(m0, m1)
+            result["etcd_round"] = _etcd_requests(m0, _metrics(metrics))
             if result["round_ok"]:  # every agent waits: keep-alives alone
                 window.take()
                 time.sleep(IDLE_WINDOW)
                 result["window_idle"] = window.take()
-        assert sampler is not None
         result["store_round"] = sampler.reset()
         if loss and result["round_ok"]:
-            result.update(_node_loss(run, n, cap, metrics, sampler))
+            result.update(_node_loss(run, scale.n, cap, metrics, sampler))
     finally:
         if sampler is not None:
             sampler.stop()
         run.close()
     return result
+
+
+def _form_round(run: Run, result: dict[str, Any], cap: float, window: Window) -> None:
+    """Every agent but the last joins; then the last one, and the round completes (or not
+    within `cap`): its figures into `result`."""
+    n = run.n
+    last = next(s for s in run.sims if s.role == "last")
+    for s in run.sims:
+        if s is not last:
+            s.send("go")
+    t_start = time.monotonic()
+    joined_all = run.wait(lambda: len(run.joined) >= n - 1, cap)
+    result["joins_s"] = time.monotonic() - t_start
+    if not joined_all:
+        result["error"] = f"only {len(run.joined)} of {n - 1} joined in {cap:.0f} s"
+    time.sleep(0.5)  # the others wait, as in bench_rendezvous
+    result["window_joins"] = window.take()
+    last.send("go")
+    ok = run.wait(lambda: len(run.done) >= n or len(run.errors) > 0, cap if joined_all else 1.0)
+    result["window_final"] = window.take()
+    result.update(_round_outcome(run, n, t_start, ok))
+    result["client_round"] = _merge(run.snap())
 
 
 def _round_outcome(run: Run, n: int, t_start: float, ok: bool) -> dict[str, Any]:
@@ -574,6 +580,15 @@ def _per(x: float, n: int) -> str:
     return f"{x / n:.1f}"
 
 
+def _embedded_served(counts: dict[str, float]) -> float:
+    """The requests the embedded service served, its keep-alives left out (its own counts)."""
+    return sum(
+        v
+        for k, v in counts.items()
+        if k.startswith("server.") and "KeepAlive" not in k and k.count(".") == 1
+    )
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| backend | N | round | (a) last join -> final | (b) last join -> last result "
@@ -601,12 +616,7 @@ def table(results: list[dict]) -> str:
         else:
             sent = "n/a"
         if r["backend"] == "embedded":
-            srv = sum(
-                v
-                for k, v in client.items()
-                if k.startswith("server.") and "KeepAlive" not in k and k.count(".") == 1
-            )
-            store_req = f"{srv / n:.1f}"
+            store_req = f"{_embedded_served(client) / n:.1f}"
         st = r.get("store_round", {})
         peaks = f"{st.get('conns', 0):.0f} / {st.get('fds', 0):.0f} / {st.get('rss_mb', 0):.0f}"
         lost = r.get("lease_lost_round", 0) + r.get("loss_lease_lost", 0)
@@ -617,12 +627,7 @@ def table(results: list[dict]) -> str:
                 served = _served(r["etcd_loss"]) - lc.get("v2.refresh", 0)
                 loss_req = f"{served / (n - 1):.1f}"
             elif r["backend"] == "embedded":
-                srv = sum(
-                    v
-                    for k, v in lc.items()
-                    if k.startswith("server.") and "KeepAlive" not in k and k.count(".") == 1
-                )
-                loss_req = f"{srv / (n - 1):.1f}"
+                loss_req = f"{_embedded_served(lc) / (n - 1):.1f}"
             loss_req += f" / {_client_requests(lc) / (n - 1):.1f}"
             if not r.get("loss_ok"):
                 loss_req += f" (did not complete: {r.get('loss_survivors_done', 0)}/{n - 1})"
@@ -714,7 +719,9 @@ def run(cpp_build: Path | None = None) -> list[Row]:
     sizes = [int(x) for x in os.environ.get("BENCH_RDZV_SCALE_SIZES", "32,128").split(",")]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as logs:
-        results = [measure(b, n, 8, 120.0, True, Path(logs)) for n in sizes for b in BACKENDS]
+        results = [
+            measure(Scale(b, n, 8, Path(logs)), 120.0, True) for n in sizes for b in BACKENDS
+        ]
     for r in results:
         name, n = r["backend"], r["n"]
         note = "" if r.get("round_ok") else "did not complete"
@@ -750,7 +757,7 @@ import sys, threading
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 endpoint, prefix, n, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), 16
 def write(first):
-    store = EtcdV3Store(endpoint, "writer", retry_for=10)
+    store = EtcdV3Store(endpoint, StoreAccess("writer", retry_for=10))
     for i in range(first, n, width):
         store.put(f"{prefix}{i:06d}", b"1")
     store.close()
@@ -768,11 +775,11 @@ def leader_cost(n: int, cap: float = 120.0) -> dict[str, Any]:
     the bookkeeping) per event, and the events per second etcd delivered (bounded here by the
     writer's rate on the same 2 cores)."""
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import Inbox
+    from elastic_launch.rendezvous.store import Inbox, StoreAccess
 
     etcd = Etcd()
     writer: subprocess.Popen[bytes] | None = None
-    store = EtcdV3Store(etcd.endpoint, "leader", retry_for=10)
+    store = EtcdV3Store(etcd.endpoint, StoreAccess("leader", retry_for=10))
     try:
         prefix = "/bench/m/v1/confirm/"
         _, revision = store.range(prefix)
@@ -809,7 +816,7 @@ def leader_cost(n: int, cap: float = 120.0) -> dict[str, Any]:
         etcd.close()
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", default="32,128", help="agent counts, comma-separated")
     parser.add_argument("--backend", default=",".join(BACKENDS), help="etcd, etcd-v2, embedded")
@@ -832,6 +839,11 @@ def main() -> int:
         metavar="N",
         help="only measure what N members' confirmations cost the leader (etcd v3), and stop",
     )
+    return parser
+
+
+def main() -> int:
+    parser = _parser()
     args = parser.parse_args()
     if args.leader_events:
         r = leader_cost(args.leader_events)
@@ -858,7 +870,7 @@ def main() -> int:
         for n in sizes:
             for b, shape in ((b, c) for b in backends for c in shapes):
                 conf = f"{CONF},{args.conf}" if args.conf else CONF
-                r = measure(b, n, args.procs, args.cap, not args.no_loss, logs, conf, shape)
+                r = measure(Scale(b, n, args.procs, logs, conf, shape), args.cap, not args.no_loss)
                 results.append(r)
                 print(table([r]).splitlines()[-1], flush=True)
                 if args.breakdown:

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import hostile_load
+from elastic_launch.rendezvous.store import StoreAccess
 
 
 @pytest.mark.slow
@@ -41,7 +42,7 @@ def test_a_watch_that_falls_behind_is_cut_off_and_the_client_watches_again(monke
     slow = hostile_load._Embedded(server.port)
     stop = threading.Event()
     watcher = slow.never_reading_watcher(stop)
-    store = EtcdV3Store(target, "the service", retry_for=10)
+    store = EtcdV3Store(target, StoreAccess("the service", retry_for=10))
     watch = store.watch("/", 0)
     try:
         value = b"v" * 50_000

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from elastic_launch.rendezvous.store import StoreAccess
 from launcher_util import HERE, alive, finish, free_port, kill_all, start, wait_for, worker_args
 
 COLLECTIVE = HERE / "scripts" / "collective.py"
@@ -149,7 +150,7 @@ def test_a_node_stopped_while_waiting_leaves_the_round_at_once(launched, tmp_pat
     rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", rid]
     procs = [start(["--nnodes", "3", *rdzv, *worker_args(tmp_path)]) for _ in range(2)]
     launched.extend(procs)
-    store = EtcdV3Store(etcd.endpoint, "test", retry_for=5)
+    store = EtcdV3Store(etcd.endpoint, StoreAccess("test", retry_for=5))
     joined = lambda: store.range(f"/elasticrun/{rid}/m/v1/join/")[0]  # noqa: E731
     try:
         assert wait_for(lambda: len(joined()) == 2), "the two nodes never joined"
@@ -176,7 +177,7 @@ def test_a_spare_stopped_by_a_signal_leaves_and_the_job_runs_on(launched, tmp_pa
     assert wait_for(lambda: list(a_out.glob("*.pid"))), "the member never started its worker"
     spare = start(["--nnodes", "1:1", "--health-port", str(port), *rdzv, *worker_args(b_out)])
     launched.append(spare)
-    store = EtcdV3Store(etcd.endpoint, "test", retry_for=5)
+    store = EtcdV3Store(etcd.endpoint, StoreAccess("test", retry_for=5))
     try:
         assert wait_for(lambda: store.range(f"/elasticrun/{rid}/s/waiting/")[0]), "no spare"
         assert health(port).get("rendezvous", {}).get("phase") == "spare"
@@ -343,15 +344,15 @@ def test_the_run_id_of_a_finished_job_is_refused(tmp_path, etcd_backend):
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
         from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
-        store = EtcdV3Store(server.endpoint, "test", retry_for=5)
+        store = EtcdV3Store(server.endpoint, StoreAccess("test", retry_for=5))
         try:
             kvs, _ = store.range(f"/elasticrun/{rid}/")
             assert [kv.key for kv in kvs] == [f"/elasticrun/{rid}/state"]
-            reply = store._call(
-                store._kv.Range, rpc_pb2.RangeRequest(key=f"/elasticrun/{rid}/state".encode())
+            reply = store.client.call(
+                store.client.kv.Range, rpc_pb2.RangeRequest(key=f"/elasticrun/{rid}/state".encode())
             )
-            ttl = store._call(
-                store._lease.LeaseTimeToLive,
+            ttl = store.client.call(
+                store.client.lease.LeaseTimeToLive,
                 rpc_pb2.LeaseTimeToLiveRequest(ID=reply.kvs[0].lease),
             ).TTL
             assert 0 < ttl <= 600

@@ -22,7 +22,8 @@ def test_both_simulator_shapes_form_the_round_and_etcd_serves_them_alike(tmp_pat
     n = 12
     seen = {}
     for shape in ("shared", "own"):
-        r = bench_rdzv_scale.measure("etcd", n, 2, 60.0, False, tmp_path, channels=shape)
+        scale = bench_rdzv_scale.Scale("etcd", n, 2, tmp_path, channels=shape)
+        r = bench_rdzv_scale.measure(scale, 60.0, False)
         assert r["round_ok"], (shape, r.get("round_errors"), r.get("commits"))
         assert r["round_done"] == n and r["world"] == [n]
         seen[shape] = bench_rdzv_scale.etcd_per_agent(r)

@@ -25,6 +25,7 @@ from elastic_launch.rendezvous.api import (
 from elastic_launch.rendezvous.conf import RendezvousConf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.store import StoreAccess
 
 # MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
 CONF = RendezvousConf.defaults(
@@ -90,7 +91,10 @@ def handlers(
     )
     return [
         ElasticRendezvous(
-            params, store(address, "test store", token=token, retry_for=5), conf, "127.0.0.1"
+            params,
+            store(address, StoreAccess("test store", token=token, retry_for=5)),
+            conf,
+            "127.0.0.1",
         )
         for store in stores or [CountingStore] * n
     ]
@@ -304,7 +308,7 @@ def test_a_member_that_leads_the_confirmations_but_not_the_join_sees_them(endpoi
     see every confirmation, not wait out the close timeout and start the round over."""
     address, token = endpoint
     run_id = f"confirm-{request.node.callspec.id}-{time.monotonic_ns()}"
-    raw = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    raw = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
     # The other two confirm late, after the confirmations' leader has read them once.
     members = handlers(endpoint, 3, run_id, [SlowConfirmStore, EtcdV3Store, SlowConfirmStore])
     join_prefix = f"/elasticrun/{run_id}/m/v1/join/"
@@ -368,8 +372,8 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
         with pytest.raises(RunIdInUseError, match=f"the run id '{run_id}' names a job") as info:
             late.next_rendezvous()
         assert "new --rdzv-id" in str(info.value) and "succeeded" in str(info.value)
-        ttl = late.store._call(
-            late.store._lease.LeaseTimeToLive,
+        ttl = late.store.client.call(
+            late.store.client.lease.LeaseTimeToLive,
             __import__(
                 "elastic_launch.rendezvous.etcdpb.rpc_pb2", fromlist=["x"]
             ).LeaseTimeToLiveRequest(ID=_state_lease(late)),
@@ -382,7 +386,9 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
 def _state_lease(h: ElasticRendezvous) -> int:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
-    reply = h.store._call(h.store._kv.Range, rpc_pb2.RangeRequest(key=h.job.keys.state.encode()))
+    reply = h.store.client.call(
+        h.store.client.kv.Range, rpc_pb2.RangeRequest(key=h.job.keys.state.encode())
+    )
     return int(reply.kvs[0].lease)
 
 
@@ -412,8 +418,10 @@ def test_a_node_cut_off_longer_than_its_lease_is_in_the_next_round_at_once(endpo
         first = form_round(members)
         from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
-        lease = cut.store._lease_id
-        cut.store._call(cut.store._lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=lease))
+        lease = cut.store.lease.id
+        cut.store.client.call(
+            cut.store.client.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=lease)
+        )
         wait_for(leader.membership_changed, "the leader never saw it go")
         wait_for(cut.membership_changed, "it never saw its key go")
         waiting = pool.submit(leader.next_rendezvous, RestartReason.MEMBERSHIP)
@@ -590,7 +598,7 @@ def test_a_member_that_does_not_answer_is_lost_only_if_its_lease_expires(endpoin
         quiet._presence.close()
         held = _silence(port)
         assert alive.lost_members() == [], "its lease is renewed: it is there"
-        quiet.store._stop.set()  # its keeper stops: the lease runs out
+        quiet.store.lease._stop.set()  # its keeper stops: the lease runs out
         assert alive.lost_members() == [quiet.node]
     finally:
         for s in held:
@@ -624,7 +632,7 @@ def test_an_unreachable_store_says_so_while_it_retries(caplog, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here
-    store = EtcdV3Store(f"127.0.0.1:{port}", "etcd at 127.0.0.1", retry_for=1.5)
+    store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("etcd at 127.0.0.1", retry_for=1.5))
     try:
         with caplog.at_level("WARNING"), pytest.raises(Exception, match="is unreachable"):
             store.range("/x")

@@ -16,6 +16,7 @@ from elastic_launch.rendezvous.backends import EmbeddedRendezvous
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.store import StoreAccess
 from test_elastic import form_round
 
 
@@ -130,7 +131,7 @@ def renewing(service: EmbeddedServer, own: set[int]) -> bool:
 
 def test_waiting_for_clients_ends_when_their_leases_end(server):
     service, endpoint = server
-    own, other = (EtcdV3Store(endpoint, "test", retry_for=5) for _ in range(2))
+    own, other = (EtcdV3Store(endpoint, StoreAccess("test", retry_for=5)) for _ in range(2))
     try:
         own.start_liveness(10.0, lambda: None)
         other.start_liveness(10.0, lambda: None)
@@ -165,7 +166,7 @@ def test_a_lease_never_renewed_is_no_client(server):
 
 def test_waiting_for_clients_ends_at_a_cancellation(server):
     service, endpoint = server
-    other = EtcdV3Store(endpoint, "test", retry_for=5)
+    other = EtcdV3Store(endpoint, StoreAccess("test", retry_for=5))
     try:
         other.start_liveness(10.0, lambda: None)
         assert renewing(service, set())

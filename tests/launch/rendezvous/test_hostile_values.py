@@ -15,6 +15,7 @@ from elastic_launch.rendezvous.conf import RendezvousConf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store, key_text
 from elastic_launch.rendezvous.round import Member, RoundState, Status, round_info
+from elastic_launch.rendezvous.store import StoreAccess
 from elastic_launch.rendezvous.values import MAX_VALUE_BYTES, text_value
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,7 +41,7 @@ def test_a_bad_state_key_is_a_clear_error_naming_it(embedded, value, problem):
     address, token = embedded
     run_id = f"bad-{time.monotonic_ns()}"
     params = RendezvousParameters("etcd", address, run_id, 1, 1, 1, local_addr="127.0.0.1")
-    store = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
     store.put(f"/elasticrun/{run_id}/state", value)
     handler = ElasticRendezvous(params, store, CONF, "127.0.0.1")
     try:
@@ -58,9 +59,9 @@ def test_a_bad_join_key_is_a_clear_error_naming_it(embedded):
     address, token = embedded
     run_id = f"badjoin-{time.monotonic_ns()}"
     params = RendezvousParameters("etcd", address, run_id, 2, 2, 1, local_addr="127.0.0.1")
-    store = EtcdV3Store(address, "test store", token=token, retry_for=5)
+    store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
     handler = ElasticRendezvous(params, store, CONF, "127.0.0.1")
-    outsider = EtcdV3Store(address, "outsider", token=token, retry_for=5)
+    outsider = EtcdV3Store(address, StoreAccess("outsider", token=token, retry_for=5))
     import threading
 
     errors: list[BaseException] = []

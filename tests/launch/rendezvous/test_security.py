@@ -20,7 +20,7 @@ from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.registry import check_parameters
 from elastic_launch.rendezvous.secrets import PASSWORD_ENV, TOKEN_ENV
-from elastic_launch.rendezvous.store import StoreError
+from elastic_launch.rendezvous.store import StoreAccess, StoreError
 
 
 @pytest.fixture(autouse=True)
@@ -125,11 +125,11 @@ def test_a_proof_made_with_another_token_is_refused():
 def test_a_service_that_does_not_hold_the_token_gets_nothing_from_the_client():
     port = free_port()
     server = EmbeddedServer("127.0.0.1", port, token="impostor")
-    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("the service", token="job", retry_for=5))
     try:
         with pytest.raises(StoreError, match="did not prove that it holds this node's token"):
             store.get("/k")
-        assert store._metadata == [], "no credential was made, so none was sent"
+        assert store.client.metadata == [], "no credential was made, so none was sent"
     finally:
         store.close()
         server.close()
@@ -138,7 +138,7 @@ def test_a_service_that_does_not_hold_the_token_gets_nothing_from_the_client():
 def test_a_client_with_a_token_and_a_service_without_one_is_a_clear_error():
     port = free_port()
     server = EmbeddedServer("127.0.0.1", port, token=None)
-    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("the service", token="job", retry_for=5))
     try:
         with pytest.raises(StoreError, match="runs without a token and this node has one"):
             store.get("/k")
@@ -150,14 +150,14 @@ def test_a_client_with_a_token_and_a_service_without_one_is_a_clear_error():
 def test_an_expired_credential_is_renewed():
     port = free_port()
     server = EmbeddedServer("127.0.0.1", port, token="job")
-    store = EtcdV3Store(f"127.0.0.1:{port}", "the service", token="job", retry_for=5)
+    store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("the service", token="job", retry_for=5))
     try:
         store.put("/k", b"1")
         mine = challenge.nonce()
         expired = challenge.respond("job", mine, challenge.answer("job", mine, 0.0))  # 1970
-        store._metadata = [("token", expired)]
+        store.client.metadata = [("token", expired)]
         assert store.get("/k").value == b"1", "refused, logged in again, answered"
-        assert store._metadata != [("token", expired)]
+        assert store.client.metadata != [("token", expired)]
     finally:
         store.close()
         server.close()
@@ -206,10 +206,12 @@ def test_the_tls_service_refuses_plain_and_certificateless_clients(tls_files):
     c = tls_conf(tls_files)
     server = EmbeddedServer("127.0.0.1", port, token=None, tls=(c["cacert"], c["cert"], c["key"]))
     target = f"127.0.0.1:{port}"
-    good = EtcdV3Store(target, "tls", tls=(c["cacert"], c["cert"], c["key"]), retry_for=5)
-    plain = EtcdV3Store(target, "plain", retry_for=1)
+    good = EtcdV3Store(
+        target, StoreAccess("tls", tls=(c["cacert"], c["cert"], c["key"]), retry_for=5)
+    )
+    plain = EtcdV3Store(target, StoreAccess("plain", retry_for=1))
     anonymous = EtcdV3Store(
-        target, "no client certificate", tls=(c["cacert"], None, None), retry_for=1
+        target, StoreAccess("no client certificate", tls=(c["cacert"], None, None), retry_for=1)
     )
     try:
         good.put("/k", b"v")

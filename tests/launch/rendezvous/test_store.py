@@ -7,7 +7,7 @@ import time
 
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous.store import Store, StoreError
+from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError
 from launch_fakes import embedded_login
 
 SLOW = pytest.mark.slow  # a real etcd server
@@ -21,18 +21,18 @@ def store(request):
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
         endpoint, token = request.getfixturevalue("embedded")
-        s: Store = EtcdV3Store(endpoint, "embedded", token=token, retry_for=5)
+        s: Store = EtcdV3Store(endpoint, StoreAccess("embedded", token=token, retry_for=5))
     elif request.param == "etcd":
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
         etcd = request.getfixturevalue("etcd")
-        s = EtcdV3Store(etcd.endpoint, "etcd", retry_for=5)
+        s = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     else:
         from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
 
         etcd = request.getfixturevalue("etcd_v2")
         host, port = etcd.endpoint.split(":")
-        s = EtcdV2Store(host, int(port), "etcd", retry_for=5)
+        s = EtcdV2Store(host, int(port), StoreAccess("etcd", retry_for=5))
     yield s
     s.close()
 
@@ -236,21 +236,23 @@ def test_a_write_that_finds_its_lease_expired_takes_a_new_one_and_says_so(store)
         pytest.skip("etcd's v2 API has no leases: a TTL key is written anew")
     lost = []
     store.start_liveness(30.0, lambda: lost.append(1))  # the keeper will not tick meanwhile
-    old = store._lease_id
-    store._call(store._lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=old))  # as expiry does
+    old = store.lease.id
+    store.client.call(
+        store.client.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=old)
+    )  # as expiry does
     assert store.create("/gone/a", b"1", ephemeral=True)
-    assert lost == [1] and store._lease_id != old
+    assert lost == [1] and store.lease.id != old
     store.put("/gone/b", b"2", ephemeral=True)
     assert lost == [1], "told once"
     for key in ("/gone/a", "/gone/b"):
         assert store.get(key) is not None
-    assert _ttl(store, store._lease_id) > 0
+    assert _ttl(store, store.lease.id) > 0
 
 
 def test_unreachable_store_is_a_clear_error():
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-    dead = EtcdV3Store(f"127.0.0.1:{free_port()}", "etcd at nowhere", retry_for=0.5)
+    dead = EtcdV3Store(f"127.0.0.1:{free_port()}", StoreAccess("etcd at nowhere", retry_for=0.5))
     with pytest.raises(StoreError, match="etcd at nowhere is unreachable"):
         dead.get("/x")
     dead.close()
@@ -278,7 +280,7 @@ def test_a_request_the_server_cancelled_is_retried():
     rpc_pb2_grpc.add_KVServicer_to_server(KV(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    store = EtcdV3Store(f"127.0.0.1:{port}", "the test server", retry_for=5)
+    store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("the test server", retry_for=5))
     try:
         assert store.get("/x") is None  # answered the second time
         assert calls == [b"/x", b"/x"]
@@ -291,20 +293,20 @@ def _v3(embedded, **kw):
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
     endpoint, token = embedded
-    return EtcdV3Store(endpoint, "embedded", token=token, retry_for=5, **kw)
+    return EtcdV3Store(endpoint, StoreAccess("embedded", token=token, retry_for=5, **kw))
 
 
 def _ttl(store, lease: int) -> int:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
     request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease)
-    return store._call(store._lease.LeaseTimeToLive, request).TTL
+    return store.client.call(store.client.lease.LeaseTimeToLive, request).TTL
 
 
 def test_a_lease_asked_for_early_is_the_one_used(embedded):
     store = _v3(embedded)
     grants: list[str] = []  # counted by kind: the keep-alive stream counts in store.requests
-    original = store._lease.LeaseGrant
+    original = store.client.lease.LeaseGrant
 
     class Counting:
         def __call__(self, *args, **kwargs):
@@ -315,30 +317,30 @@ def test_a_lease_asked_for_early_is_the_one_used(embedded):
             grants.append("future")
             return original.future(*args, **kwargs)
 
-    store._lease.LeaseGrant = Counting()
+    store.client.lease.LeaseGrant = Counting()
     try:
         store.request_lease(5.0)  # returns at once
         store.start_liveness(5.0)
         assert grants == ["future"], "no second grant: the early one is used"
         assert store.create("/early/key", b"1", ephemeral=True)
-        assert _ttl(store, store._lease_id) > 0
+        assert _ttl(store, store.lease.id) > 0
     finally:
         store.close()
 
 
 def test_an_early_lease_of_another_ttl_or_too_old_is_given_back(embedded, monkeypatch):
-    import elastic_launch.rendezvous.etcd_v3 as etcd_v3
+    import elastic_launch.rendezvous.etcd_v3_lease as etcd_v3_lease
 
     store = _v3(embedded)
     observer = _v3(embedded)
     try:
         store.request_lease(5.0)
-        early = store._early_grant[2].result().ID
+        early = store.lease._early[2].result().ID
         clock = time.monotonic()
-        monkeypatch.setattr(etcd_v3.time, "monotonic", lambda: clock + 60)  # a minute later
+        monkeypatch.setattr(etcd_v3_lease.time, "monotonic", lambda: clock + 60)  # a minute later
         store.start_liveness(5.0)
         monkeypatch.undo()
-        assert store._lease_id != early, "a fresh lease: the early one may be near expiry"
+        assert store.lease.id != early, "a fresh lease: the early one may be near expiry"
         assert _ttl(observer, early) <= 0, "the unused one was revoked"
         assert store.create("/old/key", b"1", ephemeral=True)
     finally:
@@ -351,7 +353,7 @@ def test_closing_before_using_an_early_lease_revokes_it(embedded):
     observer = _v3(embedded)
     try:
         store.request_lease(5.0)
-        early = store._early_grant[2].result().ID
+        early = store.lease._early[2].result().ID
         assert _ttl(observer, early) > 0
         store.close()
         assert _ttl(observer, early) <= 0
@@ -362,7 +364,9 @@ def test_closing_before_using_an_early_lease_revokes_it(embedded):
 def test_an_early_lease_request_that_fails_is_asked_again_with_retries():
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-    store = EtcdV3Store(f"127.0.0.1:{free_port()}", "nothing", retry_for=0.5, read_timeout=0.5)
+    store = EtcdV3Store(
+        f"127.0.0.1:{free_port()}", StoreAccess("nothing", retry_for=0.5, read_timeout=0.5)
+    )
     try:
         store.request_lease(5.0)
         with pytest.raises(StoreError, match="nothing is unreachable"):
@@ -400,7 +404,7 @@ def test_a_v2_write_etcd_could_not_commit_in_time_is_retried():
     import etcd
     from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
 
-    store = EtcdV2Store("127.0.0.1", free_port(), "etcd at nowhere", retry_for=5)
+    store = EtcdV2Store("127.0.0.1", free_port(), StoreAccess("etcd at nowhere", retry_for=5))
     answers = [etcd.EtcdException("Raft Internal Error : etcdserver: request timed out"), "done"]
 
     def request(client):

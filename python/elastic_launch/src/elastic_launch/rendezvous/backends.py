@@ -36,7 +36,7 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.store import Store
+from elastic_launch.rendezvous.store import Store, StoreAccess
 
 if TYPE_CHECKING:
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -63,15 +63,15 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self._serve_if_host(host, port, conf)
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-        store = EtcdV3Store(
-            host_port(host, port),
+        access = StoreAccess(
             f"the rendezvous service at {host_port(host, port)}",
             token=conf.token,
             tls=_tls(conf),
             retry_for=conf.join_timeout,
             read_timeout=conf.read_timeout,
-            watch_from_now=False,  # it replays a watch's past at once (etcd: every 100 ms)
         )
+        # It replays a watch's past at once (etcd: every 100 ms).
+        store = EtcdV3Store(host_port(host, port), access, watch_from_now=False)
         self._v3: EtcdV3Store = store  # its leases tell the host who is still here
         try:
             super().__init__(params, store, conf, host)
@@ -325,8 +325,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
     protocol, host, port = _etcd_endpoint(params, conf)
     _check_files(conf)
     tls = (conf.cacert, conf.cert, conf.key) if protocol == "https" else None
-    store = EtcdV3Store(
-        host_port(host, port),
+    access = StoreAccess(
         f"etcd at {host_port(host, port)}",
         user=conf.user,
         password=conf.password,
@@ -334,6 +333,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
         retry_for=conf.join_timeout,
         read_timeout=conf.read_timeout,
     )
+    store = EtcdV3Store(host_port(host, port), access)
     return _over(params, store, conf, host)
 
 
@@ -343,16 +343,14 @@ def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
     conf = parse_conf(params.backend, params.config)
     protocol, host, port = _etcd_endpoint(params, conf)
     _check_files(conf)
-    store = EtcdV2Store(
-        f"[{host}]" if ":" in host else host,  # python-etcd puts it in a URL as it is
-        port,
+    access = StoreAccess(
         f"etcd at {host_port(host, port)}",
-        protocol=protocol,
         user=conf.user,
         password=conf.password,
-        ca_cert=conf.cacert,
-        cert=(conf.cert, conf.key) if conf.cert and conf.key else None,
+        tls=(conf.cacert, conf.cert, conf.key),
         retry_for=conf.join_timeout,
         read_timeout=conf.read_timeout,
     )
+    # python-etcd puts the host in a URL as it is.
+    store = EtcdV2Store(f"[{host}]" if ":" in host else host, port, access, protocol)
     return _over(params, store, conf, host)

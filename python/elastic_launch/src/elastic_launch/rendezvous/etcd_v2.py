@@ -20,6 +20,7 @@ from elastic_launch.rendezvous.store import (
     Inbox,
     KeyValue,
     Store,
+    StoreAccess,
     StoreError,
     Unanswered,
     Watch,
@@ -55,32 +56,28 @@ def _import_etcd() -> Any:
 
 
 class EtcdV2Store(Store):
+    """etcd's v2 API at `host`:`port` over `protocol` (http or https), reached as `access`
+    says (a user and password; TLS: the CA, and a certificate with its key)."""
+
     def __init__(
         self,
         host: str,
         port: int,
-        name: str,
+        access: StoreAccess,
         protocol: str = "http",
-        user: str | None = None,
-        password: str | None = None,
-        ca_cert: str | None = None,
-        cert: tuple[str, str] | None = None,
-        retry_for: float = 30.0,
-        read_timeout: float | None = None,
         cancel: CancelToken = NEVER,
     ) -> None:
-        super().__init__(read_timeout, cancel)
+        super().__init__(access, cancel)
         self.etcd = _import_etcd()
-        self.name = name
-        self.retry_for = retry_for
+        ca, cert, key = access.tls or (None, None, None)
         self._args = {
             "host": host,
             "port": port,
             "protocol": protocol,
-            "username": user,
-            "password": password,
-            "ca_cert": ca_cert,
-            "cert": cert,
+            "username": access.user,
+            "password": access.password,
+            "ca_cert": ca,
+            "cert": (cert, key) if cert and key else None,
             "read_timeout": self.read_timeout,
         }
         self.client = self._client()

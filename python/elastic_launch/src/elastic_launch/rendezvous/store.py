@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.rendezvous.api import RendezvousConnectionError
@@ -39,6 +40,23 @@ class Change:
     key: str
     value: bytes | None  # None: deleted (or expired)
     revision: int
+
+
+#: TLS for a store: the CA, certificate and key paths, any of which may be None.
+Tls = tuple[Optional[str], Optional[str], Optional[str]]
+
+
+@dataclass(frozen=True)
+class StoreAccess:
+    """How a node reaches a store and proves who it is."""
+
+    name: str = "the store"  # what the store is, in messages ("etcd at host:port", ...)
+    token: str | None = None  # the embedded service's shared secret: proven, never sent
+    user: str | None = None  # etcd's authentication
+    password: str | None = None
+    tls: Tls | None = None
+    retry_for: float = 30.0  # seconds a request keeps retrying an unreachable store
+    read_timeout: float | None = None  # seconds one request may take (None: the default)
 
 
 class StoreError(RendezvousConnectionError):
@@ -139,12 +157,14 @@ class Store(abc.ABC):
 
     name = "the store"
 
-    def __init__(self, read_timeout: float | None = None, cancel: CancelToken = NEVER) -> None:
+    def __init__(self, access: StoreAccess, cancel: CancelToken = NEVER) -> None:
+        read_timeout = access.read_timeout
         if read_timeout is None:
             from elastic_launch.rendezvous.conf import default_of
 
             read_timeout = float(default_of("read_timeout"))
-        self.retry_for = 30.0  # seconds a request keeps retrying an unreachable store
+        self.name = access.name
+        self.retry_for = access.retry_for  # seconds a request keeps retrying an unreachable store
         self.read_timeout = read_timeout  # seconds one request may take
         self.cancel = cancel
         self._requests = 0

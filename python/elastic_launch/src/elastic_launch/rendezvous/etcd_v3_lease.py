@@ -1,0 +1,208 @@
+"""This node's lease on an etcd v3 store: what keeps its ephemeral keys alive.
+
+It is asked for early (without waiting, while the agent starts), renewed on one long-lived
+keep-alive stream (as etcd's own client does), replaced when it expired while the node was cut
+off (the session is told: its ephemeral keys are gone), and revoked at close, so that the
+others see this node leave at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import join
+from elastic_launch.rendezvous.etcd_v3_client import Client
+from elastic_launch.rendezvous.etcdpb import rpc_pb2
+from elastic_launch.rendezvous.store import StoreError
+
+logger = logging.getLogger(__name__)
+
+
+class Lease:
+    """The lease of one store connection (`client`). `id` is 0 until `start`."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.id = 0
+        self.ttl = 0.0
+        self.on_lost: Callable[[], None] = lambda: None
+        self._lock = threading.Lock()  # the keeper and a write may both find it expired
+        self._early: tuple[int, float, Any] | None = None  # (TTL, when, future) of `request`
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._keep_call: Any = None  # the keep-alive stream
+
+    def start(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
+        """Grant the lease (or take the early one) and keep it alive from a thread."""
+        self.ttl = ttl
+        if on_lost is not None:
+            self.on_lost = on_lost
+        self._grant()
+        self._keeper = threading.Thread(
+            target=self._keep_alive, name="elasticrun-lease", daemon=True
+        )
+        self._keeper.start()
+
+    @property
+    def held(self) -> set[int]:
+        """The ids of the leases this connection holds (the one in use, one asked for early)."""
+        held = {self.id} if self.id else set()
+        early = self._early
+        if early is not None and early[2].done() and early[2].exception() is None:
+            held.add(early[2].result().ID)
+        return held
+
+    def request(self, ttl: float) -> None:
+        """Ask for a lease now without waiting for the answer; `start` then uses it."""
+        if self._early is None and not self.id:
+            c = self.client
+            c.log_in_once()
+            c.count()
+            grant = c.lease.LeaseGrant.future(
+                rpc_pb2.LeaseGrantRequest(TTL=round(ttl)),
+                timeout=c.read_timeout,
+                metadata=c.metadata,
+            )
+            self._early = (round(ttl), time.monotonic(), grant)
+
+    def _early_reply(self) -> Any:
+        """The answer to `request`, if it asked for this TTL and got one; else None."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        ttl, asked, future = early
+        # Too old (the keeper would renew it too late) or another TTL: ask again.
+        if ttl != round(self.ttl) or time.monotonic() - asked > ttl / 3.0:
+            self._give_back(future)
+            return None
+        cancel = self.client.cancel
+        unregister = cancel.on_cancel(future.cancel)
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            cancel.check()
+            return None
+        except grpc.RpcError:
+            return None  # unreachable then: ask again, with retries and their notices
+        finally:
+            unregister()
+
+    def _give_back(self, future: Any) -> None:
+        """An early grant not used: revoke it if it came (else it expires on its own)."""
+        if not future.done():
+            future.cancel()
+            return
+        with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+            self._revoke(future.result().ID)
+
+    def _revoke(self, lease: int) -> None:
+        c = self.client
+        c.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=2.0, metadata=c.metadata)
+
+    def _grant(self) -> None:
+        c = self.client
+        reply = self._early_reply() or c.call(
+            c.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl))
+        )
+        if reply.error:
+            raise StoreError(f"{c.name} refused a lease: {reply.error}")
+        self.id = reply.ID
+
+    def ensure(self) -> None:
+        """Grant a new lease if this one expired."""
+        c = self.client
+        if c.call(c.lease.LeaseTimeToLive, rpc_pb2.LeaseTimeToLiveRequest(ID=self.id)).TTL <= 0:
+            self._grant()
+
+    def replace(self, expired: int) -> None:
+        """Grant a new lease in place of `expired` (once, whichever thread finds it gone
+        first) and tell the session: the store has dropped our ephemeral keys."""
+        with self._lock:
+            if self.id != expired:
+                return
+            logger.warning("the rendezvous lease expired; this node will rejoin")
+            self._grant()
+        self.on_lost()
+
+    def _keep_alive(self) -> None:
+        """Renew the lease on one long-lived stream: a request every TTL/3, the answers read
+        here. A stream that breaks, or that has not answered for most of the TTL, is replaced
+        at once, so that a slow store or a busy process loses the lease only when a whole TTL
+        passed without an answer, never after two slow ticks, and a renewal costs the store
+        one message, not a new stream."""
+        interval = max(self.ttl / 3.0, 0.2)
+        # Answers late by most of the TTL: the stream is stuck (a busy process reads them
+        # late too, and a new stream would only cost it more). A broken one errors at once.
+        stale = max(self.ttl * 0.8, 2 * interval)
+        delay = 0.05
+        while not self._stop.is_set():
+            last = [time.monotonic()]  # the last answer (or the stream's start)
+            call: list[Any] = []
+            try:
+                if self._stream(self._requests(last, call, interval, stale), last, call):
+                    delay = 0.05
+            except ValueError:
+                return  # the channel was closed: the store is closing
+            if call:
+                call[0].cancel()
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, 0.5)  # again soon: the TTL has what is left, no more
+
+    def _stream(self, requests: Iterator[Any], last: list[float], call: list[Any]) -> bool:
+        """One keep-alive stream, until it ends; whether it was answered."""
+        c = self.client
+        answered = False
+        try:
+            stream = c.lease.LeaseKeepAlive(requests, metadata=c.metadata)
+            call.append(stream)
+            self._keep_call = stream
+            if self._stop.is_set():
+                stream.cancel()
+            for reply in stream:
+                last[0] = time.monotonic()
+                answered = True
+                if reply.TTL <= 0 and not self._stop.is_set():
+                    with contextlib.suppress(StoreError, Cancelled):
+                        self.replace(reply.ID)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED and c.logs_in:
+                with contextlib.suppress(StoreError, Cancelled):
+                    c.authenticate()
+        return answered
+
+    def _requests(
+        self, last: list[float], call: list[Any], interval: float, stale: float
+    ) -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
+        """The keep-alive stream's requests, in gRPC's own thread for the stream: one per
+        tick; the stream is cancelled when its answers stop coming (`last`: the last one)."""
+        while True:
+            self.client.count()
+            yield rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
+            if self._stop.wait(interval):
+                return
+            if time.monotonic() - last[0] > stale and call:
+                call[0].cancel()
+                return
+
+    def close(self) -> None:
+        """Revoke the lease (the ephemeral keys go at once) and stop renewing it."""
+        self._stop.set()
+        early, self._early = self._early, None
+        if early is not None:
+            self._give_back(early[2])
+        if self.id:
+            with contextlib.suppress(grpc.RpcError):
+                self._revoke(self.id)
+        if self._keep_call is not None:
+            self._keep_call.cancel()
+        if self._keeper is not None:
+            join(self._keeper, (self.client.read_timeout or 0) + 1, "the lease keep-alive thread")
