@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import elastic_core
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.watch import Watch
 from elastic_launch.agent.workers import Finding, WorkerGroup
 from elastic_launch.api import LaunchConfig
@@ -47,7 +48,8 @@ def main() -> None:
     info = RendezvousInfo(0, 0, 1, 2, 0, "127.0.0.1", elastic_core.now_ns() % 20000 + 30000)
     table = elastic_core.HeartbeatTable.create(f"/dev/shm/bench-replace-{os.getpid()}", 2)
     with LogLayout(os.devnull, "bench") as layout, elastic_core.Watchdog() as watchdog:
-        group = WorkerGroup(config, ep, "bench", layout, Watch(table, None, watchdog), spawner)
+        context = NodeContext(config, "bench", ep, layout)
+        group = WorkerGroup(context, Watch(table, None, watchdog), spawner)
         try:
             group.start_all(info, attempt=0, restarts=0)
             for r in (0, 1):

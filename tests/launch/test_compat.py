@@ -62,20 +62,24 @@ def test_log_line_prefix_and_local_rank_macro(monkeypatch):
 
 def test_the_worker_environment_is_torchruns():
     env = compat.worker_env(
-        local_rank=1,
-        rank=5,
-        group_rank=2,
-        role="default",
-        local_world_size=2,
-        world_size=6,
-        group_world_size=3,
-        master_addr="m",
-        master_port=1234,
-        restarts=1,
-        max_restarts=3,
-        run_id="r",
-        signals_to_handle="SIGTERM",
-        error_file="/e.json",
+        compat.WorkerPlace(
+            local_rank=1,
+            rank=5,
+            group_rank=2,
+            local_world_size=2,
+            world_size=6,
+            group_world_size=3,
+            role="default",
+        ),
+        compat.GroupVars(
+            master_addr="m",
+            master_port=1234,
+            restarts=1,
+            max_restarts=3,
+            run_id="r",
+            signals_to_handle="SIGTERM",
+        ),
+        "/e.json",
         environ={},
     )
     assert env["ROLE_RANK"] == "5" and env["ROLE_WORLD_SIZE"] == "6"

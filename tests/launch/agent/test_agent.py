@@ -11,6 +11,7 @@ import elastic_core
 import pytest
 from elastic_launch.agent.activity import Activity
 from elastic_launch.agent.agent import ElasticAgent
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import AgentEvent, Events
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.watch import Watch
@@ -62,27 +63,15 @@ class Node:
         self.spawner = FakeSpawner(self.watchdog)
         self.table = elastic_core.HeartbeatTable.create(shm_path("agent"), 2)
         self.layout = LogLayout(str(tmp_path / "logs"), "run")
-        self.group = WorkerGroup(
-            self.config,
-            Entrypoint(Kind.SCRIPT, "train.py"),
-            "run",
-            self.layout,
-            Watch(self.table, None, self.watchdog),
-            self.spawner,
-            host="node0",
+        context = NodeContext(
+            self.config, "run", Entrypoint(Kind.SCRIPT, "train.py"), self.layout, host="node0"
         )
+        self.group = WorkerGroup(context, Watch(self.table, None, self.watchdog), self.spawner)
         self.rdzv = rdzv or FakeRendezvous(max_restarts=self.config.max_restarts)
         self.recorder = Recorder()
         self.cancel = CancelToken()
         self.agent = ElasticAgent(
-            self.config,
-            self.group,
-            self.rdzv,
-            Events("run", [self.recorder]),
-            run_id="run",
-            entrypoint="train.py",
-            cancel=self.cancel,
-            hangs=hangs,
+            self.group, self.rdzv, Events("run", [self.recorder]), cancel=self.cancel, hangs=hangs
         )
         self.result = None
         self.error: BaseException | None = None

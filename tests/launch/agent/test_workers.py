@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.watch import Watch
 from elastic_launch.agent.workers import Finding, SpawnError, WorkerGroup
 from elastic_launch.api import LaunchConfig, Std, WorkerState
@@ -45,15 +46,8 @@ def group_of(parts, **config) -> WorkerGroup:
     config.setdefault("nproc_per_node", 3)
     config.setdefault("shutdown_timeout", 0.2)
     ep = Entrypoint(Kind.SCRIPT, "train.py", ["--rank", "${local_rank}"])
-    return WorkerGroup(
-        LaunchConfig(**config),
-        ep,
-        "run-1",
-        layout,
-        Watch(table, None, watchdog),
-        spawner,
-        host="node7",
-    )
+    context = NodeContext(LaunchConfig(**config), "run-1", ep, layout, host="node7")
+    return WorkerGroup(context, Watch(table, None, watchdog), spawner)
 
 
 def test_start_all_gives_each_worker_torchruns_environment(parts):
@@ -206,9 +200,8 @@ def test_logs_follow_redirects_and_virtual_local_rank(parts, monkeypatch):
 def test_function_return_values_by_global_rank(parts, tmp_path):
     watchdog, spawner, table, layout = parts
     ep = Entrypoint(Kind.FUNCTION, print, fn_args=(1,))
-    group = WorkerGroup(
-        LaunchConfig(nproc_per_node=2), ep, "r", layout, Watch(table, None, watchdog), spawner
-    )
+    context = NodeContext(LaunchConfig(nproc_per_node=2), "r", ep, layout)
+    group = WorkerGroup(context, Watch(table, None, watchdog), spawner)
     with group:
         group.start_all(INFO, attempt=0, restarts=0)
         request = spawner.spawned[0].request

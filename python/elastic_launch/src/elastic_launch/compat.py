@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from string import Template
 
 from elastic_launch.api import ConfigError
@@ -132,46 +133,59 @@ def substitute_local_rank(args: list[str], local_rank: int) -> list[str]:
     return [Template(a).safe_substitute(local_rank=str(local_rank)) for a in args]
 
 
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker stands in the job: torchrun's ranks and sizes. The role's rank and
+    size default to the global ones (every node runs one role)."""
+
+    local_rank: int
+    rank: int
+    group_rank: int
+    local_world_size: int
+    world_size: int
+    group_world_size: int
+    role: str = "default"
+    role_rank: int | None = None
+    role_world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class GroupVars:
+    """What every worker of the group shares: where its group meets, the restarts so far, the
+    job's run id and the signals torchrun's workers handle."""
+
+    master_addr: str
+    master_port: int
+    restarts: int
+    max_restarts: int
+    run_id: str
+    signals_to_handle: str
+
+
 def worker_env(
-    *,
-    local_rank: int,
-    rank: int,
-    group_rank: int,
-    role: str,
-    local_world_size: int,
-    world_size: int,
-    group_world_size: int,
-    master_addr: str,
-    master_port: int,
-    restarts: int,
-    max_restarts: int,
-    run_id: str,
-    signals_to_handle: str,
-    error_file: str,
-    environ: Mapping[str, str] | None = None,
-    role_rank: int | None = None,
-    role_world_size: int | None = None,
+    place: WorkerPlace, shared: GroupVars, error_file: str, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The variables torchrun sets in each worker. The role's rank and size default to the
-    global ones (every node runs one role)."""
+    """The variables torchrun sets in each worker (`environ`: the launcher's own, whose NCCL
+    setting is kept)."""
     env = os.environ if environ is None else environ
+    p, r = place, shared
     return {
-        "LOCAL_RANK": str(local_rank),
-        "RANK": str(rank),
-        "GROUP_RANK": str(group_rank),
-        "ROLE_RANK": str(rank if role_rank is None else role_rank),
-        "ROLE_NAME": role,
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "WORLD_SIZE": str(world_size),
-        "GROUP_WORLD_SIZE": str(group_world_size),
-        "ROLE_WORLD_SIZE": str(world_size if role_world_size is None else role_world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restarts),
-        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
+        "LOCAL_RANK": str(p.local_rank),
+        "RANK": str(p.rank),
+        "GROUP_RANK": str(p.group_rank),
+        "ROLE_RANK": str(p.rank if p.role_rank is None else p.role_rank),
+        "ROLE_NAME": p.role,
+        "LOCAL_WORLD_SIZE": str(p.local_world_size),
+        "WORLD_SIZE": str(p.world_size),
+        "GROUP_WORLD_SIZE": str(p.group_world_size),
+        "ROLE_WORLD_SIZE": str(p.world_size if p.role_world_size is None else p.role_world_size),
+        "MASTER_ADDR": r.master_addr,
+        "MASTER_PORT": str(r.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(r.restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(r.max_restarts),
+        "TORCHELASTIC_RUN_ID": r.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        SIGNALS_TO_HANDLE_ENV: signals_to_handle,
+        SIGNALS_TO_HANDLE_ENV: r.signals_to_handle,
         ERROR_FILE_ENV: error_file,
     }

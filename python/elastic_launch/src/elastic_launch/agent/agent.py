@@ -35,7 +35,6 @@ from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
     AgentState,
     FailureKind,
-    LaunchConfig,
     RestartBudget,
     RunResult,
     WorkerFailure,
@@ -60,25 +59,22 @@ class ElasticAgent:
 
     def __init__(
         self,
-        config: LaunchConfig,
         group: WorkerGroup,
         rendezvous: RendezvousHandler,
         events: Events,
-        run_id: str,
-        entrypoint: str,
         cancel: CancelToken = NEVER,
-        log_dir: str | None = None,
         team: TeamService | None = None,
         hangs: HangMonitor | None = None,
     ) -> None:
-        self.config = config
+        context = group.context
+        self.config = config = context.config
         self.group = group
         self.rdzv = rendezvous
         self.events = events
-        self.run_id = run_id
-        self.entrypoint = entrypoint
+        self.run_id = context.run_id
+        self.entrypoint = context.entrypoint.name
         self.cancel = cancel
-        self.log_dir = log_dir
+        self.log_dir = context.log_dir
         self.host = group.host
         self.team = team  # the train loop's rendezvous (started when a worker needs it)
         self._state = AgentState.INIT
@@ -92,9 +88,7 @@ class ElasticAgent:
         self._detected_ns: int | None = None  # when the last attempt's end was seen
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
-        self.observer = Observer(
-            config, group, rendezvous, cancel, self.hangs, self.failures, group.gpu, self.host
-        )
+        self.observer = Observer(group, rendezvous, cancel, self.hangs, self.failures)
 
     # ---- state -----------------------------------------------------------------------------
 

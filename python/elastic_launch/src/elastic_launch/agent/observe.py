@@ -17,7 +17,7 @@ from elastic_launch.agent.hang import HangMonitor, beats_of
 from elastic_launch.agent.summary import describe
 from elastic_launch.agent.worker import Finding, Worker, WorkerEvent
 from elastic_launch.agent.workers import WorkerGroup
-from elastic_launch.api import FailureKind, LaunchConfig, RestartBudget, WorkerFailure
+from elastic_launch.api import FailureKind, RestartBudget, WorkerFailure
 from elastic_launch.cancel import CancelToken
 from elastic_launch.rendezvous.api import RendezvousHandler
 
@@ -52,23 +52,19 @@ class Observer:
 
     def __init__(
         self,
-        config: LaunchConfig,
         group: WorkerGroup,
         rendezvous: RendezvousHandler,
         cancel: CancelToken,
         hangs: HangMonitor,
         failures: FailureLog,
-        gpu: elastic_core.GpuHealth | None,
-        host: str,
     ) -> None:
-        self.config = config
+        self.config = group.config
         self.group = group
         self.rdzv = rendezvous
         self.cancel = cancel
         self.hangs = hangs
         self.failures = failures
-        self.gpu = gpu
-        self.host = host
+        self.host = group.host
 
     # ---- what happened ---------------------------------------------------------------------
 

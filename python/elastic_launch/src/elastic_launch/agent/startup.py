@@ -16,11 +16,12 @@ import elastic_core
 
 from elastic_launch import compat
 from elastic_launch.agent import devices
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.worker import SpawnError, Worker
-from elastic_launch.api import LaunchConfig, Std, std_for
+from elastic_launch.api import Std, std_for
 from elastic_launch.processes import worker_main
-from elastic_launch.processes.entrypoint import Entrypoint, Kind
-from elastic_launch.processes.logs import LogLayout, OutputPump, console_streams
+from elastic_launch.processes.entrypoint import Kind
+from elastic_launch.processes.logs import OutputPump, console_streams
 from elastic_launch.processes.spawn import Spawner, SpawnRequest
 from elastic_launch.rendezvous import team
 from elastic_launch.rendezvous.api import RendezvousInfo
@@ -30,22 +31,15 @@ class Startup:
     """Starts the workers of one launch (see the module's docstring)."""
 
     def __init__(
-        self,
-        config: LaunchConfig,
-        entrypoint: Entrypoint,
-        run_id: str,
-        layout: LogLayout,
-        heartbeat_path: str,
-        extra_env: dict[str, str],
-        host: str,
+        self, context: NodeContext, heartbeat_path: str, extra_env: dict[str, str]
     ) -> None:
-        self.config = config
-        self.entrypoint = entrypoint
-        self.run_id = run_id
-        self.layout = layout
+        self.config = context.config
+        self.entrypoint = context.entrypoint
+        self.run_id = context.run_id
+        self.layout = context.layout
         self.heartbeat_path = heartbeat_path
         self.extra_env = dict(extra_env)
-        self.host = host
+        self.host = context.host
         self.info: RendezvousInfo | None = None
         self.attempt = -1
         self.restarts = 0
@@ -124,24 +118,28 @@ class Startup:
         env.update(self.extra_env)
         env.update(
             compat.worker_env(
-                local_rank=w.local_rank,
-                rank=w.rank,
-                group_rank=info.group_rank,
-                role=c.role,
-                local_world_size=c.nproc_per_node,
-                world_size=info.world_size,
-                group_world_size=info.group_world_size,
-                master_addr=info.master_addr,
-                master_port=info.master_port,
-                restarts=self.restarts,
-                max_restarts=c.max_restarts,
-                run_id=self.run_id,
-                signals_to_handle=c.signals_to_handle,
-                error_file=w.error_file,
-                role_rank=None
-                if info.role_rank_offset is None
-                else info.role_rank_offset + w.local_rank,
-                role_world_size=info.role_world_size,
+                compat.WorkerPlace(
+                    local_rank=w.local_rank,
+                    rank=w.rank,
+                    group_rank=info.group_rank,
+                    local_world_size=c.nproc_per_node,
+                    world_size=info.world_size,
+                    group_world_size=info.group_world_size,
+                    role=c.role,
+                    role_rank=None
+                    if info.role_rank_offset is None
+                    else info.role_rank_offset + w.local_rank,
+                    role_world_size=info.role_world_size,
+                ),
+                compat.GroupVars(
+                    master_addr=info.master_addr,
+                    master_port=info.master_port,
+                    restarts=self.restarts,
+                    max_restarts=c.max_restarts,
+                    run_id=self.run_id,
+                    signals_to_handle=c.signals_to_handle,
+                ),
+                w.error_file,
             )
         )
         env.update(

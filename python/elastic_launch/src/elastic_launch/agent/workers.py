@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ import elastic_core
 
 from elastic_launch import compat
 from elastic_launch.agent import devices
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Loop
 from elastic_launch.agent.startup import Startup
 from elastic_launch.agent.watch import Watch
@@ -38,11 +38,9 @@ from elastic_launch.agent.worker import (
     Worker,
     WorkerEvent,
 )
-from elastic_launch.api import LaunchConfig, WorkerState
+from elastic_launch.api import WorkerState
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
 from elastic_launch.processes import worker_main
-from elastic_launch.processes.entrypoint import Entrypoint
-from elastic_launch.processes.logs import LogLayout
 from elastic_launch.processes.spawn import Spawner
 from elastic_launch.rendezvous.api import RendezvousInfo
 
@@ -60,28 +58,23 @@ class WorkerGroup:
 
     def __init__(
         self,
-        config: LaunchConfig,
-        entrypoint: Entrypoint,
-        run_id: str,
-        layout: LogLayout,
+        context: NodeContext,
         watch: Watch,
         spawner: Spawner,
         guardian: Guardian | None = None,
         extra_env: dict[str, str] | None = None,
-        host: str | None = None,
     ) -> None:
-        self.config = config
-        self.entrypoint = entrypoint
+        self.context = context
+        self.config = context.config
+        self.entrypoint = context.entrypoint
         self.table = watch.table
         self.watchdog = watch.watchdog
         self.gpu = watch.gpu
         self.gpu_count = watch.gpu_count
         self.spawner = spawner
         self.guardian = guardian
-        self.host = host or socket.gethostname()
-        self.startup = Startup(
-            config, entrypoint, run_id, layout, self.table.path, extra_env or {}, self.host
-        )
+        self.host = context.host
+        self.startup = Startup(context, self.table.path, extra_env or {})
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
         self._hang_timeout = 0.0  # the watchdog's heartbeat limit for every worker (0: off)

@@ -17,6 +17,7 @@ from typing import Any
 
 from elastic_launch import compat
 from elastic_launch.agent.agent import ElasticAgent
+from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.health import HealthServer
 from elastic_launch.agent.memory_tier import memory_tier
@@ -81,10 +82,9 @@ def run(
             rdzv = create_handler(plan.rendezvous)
             stack.callback(rdzv.shutdown, cancel)
         env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
-        group = WorkerGroup(c, entrypoint, run_id, layout, node, spawner, guardian, env)
-        stack.enter_context(group)
-        log_dir = layout.run_dir if layout.kept and layout.keep_logs else None
-        agent = ElasticAgent(c, group, rdzv, events, run_id, entrypoint.name, cancel, log_dir, team)
+        context = NodeContext(c, run_id, entrypoint, layout)
+        group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env))
+        agent = ElasticAgent(group, rdzv, events, cancel, team)
         if plan.health is not None:
             stack.enter_context(HealthServer(*plan.health, agent.health))
         if on_agent is not None:
