@@ -300,14 +300,9 @@ def _device_for(map_location: Any, original: str, where: str) -> Any:
     )
 
 
-def decode(data: Any, where: str, map_location: Any = "cpu", weights_only: bool = True) -> Any:
-    """The state in `data`: a payload, or a ``torch.save`` file's bytes. The payload's tensors
-    share `data`'s memory on the CPU (made writable first if it is not)."""
-    view = memoryview(data).cast("B")
-    if not is_payload(view):
-        return load(io.BytesIO(view), where, map_location, weights_only)
-    if view.readonly:
-        view = memoryview(bytearray(view))
+def _skeleton(view: memoryview, where: str) -> tuple[dict[str, Any], int]:
+    """A payload's skeleton (the state with its tensors as references, and their table), and
+    where its tensors' bytes start."""
     _, skeleton_size = _HEAD.unpack_from(view, 0)
     start = _align(_HEAD.size + skeleton_size, PAGE)
     if _HEAD.size + skeleton_size > view.nbytes:
@@ -324,6 +319,18 @@ def decode(data: Any, where: str, map_location: Any = "cpu", weights_only: bool 
         or type(inner["at"]) is not list
     ):
         raise CheckpointError(f"{where} is not a memory-tier payload (no skeleton)")
+    return inner, start
+
+
+def decode(data: Any, where: str, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """The state in `data`: a payload, or a ``torch.save`` file's bytes. The payload's tensors
+    share `data`'s memory on the CPU (made writable first if it is not)."""
+    view = memoryview(data).cast("B")
+    if not is_payload(view):
+        return load(io.BytesIO(view), where, map_location, weights_only)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    inner, start = _skeleton(view, where)
     table = inner["at"]
 
     def tensor(ref: TensorRef) -> torch.Tensor:

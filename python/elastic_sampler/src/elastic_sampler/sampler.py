@@ -44,7 +44,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
       ``"feistel"`` is a constant-memory permutation for very large datasets.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - torch's DistributedSampler's six, and two keywords of ours
         self,
         dataset: Dataset[Any],
         num_replicas: int | None = None,
