@@ -167,6 +167,7 @@ class FakeRendezvous(RendezvousHandler):
     block_until_cancelled: bool = False
     done: int = 0
     restarts: int = 0
+    spends: list[int] = field(default_factory=list)  # the limit of each spend_restart
     _closed: JobClosed | None = None
     _round: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -201,6 +202,18 @@ class FakeRendezvous(RendezvousHandler):
                 raise RendezvousClosedError(f"closed: {self._closed}", self._closed)
             self.restarts = spent.spent
         self._round += 1
+        return self._info()
+
+    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> RestartBudget | None:
+        """The one count group restarts spend too (the store's, in a real backend)."""
+        with self._lock:
+            spent = RestartBudget(self.restarts, limit).spend()
+            if spent is not None:
+                self.restarts = spent.spent
+            self.spends.append(limit)
+            return spent
+
+    def _info(self) -> RendezvousInfo:
         return RendezvousInfo(
             round=self._round,
             group_rank=self.group_rank,

@@ -3,6 +3,7 @@ way an attempt ends, and what the agent does next, in milliseconds."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -366,6 +367,63 @@ def test_replacements_spend_the_restart_budget_then_the_job_fails(node):
     assert "restarts exhausted (1)" in result.message
     assert n.rdzv.closed().reason == CloseReason.FAILED
     assert first[1].group_signals[0] == signal.SIGTERM, "the rest is stopped at the end"
+
+
+def test_group_restarts_and_replacements_spend_one_count_and_never_more(node, caplog):
+    """A worker that fails before it runs the loop restarts the group (one restart), a loop
+    worker's death replaces it alone (the second), and the next failure finds none left: the
+    job has started 2 + 2 + 1 workers, and no log says "restart N of M" with N > M."""
+    n = node(max_restarts=2).play()
+    with caplog.at_level("WARNING"):
+        first = n.running()
+        n.watchdog.exit_process(first[0], code=1)  # not in the loop yet: the group restarts
+        second = n.running(1)
+        for p in second:
+            _in_loop(p)
+        n.watchdog.exit_process(second[1], signal=signal.SIGKILL)  # replaced alone
+        n.wait_for(lambda: len(n.spawner.spawned) == 5)
+        _in_loop(n.spawner.spawned[4])
+        n.watchdog.exit_process(second[0], code=1)  # a third failure: none left
+        result = n.finish()
+    assert result.state == AgentState.FAILED and "restarts exhausted (2)" in result.message
+    assert n.rdzv.restarts == 2 and result.restarts == 2
+    assert len(n.spawner.spawned) == 5, "2 starts, 2 after the group restart, 1 replacement"
+    for said in re.findall(r"restart (\d+) of (\d+)", caplog.text):
+        assert int(said[0]) <= int(said[1]), caplog.text
+
+
+def test_restarts_another_node_spent_are_the_ones_this_node_has_left(node):
+    """The count is the job's: a replacement finds the budget spent by others."""
+    n = node(max_restarts=1).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p)
+    n.rdzv.restarts = 1  # another node replaced one of its workers
+    n.watchdog.exit_process(first[1], code=1)
+    result = n.finish()
+    assert result.state == AgentState.FAILED and "restarts exhausted (1)" in result.message
+    assert len(n.spawner.spawned) == 2, "nothing was replaced"
+
+
+def test_a_worker_cannot_raise_the_restart_budget_beyond_the_launchers_cap(node):
+    """The loop file is the worker's to write: "running 999999999" gives it what
+    --loop-max-restarts allows (here 2), no more."""
+    n = node(max_restarts=0, loop_max_restarts=2).play()
+    first = n.running()
+    for p in first:
+        _in_loop(p, "running 999999999")
+    victim = first[1]
+    for generation in range(1, 4):
+        n.watchdog.exit_process(victim, code=1)
+        if generation == 3:
+            break
+        n.wait_for(lambda g=generation: len(n.spawner.spawned) == 2 + g)
+        victim = n.spawner.spawned[-1]
+        _in_loop(victim, "running 999999999")
+    result = n.finish()
+    assert result.state == AgentState.FAILED and "restarts exhausted (2)" in result.message
+    assert len(n.spawner.spawned) == 4, "two replacements, the cap"
+    assert n.rdzv.spends == [2, 2]
 
 
 def test_a_train_loop_worker_that_failed_for_good_fails_the_job_at_once(node):

@@ -66,6 +66,23 @@ ROWS = [
         Decision(Action.REPLACE_ONE, FailureKind.EXIT_CODE, budget=RestartBudget(4, 5)),
     ),
     (
+        "a loop worker says its budget is 10^9: it counts up to --loop-max-restarts (4)",
+        Snapshot(
+            H.FAILED,
+            RestartBudget(4, 0),
+            failure="rank 1 exit code 1",
+            loop=Loop.RUNNING,
+            loop_budget=999_999_999,
+            loop_cap=4,
+            node_in_loop=True,
+        ),
+        Decision(
+            Action.FAIL_JOB,
+            FailureKind.EXIT_CODE,
+            detail="restarts exhausted (4); rank 1 exit code 1",
+        ),
+    ),
+    (
         "a loop worker dies with both budgets spent: the job fails, naming the larger",
         Snapshot(
             H.FAILED,

@@ -534,6 +534,26 @@ def test_failures_spend_the_job_wide_budget_then_close_it(endpoint, request):
             h.shutdown()
 
 
+def test_a_replacement_on_one_node_and_a_group_restart_spend_one_job_wide_count(endpoint, request):
+    """A train-loop worker replaced on node 0 spends the restart the group restart of node 1
+    would have: the job has max_restarts=1, so that group restart closes it. Every node reads
+    the same count."""
+    run_id = f"one-count-{request.node.callspec.id}-{time.monotonic_ns()}"
+    members = handlers(endpoint, 2, run_id, max_restarts=1)
+    try:
+        form_round(members)
+        spent = members[0].spend_restart(1)
+        assert spent is not None and (spent.spent, spent.limit) == (1, 1)
+        assert members[1].spend_restart(1) is None, "none left, whoever asks"
+        assert not members[1].membership_changed(), "spending restarts no round"
+        with pytest.raises(RendezvousClosedError) as info:
+            members[1].next_rendezvous(RestartReason.FAILURE, failure="rank 1 exit code 1")
+        assert "restarts exhausted (1); rank 1 exit code 1" in info.value.closed.detail
+    finally:
+        for h in members:
+            h.shutdown()
+
+
 def test_the_node_that_created_the_job_is_told_it_failed_not_that_its_id_is_taken(
     endpoint, request
 ):

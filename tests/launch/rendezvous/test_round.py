@@ -138,6 +138,18 @@ def test_membership_changes_are_free_and_failures_spend_the_budget():
     assert (failed.status, failed.restarts) == (Status.JOINABLE, 1)
 
 
+def test_a_replacement_and_a_group_restart_spend_the_same_count():
+    final = final_round()
+    replaced = rnd.spend(final, 2)
+    assert replaced is not None and replaced.restarts == 1
+    assert (replaced.status, replaced.version) == (final.status, final.version), "the round runs on"
+    failed = rnd.reopen(replaced, RestartReason.FAILURE, max_restarts=2)
+    assert failed.restarts == 2
+    assert rnd.spend(failed, 2) is None, "both spent: none left for anyone"
+    closed = rnd.reopen(failed, RestartReason.FAILURE, max_restarts=2)
+    assert closed.status == Status.CLOSED
+
+
 def test_the_failure_past_the_budget_closes_the_job_with_what_failed():
     closed = rnd.reopen(final_round(restarts=2), RestartReason.FAILURE, 2, "rank 3 exit code 1")
     assert closed.status == Status.CLOSED

@@ -86,6 +86,9 @@ class LaunchConfig:
     stack_dump_timeout: float = 2.0  # how long to wait for hung workers' stacks
     gpu_check_interval: float = 5.0  # seconds between NVML checks; 0: none
     min_workers: int | None = None  # the train loop goes on with this many (None: all)
+    # The most restarts a train-loop script's failure budget (max_failures, which its workers
+    # report) may give the job beyond max_restarts: a worker cannot raise its own budget.
+    loop_max_restarts: int = 100
 
 
 class FailureKind(str, enum.Enum):
@@ -162,8 +165,9 @@ class WorkerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RestartBudget:
-    """The job's restarts: a group restart and a train-loop worker's replacement alike spend
-    one, here and nowhere else (``--max-restarts``)."""
+    """The job's restarts as a value: how many are spent of how many (``--max-restarts``). A
+    group restart and a train-loop worker's replacement alike spend one, through the
+    rendezvous, which keeps the one count (:meth:`RendezvousHandler.spend_restart`)."""
 
     spent: int
     limit: int

@@ -98,7 +98,7 @@ class MemoryTier:
         step = self.slot.latest_step()
         if step is None:
             return None
-        if self.restores.attempts(step) >= _restores.LIMIT:
+        if self.restores.exhausted(step):
             if step not in self._fell_back:
                 self._fell_back.add(step)
                 warnings.warn(
@@ -117,10 +117,7 @@ class MemoryTier:
 
     def banned(self) -> int | None:
         """The step not to restore from memory again (any tier's copy of it), if any."""
-        step = self.restores.last()
-        if step is not None and self.restores.attempts(step) >= _restores.LIMIT:
-            return step
-        return None
+        return self.restores.banned()
 
     def load_newest(
         self, map_location: Any, model: torch.nn.Module | None, weights_only: bool

@@ -41,6 +41,16 @@ class RestoreLog:
             return 0
         return int(parts[1]) if int(parts[0]) == step else 0
 
+    def exhausted(self, step: int) -> bool:
+        """Whether `step` was restored `LIMIT` times with no newer step saved since: it is not
+        restored from memory again."""
+        return self.attempts(step) >= LIMIT
+
+    def banned(self) -> int | None:
+        """The step not to restore from memory again, if any."""
+        step = self.last()
+        return step if step is not None and self.exhausted(step) else None
+
     def record(self, step: int) -> None:
         """One more restore of `step` from memory."""
         count = self.attempts(step) + 1

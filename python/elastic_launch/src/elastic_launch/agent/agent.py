@@ -34,6 +34,7 @@ from elastic_launch.agent.worker import SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
     AgentState,
+    Cancelled,
     FailureKind,
     RestartBudget,
     RunResult,
@@ -79,8 +80,7 @@ class ElasticAgent:
         self.team = team  # the train loop's rendezvous (started when a worker needs it)
         self._state = AgentState.INIT
         self.attempt = -1
-        self.restarts = 0  # the job's restarts (its rendezvous counts them) + replacements
-        self.replacements = 0  # train-loop workers replaced alone on this node
+        self.restarts = 0  # the job's restarts, as its rendezvous (their one count) said last
         self.failures = FailureLog(events, self.host)
         self.hangs = hangs or HangMonitor(
             config.hang_timeout, config.hang_timeout_floor, config.hang_timeout_factor
@@ -171,10 +171,10 @@ class ElasticAgent:
             formed_at=time.time(),
             store_requests=counters.store_requests,
         )
+        self.restarts = info.restart_count
         if self._kept:
             return info  # the same workers go on: neither an attempt nor a restart
         self.attempt += 1
-        self.restarts = info.restart_count + self.replacements
         _log_restart(reason, failure, info, self.restarts, self.config.max_restarts)
         return info
 
@@ -291,10 +291,20 @@ class ElasticAgent:
         return None
 
     def _replace(self, w: Worker, failure: WorkerFailure, budget: RestartBudget) -> Decision | None:
-        """A train-loop worker died: start one in its place and leave the others running
-        (they roll back and re-form without it, or with its replacement)."""
-        self.restarts = budget.spent
-        self.replacements += 1
+        """A train-loop worker died: spend one of the job's restarts (the rendezvous keeps the
+        count), start one in its place and leave the others running (they roll back and
+        re-form without it, or with its replacement)."""
+        what = f"rank {failure.rank} {describe(failure)}"
+        try:
+            spent = self.rdzv.spend_restart(budget.limit, self.cancel)
+        except Cancelled:
+            return Decision(Action.STOP)
+        except RendezvousError as e:
+            return Decision(Action.FAIL_JOB, detail=f"{what}; its restart was not counted: {e}")
+        if spent is None:  # other nodes spent the rest meanwhile
+            exhausted = RestartBudget(budget.limit, budget.limit).exhausted(what)
+            return Decision(Action.FAIL_JOB, detail=exhausted)
+        self.restarts = spent.spent
         logger.warning(
             "replacing rank %d alone (restart %d of %d) after: rank %d %s; the other workers "
             "keep running the train loop",

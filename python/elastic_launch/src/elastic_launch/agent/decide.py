@@ -27,10 +27,12 @@ of ``tests/launch/agent/test_decide.py``)::
                      from a node that is gone)
     signal           STOP                                          STOP
 
-A replacement spends one restart of the same :class:`~elastic_launch.api.RestartBudget` the
-rendezvous spends for a group restart; the decision carries the budget after it. Its limit for
-replacements is the larger of ``--max-restarts`` and the loop's own failure budget
-(``max_failures``, which the worker reports), so the loop needs no extra flag.
+A replacement spends one restart of the job's one count, which the rendezvous keeps and spends
+for a group restart too; the decision carries the budget it expects after the spend, which the
+agent makes through the rendezvous. Its limit for replacements is the larger of
+``--max-restarts`` and the loop's own failure budget (``max_failures``, which the worker
+reports), so the loop needs no extra flag; what the worker reports counts up to
+``--loop-max-restarts`` only (a worker cannot raise its own budget).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Snapshot:
     signalled: bool = False  # FAILED: killed by a signal, not an exit code
     loop: Loop = Loop.NONE  # what the worker said of the train loop
     loop_budget: int = 0  # the loop's failure budget, as the worker said it (0: not said)
+    loop_cap: int = 100  # the most restarts a loop's budget may give (--loop-max-restarts)
     node_in_loop: bool = False  # a worker of this node runs the train loop (or failed in it)
     all_succeeded: bool = False  # EXITED_OK: every worker of the attempt exited with 0
     spared: bool = False  # HUNG: the worker is spared already (its peer is being judged)
@@ -185,7 +188,7 @@ def _replace(s: Snapshot, kind: FailureKind) -> Decision:
     """A train-loop worker failed: replaced alone while the budget lasts."""
     if s.loop == Loop.FATAL:
         return Decision(Action.FAIL_JOB, kind, detail=s.failure)
-    budget = s.budget.at_least(s.loop_budget)
+    budget = s.budget.at_least(min(s.loop_budget, s.loop_cap))
     spent = budget.spend()
     if spent is None:
         return Decision(Action.FAIL_JOB, kind, detail=budget.exhausted(s.failure))

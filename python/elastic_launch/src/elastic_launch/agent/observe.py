@@ -134,6 +134,7 @@ class Observer:
             signalled=w is not None and w.signal is not None,
             loop=w.train_loop() if w is not None else Loop.NONE,
             loop_budget=w.loop_budget() if w is not None else 0,
+            loop_cap=self.config.loop_max_restarts,
             node_in_loop=in_loop,
             all_succeeded=self.group.succeeded,
             spared=w is not None and w.spared_until_ns is not None,

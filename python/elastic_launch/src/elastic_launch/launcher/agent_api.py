@@ -431,6 +431,9 @@ class MasterOverride(rdzv.RendezvousHandler):
     def membership_changed(self) -> bool:
         return self.inner.membership_changed()
 
+    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> api.RestartBudget | None:
+        return self.inner.spend_restart(limit, cancel)
+
     def num_nodes_waiting(self) -> int:
         return self.inner.num_nodes_waiting()
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_launch.api import ConfigError, LaunchError
+from elastic_launch.api import ConfigError, LaunchError, RestartBudget
 from elastic_launch.cancel import NEVER, CancelToken
 
 
@@ -181,6 +181,18 @@ class RendezvousHandler(abc.ABC):
         closed. Raises RendezvousClosedError (the job is over), RunIdInUseError,
         RendezvousVersionError, RendezvousTimeoutError, RendezvousConnectionError, or
         :class:`~elastic_launch.api.Cancelled` when `cancel` is."""
+
+    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> RestartBudget | None:
+        """Spend one of the job's restarts for a worker replaced alone (a group restart spends
+        one in :meth:`next_rendezvous`): the budget after it, or None when `limit` are spent.
+        A backend with a store keeps one count for the whole job, in the store, which every
+        node reads in :attr:`RendezvousInfo.restart_count`; this default counts on this node."""
+        spent = RestartBudget(self._spent_restarts, limit).spend()
+        if spent is not None:
+            self._spent_restarts = spent.spent
+        return spent
+
+    _spent_restarts = 0  # the default spend_restart's own count
 
     def membership_changed(self) -> bool:
         """True once the current round is over for this node: a node joined, left or failed,

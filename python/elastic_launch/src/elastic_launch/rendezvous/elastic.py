@@ -24,6 +24,7 @@ import socket
 import time
 
 from elastic_launch._version import __version__
+from elastic_launch.api import RestartBudget
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.net import PresencePort, free_port, local_address
 from elastic_launch.rendezvous import presence
@@ -191,6 +192,19 @@ class ElasticRendezvous(RendezvousHandler):
             nxt = rnd.reopen(state, reason, self.params.max_restarts, detail)
             if self.job.commit(nxt, version):
                 return
+
+    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> RestartBudget | None:
+        """One of the job's restarts, spent in the state (the count group restarts spend)."""
+        while True:
+            cancel.check()
+            state, version = self.job.read()
+            if state is None or state.status == Status.CLOSED:
+                return None
+            spent = rnd.spend(state, limit)
+            if spent is None:
+                return None
+            if self.job.commit(spent, version):
+                return RestartBudget(spent.restarts, limit)
 
     def _enter(self, state: RoundState) -> RendezvousInfo:
         """The round is final with us in it: the workers may start."""

@@ -1,7 +1,7 @@
 """Backends whose membership never changes: one node (``embedded`` with ``--nnodes 1``, and
-``--standalone``) and ``static``. Each round is answered at once; the restart budget is counted
-on this node (there is no shared store), by :class:`~elastic_launch.api.RestartBudget` like
-everywhere else."""
+``--standalone``) and ``static``. Each round is answered at once; the job's restarts (group
+restarts and workers replaced alone, one count) are counted on this node (there is no shared
+store), by :class:`~elastic_launch.api.RestartBudget` like everywhere else."""
 
 from __future__ import annotations
 
@@ -57,6 +57,12 @@ class FixedRendezvous(RendezvousHandler):
             self._restarts = spent.spent
         self._round += 1
         return self._round_info(self._round)
+
+    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> RestartBudget | None:
+        spent = RestartBudget(self._restarts, limit).spend()
+        if spent is not None:
+            self._restarts = spent.spent
+        return spent
 
     @abc.abstractmethod
     def _round_info(self, round_: int) -> RendezvousInfo:

@@ -14,7 +14,8 @@ rendezvous), or closed:
 - **closed**: the job is over (succeeded, failed, or its nodes cannot work together).
 
 Nothing here does I/O: :mod:`.elastic` reads the store, asks these functions, and writes what
-they return. The restart budget lives here and nowhere else.
+they return. The job's one restart count is the state's ``restarts``: a group restart spends
+it in :func:`reopen`, a worker replaced alone by :func:`spend`, the same count.
 """
 
 from __future__ import annotations
@@ -417,6 +418,13 @@ def abandon(state: RoundState) -> RoundState:
 # ---- final --------------------------------------------------------------------------------------
 
 
+def spend(state: RoundState, limit: int) -> RoundState | None:
+    """`state` with one more of the job's restarts spent (a group restart, or a worker replaced
+    alone: one count for both), or None when `limit` are spent already."""
+    spent = RestartBudget(state.restarts, limit).spend()
+    return None if spent is None else replace(state, restarts=spent.spent)
+
+
 def reopen(
     state: RoundState,
     reason: RestartReason,
@@ -429,11 +437,11 @@ def reopen(
     member whose leaving ends the round, so that the others can say who it was."""
     restarts = state.restarts
     if reason == RestartReason.FAILURE:
-        budget = RestartBudget(restarts, max_restarts)
-        spent = budget.spend()
+        spent = spend(state, max_restarts)
         if spent is None:
-            return close(state, CloseReason.FAILED, budget.exhausted(failure))
-        restarts = spent.spent
+            exhausted = RestartBudget(restarts, max_restarts).exhausted(failure)
+            return close(state, CloseReason.FAILED, exhausted)
+        restarts = spent.restarts
     return replace(
         state,
         version=state.version + 1,
