@@ -17,8 +17,9 @@ from pathlib import Path
 
 import elastic_core
 from elastic_launch.agent.context import NodeContext
+from elastic_launch.agent.decide import Happening
 from elastic_launch.agent.watch import Watch
-from elastic_launch.agent.workers import Finding, WorkerGroup
+from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import LaunchConfig
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
 from elastic_launch.processes.logs import LogLayout
@@ -62,7 +63,10 @@ def main() -> None:
                 os.kill(victim.pid, signal.SIGKILL)
                 while True:  # the agent's loop: the death is seen, then the replacement
                     event = group.next_event(5.0)
-                    if event is not None and event.finding == Finding.EXITED:
+                    if event is not None and event.happening in (
+                        Happening.EXITED_OK,
+                        Happening.FAILED,
+                    ):
                         break
                 group.replace(1)
                 t_first, _ = wait_file(out / f"1-{generation}.first")

@@ -7,8 +7,9 @@ import signal
 
 import pytest
 from elastic_launch.agent.context import NodeContext
+from elastic_launch.agent.decide import Happening
 from elastic_launch.agent.watch import Watch
-from elastic_launch.agent.workers import Finding, SpawnError, WorkerGroup
+from elastic_launch.agent.workers import SpawnError, WorkerGroup
 from elastic_launch.api import LaunchConfig, Std, WorkerState
 from elastic_launch.cancel import CancelToken
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
@@ -101,7 +102,7 @@ def test_a_replacement_of_a_dead_worker_starts_at_once(parts):
         group.start_all(INFO, attempt=0, restarts=0)
         watchdog.exit_process(spawner.spawned[2], signal=signal.SIGKILL)
         event = group.next_event(1.0)
-        assert event is not None and event.finding == Finding.EXITED
+        assert event is not None and event.happening == Happening.FAILED
         assert event.worker.state == WorkerState.FAILED and event.worker.signal == signal.SIGKILL
         replacement = group.replace(2)
         assert replacement.state == WorkerState.RUNNING
@@ -146,7 +147,7 @@ def test_a_hung_worker_stays_failed_when_stopped(parts):
         group.start_all(INFO, attempt=0, restarts=0)
         watchdog.hang(spawner.spawned[1])
         event = group.next_event(1.0)
-        assert event is not None and event.finding == Finding.HUNG
+        assert event is not None and event.happening == Happening.HUNG
         group.mark_failed(event.worker)
         stopped = group.stop_all(signal.SIGTERM, grace=0.2)
         assert {w.local_rank for w in stopped.stopped} == {0, 2}

@@ -150,9 +150,6 @@ class AgentState(str, enum.Enum):
         return self not in (AgentState.FAILED, AgentState.STOPPING, AgentState.STOPPED)
 
 
-#: The outcome of a launch is the agent's final state (kept under torch-like name).
-RunState = AgentState
-
 
 class WorkerState(str, enum.Enum):
     """One worker's life within an attempt (shown by ``/healthz``)."""

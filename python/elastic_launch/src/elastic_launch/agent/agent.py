@@ -28,9 +28,9 @@ from elastic_launch.agent.decide import Action, Decision, Happening, Snapshot, d
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
-from elastic_launch.agent.observe import Happened, Observer
+from elastic_launch.agent.observe import Observer
 from elastic_launch.agent.summary import describe
-from elastic_launch.agent.worker import SpawnError, UnusableGpu, Worker
+from elastic_launch.agent.worker import Happened, SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
     AgentState,
@@ -88,6 +88,7 @@ class ElasticAgent:
         self._detected_ns: int | None = None  # when the last attempt's end was seen
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
+        self._failure: WorkerFailure | None = None  # what the last decision recorded
         self.observer = Observer(group, rendezvous, cancel, self.hangs, self.failures)
 
     # ---- state -----------------------------------------------------------------------------
@@ -257,13 +258,15 @@ class ElasticAgent:
     # ---- deciding --------------------------------------------------------------------------------
 
     def _decide(self, h: Happened) -> Decision:
-        """Decide on `h`, and record the failure the decision acts on."""
-        budget = self._budget()
-        decision = decide(self.observer.snapshot(h, budget))
-        if decision.failure is not None and h.failure is not None:
+        """Decide on `h`, and record the failure the decision acts on, as the kind it says
+        (:attr:`_failure`)."""
+        decision = decide(self.observer.snapshot(h, self._budget()))
+        self._failure = None
+        if decision.failure is not None:
             if h.worker is not None:
                 self.group.mark_failed(h.worker)
-            self.failures.record(dataclasses.replace(h.failure, kind=decision.failure))
+            self._failure = self.observer.failure(h, decision.failure)
+            self.failures.record(self._failure)
         return decision
 
     def _budget(self) -> RestartBudget:
@@ -286,8 +289,8 @@ class ElasticAgent:
             )
         elif decision.action == Action.REPLACE_ONE and w is not None:
             assert decision.budget is not None
-            assert h.failure is not None
-            return self._replace(w, h.failure, decision.budget)
+            assert self._failure is not None
+            return self._replace(w, self._failure, decision.budget)
         return None
 
     def _replace(self, w: Worker, failure: WorkerFailure, budget: RestartBudget) -> Decision | None:

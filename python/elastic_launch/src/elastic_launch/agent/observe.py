@@ -1,50 +1,35 @@
-"""What happened, as the agent sees it: the next happening of a running attempt, and the
-:class:`~elastic_launch.agent.decide.Snapshot` a decision reads.
+"""What happened, as the agent sees it: the next happening of a running attempt, the
+:class:`~elastic_launch.agent.decide.Snapshot` a decision reads, and the record of a failure
+once the decision has said what failure it is.
 
 This is where the agent reads the world (the watchdog's events, the hang monitor, the heartbeat
-slots, a worker's loop file and stacks, NVML before a start); the decision itself reads nothing.
+slots, a worker's loop file, error file and stacks); the decision itself reads nothing, and
+the observer decides nothing: a failure's kind is the decision's.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import elastic_core
 
 from elastic_launch.agent.decide import Happening, Loop, Snapshot
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor, beats_of
-from elastic_launch.agent.summary import describe
-from elastic_launch.agent.worker import Finding, Worker, WorkerEvent
+from elastic_launch.agent.summary import ended
+from elastic_launch.agent.worker import Happened, Worker
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import FailureKind, RestartBudget, WorkerFailure
 from elastic_launch.cancel import CancelToken
 from elastic_launch.rendezvous.api import RendezvousHandler
 
-#: The failure a happening is, for its record and the job's message (FAILED: by its status).
-_KINDS = {
-    Happening.HUNG: FailureKind.HUNG,
-    Happening.STILL_STUCK: FailureKind.HUNG,
-    Happening.GPU_FAULT: FailureKind.GPU,
-    Happening.GPU_UNUSABLE: FailureKind.GPU,
-    Happening.SPAWN_FAILED: FailureKind.SPAWN,
-}
 NO_STACK = "(no Python stack: the worker did not answer)"
-
-
-@dataclass
-class Happened:
-    """Something that happened: the inputs of one decision."""
-
-    happening: Happening
-    worker: Worker | None = None
-    time_ns: int = 0
-    detail: str = ""
-    rank: int = -1  # without a worker (a spawn failure, an unusable GPU)
-    local_rank: int = -1
-    replacing: bool = False  # SPAWN_FAILED: a replacement's
-    stack: str = ""  # HUNG: the worker's Python stacks
-    failure: WorkerFailure | None = None  # what it is as a failure, set by the snapshot
+#: How a happening reads in the job's message (FAILED: by how the process ended).
+_SAID = {
+    Happening.HUNG: "hung",
+    Happening.STILL_STUCK: "hung",
+    Happening.GPU_FAULT: "GPU fault",
+    Happening.GPU_UNUSABLE: "GPU fault",
+    Happening.SPAWN_FAILED: "could not start",
+}
 
 
 class Observer:
@@ -74,9 +59,9 @@ class Observer:
             return Happened(Happening.SIGNAL)
         if self.rdzv.membership_changed():
             return Happened(Happening.MEMBERSHIP)
-        event = self.group.next_event(self.config.monitor_interval)
-        if event is not None:
-            return self._of_event(event)
+        happened = self.group.next_event(self.config.monitor_interval)
+        if happened is not None:
+            return self._of_event(happened)
         hung = self._hung_under_auto()
         if hung is not None:
             return hung
@@ -86,17 +71,16 @@ class Observer:
             return Happened(Happening.STILL_STUCK, w, elastic_core.now_ns(), detail)
         return None
 
-    def _of_event(self, event: WorkerEvent) -> Happened:
-        w = event.worker
-        if event.finding == Finding.EXITED:
-            happening = Happening.EXITED_OK if w.exit_code == 0 else Happening.FAILED
-            return Happened(happening, w, event.time_ns, event.detail)
-        if event.finding == Finding.GPU:
-            return Happened(Happening.GPU_FAULT, w, event.time_ns, event.detail)
+    def _of_event(self, h: Happened) -> Happened:
+        """A hang, with the evidence: the advice on its limit and the worker's stacks."""
+        w = h.worker
+        if h.happening != Happening.HUNG or w is None:
+            return h
         slot = self.group.beats().get(w.local_rank)
         own = slot.timeout_ms / 1000 if slot is not None else 0.0
-        detail = f"{event.detail}; {self.hangs.advice(own)}"
-        return Happened(Happening.HUNG, w, event.time_ns, detail, stack=self._stack(w))
+        h.detail = f"{h.detail}; {self.hangs.advice(own)}"
+        h.stack = self._stack(w)
+        return h
 
     def _hung_under_auto(self) -> Happened | None:
         """Under ``--hang-timeout auto``, the worker the hang monitor judges hung."""
@@ -123,19 +107,17 @@ class Observer:
     # ---- the snapshot ------------------------------------------------------------------------
 
     def snapshot(self, h: Happened, budget: RestartBudget) -> Snapshot:
-        """What the decision on `h` reads; `h.failure` is built (not recorded)."""
+        """What the decision on `h` reads."""
         w = h.worker
-        in_loop = self.group.in_train_loop()
-        h.failure = self._failure_of(h)
         return Snapshot(
             h.happening,
             budget,
-            failure=self._failure_text(h),
+            failure=self._said(h),
             signalled=w is not None and w.signal is not None,
             loop=w.train_loop() if w is not None else Loop.NONE,
             loop_budget=w.loop_budget() if w is not None else 0,
             loop_cap=self.config.loop_max_restarts,
-            node_in_loop=in_loop,
+            node_in_loop=self.group.in_train_loop(),
             all_succeeded=self.group.succeeded,
             spared=w is not None and w.spared_until_ns is not None,
             waits_on_peer="torch/distributed/" in h.stack,
@@ -150,13 +132,10 @@ class Observer:
             return beat.timeout_ms / 1000
         return self.hangs.limit()
 
-    def _failure_of(self, h: Happened) -> WorkerFailure | None:
-        kind = _KINDS.get(h.happening)
+    def failure(self, h: Happened, kind: FailureKind) -> WorkerFailure:
+        """The record of `h` as the failure the decision said it is: the worker's status, its
+        error file and, for a hang, when it last beat."""
         w = h.worker
-        if h.happening == Happening.FAILED and w is not None:
-            kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
-        if kind is None:
-            return None
         if w is None:
             return self.failures.new(kind, h.rank, h.local_rank, detail=h.detail)
         beat = self.group.beats().get(w.local_rank)
@@ -165,12 +144,18 @@ class Observer:
         failure.stack = h.stack
         return failure
 
-    def _failure_text(self, h: Happened) -> str:
-        """The failure in words, for the job's message should the decision end it."""
+    def _said(self, h: Happened) -> str:
+        """The happening in words, for the job's message should the decision end it."""
         if h.happening == Happening.SPAWN_FAILED and h.replacing:
             return f"a replacement for rank {h.rank} could not start: {h.detail}"
-        f = h.failure
-        line = f"rank {f.rank} {describe(f)}" if f is not None else ""
+        w = h.worker
+        if h.happening == Happening.FAILED and w is not None:
+            what = ended(w.signal, w.exit_code, h.detail)
+        elif h.happening in _SAID:
+            what = f"{_SAID[h.happening]}: {h.detail}"
+        else:
+            return ""
+        line = f"rank {w.rank if w is not None else h.rank} {what}"
         if h.happening == Happening.GPU_UNUSABLE:
             return f"an unusable GPU on {self.host}: {line}"
         return line

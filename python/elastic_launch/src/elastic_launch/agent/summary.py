@@ -20,25 +20,28 @@ def describe(f: WorkerFailure) -> str:
     if f.kind == FailureKind.SPAWN:
         return f"could not start: {f.detail}"
     if f.kind == FailureKind.STOPPED:
-        status = _status(f)
+        status = _status(f.signal, f.exit_code)
         return f"stopped by elasticrun after the root cause ({f.detail}; {status})"
-    return (
-        _status(f)
-        if f.signal is not None or f.exit_code is not None
-        else (f.detail or "exited (status unknown)")
-    )
+    return ended(f.signal, f.exit_code, f.detail)
 
 
-def _status(f: WorkerFailure) -> str:
+def ended(signum: int | None, exit_code: int | None, detail: str = "") -> str:
+    """How a process ended: its signal or exit code (else `detail`)."""
+    if signum is None and exit_code is None:
+        return detail or "exited (status unknown)"
+    return _status(signum, exit_code)
+
+
+def _status(signum: int | None, exit_code: int | None) -> str:
     """How the process ended: its signal or exit code."""
-    if f.signal is not None:
+    if signum is not None:
         try:
-            name = signal.Signals(f.signal).name
+            name = signal.Signals(signum).name
         except ValueError:
-            name = f"signal {f.signal}"
-        return f"killed by {name} (signal {f.signal})"
-    if f.exit_code is not None:
-        return f"exit code {f.exit_code}"
+            name = f"signal {signum}"
+        return f"killed by {name} (signal {signum})"
+    if exit_code is not None:
+        return f"exit code {exit_code}"
     return "status unknown"
 
 

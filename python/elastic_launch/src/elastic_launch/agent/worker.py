@@ -1,5 +1,5 @@
-"""The records of one node's workers: a :class:`Worker` per process of the attempt, what the
-watchdog finds about it (:class:`WorkerEvent`), and the errors and reports of the group.
+"""The records of one node's workers: a :class:`Worker` per process of the attempt, what happens
+to it (:class:`Happened`), and the errors and reports of the group.
 
 Only the worker group (:mod:`elastic_launch.agent.workers`) changes a :class:`Worker`; the agent
 reads them.
@@ -7,13 +7,12 @@ reads them.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 import elastic_core
 
-from elastic_launch.agent.decide import Loop
+from elastic_launch.agent.decide import Happening, Loop
 from elastic_launch.api import WorkerState
 from elastic_launch.processes.spawn import Process
 from elastic_launch.rendezvous import team
@@ -89,22 +88,20 @@ class Worker:
         return team.read_loop_file(text)
 
 
-class Finding(str, enum.Enum):
-    """What the watchdog found about a worker."""
+@dataclass
+class Happened:
+    """Something that happened to a worker (a live worker of this attempt: the group drops what
+    the watchdog says of a replaced or earlier one) or to the node: the inputs of one
+    decision. What it is as a failure is the decision's to say."""
 
-    EXITED = "exited"
-    HUNG = "hung"
-    GPU = "gpu"
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    """A finding about a live worker of this attempt (stale ones never reach the agent)."""
-
-    finding: Finding
-    worker: Worker
-    time_ns: int
-    detail: str
+    happening: Happening
+    worker: Worker | None = None
+    time_ns: int = 0
+    detail: str = ""
+    rank: int = -1  # without a worker (a spawn failure, an unusable GPU)
+    local_rank: int = -1
+    replacing: bool = False  # SPAWN_FAILED: a replacement's
+    stack: str = ""  # HUNG: the worker's Python stacks
 
 
 @dataclass(frozen=True)

@@ -26,17 +26,16 @@ import elastic_core
 from elastic_launch import compat
 from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
-from elastic_launch.agent.decide import Loop
+from elastic_launch.agent.decide import Happening, Loop
 from elastic_launch.agent.startup import Startup
 from elastic_launch.agent.watch import Watch
 from elastic_launch.agent.worker import (
-    Finding,
+    Happened,
     SpawnError,
     Stopped,
     UnusableGpu,
     Watcher,
     Worker,
-    WorkerEvent,
 )
 from elastic_launch.api import WorkerState
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, clock
@@ -242,9 +241,10 @@ class WorkerGroup:
 
     # ---- watching ------------------------------------------------------------------------------
 
-    def next_event(self, timeout: float) -> WorkerEvent | None:
-        """The watchdog's next finding about a live worker of this attempt (exits are recorded
-        and reaped first); None if none came within `timeout`."""
+    def next_event(self, timeout: float) -> Happened | None:
+        """What the watchdog says next of a live worker of this attempt (exits are recorded
+        and reaped first): it exited (with 0 or not), hung, or its GPU failed; None if nothing
+        came within `timeout`."""
         event = self.watchdog.poll(timeout=timeout)
         if event is None:
             return None
@@ -253,12 +253,14 @@ class WorkerGroup:
             return None  # about a worker that was replaced, or of an earlier attempt
         if event.kind == elastic_core.EventKind.EXITED:
             self._mark_exited(w, event)
-            return WorkerEvent(Finding.EXITED, w, event.time_ns, event.detail)
-        if event.kind == elastic_core.EventKind.HUNG:
-            return WorkerEvent(Finding.HUNG, w, event.time_ns, event.detail)
-        if event.kind == elastic_core.EventKind.GPU_UNHEALTHY:
-            return WorkerEvent(Finding.GPU, w, event.time_ns, event.detail)
-        return None
+            what = Happening.EXITED_OK if w.exit_code == 0 else Happening.FAILED
+        elif event.kind == elastic_core.EventKind.HUNG:
+            what = Happening.HUNG
+        elif event.kind == elastic_core.EventKind.GPU_UNHEALTHY:
+            what = Happening.GPU_FAULT
+        else:
+            return None
+        return Happened(what, w, event.time_ns, event.detail)
 
     def set_hang_timeout(self, seconds: float) -> None:
         """Every worker's heartbeat limit in the watchdog, now and for those started later
@@ -460,12 +462,10 @@ def _read_from(path: str, offset: int) -> str:
 
 
 __all__ = [
-    "Finding",
     "SpawnError",
     "Stopped",
     "UnusableGpu",
     "Watcher",
     "Worker",
-    "WorkerEvent",
     "WorkerGroup",
 ]

@@ -54,7 +54,9 @@ __all__ = [
 
 
 class WorkerState(str, enum.Enum):
-    """torch's states of a worker group (their values are torch's)."""
+    """torch's states of a worker group (their values are torch's); elasticrun's own are the
+    agent's (:class:`~elastic_launch.api.AgentState`) and each worker's
+    (:class:`~elastic_launch.api.WorkerState`)."""
 
     UNKNOWN = "UNKNOWN"
     INIT = "INIT"
@@ -217,7 +219,8 @@ class WorkerSpec:
 
 @dataclass
 class Worker:
-    """One worker of a run (torch's view): its ranks and process id."""
+    """One worker of a run, torch's view of elasticrun's
+    (:class:`~elastic_launch.agent.worker.Worker`): its ranks and process id."""
 
     local_rank: int
     global_rank: int = -1
@@ -228,7 +231,8 @@ class Worker:
 
 
 class WorkerGroup:
-    """The node's workers of a run (torch's view)."""
+    """The node's workers of a run, torch's view of elasticrun's
+    (:class:`~elastic_launch.agent.workers.WorkerGroup`), filled in when the run ends."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -243,7 +247,8 @@ class WorkerGroup:
 
 @dataclass
 class RunResult:
-    """torch's ``RunResult``: the state, return values and failures, by global rank."""
+    """torch's ``RunResult``: the state, return values and failures, by global rank; made from
+    elasticrun's (:class:`~elastic_launch.api.RunResult`) by :meth:`of`."""
 
     state: WorkerState
     return_values: dict[int, Any] = field(default_factory=dict)
@@ -251,6 +256,11 @@ class RunResult:
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED
+
+    @staticmethod
+    def of(result: api.RunResult) -> RunResult:
+        """torch's view of elasticrun's result (the failures as torch's ProcessFailures)."""
+        return RunResult.of(result)
 
 
 @dataclass
