@@ -111,3 +111,22 @@ def test_prefix_end_is_the_first_key_after_every_key_of_the_prefix():
     assert prefix_end(b"/a/") == b"/a0"
     assert prefix_end(b"a\xff") == b"b"
     assert prefix_end(b"\xff\xff") == b"\0"
+
+
+@pytest.mark.timeout(60)
+def test_the_retry_time_the_rendezvous_sets_on_the_store_is_the_one_its_calls_use():
+    """Once the job runs, the rendezvous shortens the store's retries to its reconnect
+    timeout: every call through the connection obeys it (a call retrying for the old 600 s
+    would outlive this test's limit)."""
+    from elastic_launch.net import free_port
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    access = StoreAccess("the store at nowhere", retry_for=600, read_timeout=0.2)
+    store = EtcdV3Store(f"127.0.0.1:{free_port()}", access)
+    try:
+        store.retry_for = 0.3
+        assert store.client.retry_for == 0.3
+        with pytest.raises(StoreError, match="unreachable"):
+            store.get("/x")
+    finally:
+        store.close()

@@ -180,6 +180,14 @@ class EtcdV3Store(Store):
         request = rpc_pb2.DeleteRangeRequest(key=k, range_end=prefix_end(k) if prefix else b"")
         self.client.call(self.client.kv.DeleteRange, request)
 
+    @property
+    def retry_for(self) -> float:
+        return self.client.retry_for
+
+    @retry_for.setter
+    def retry_for(self, seconds: float) -> None:
+        self.client.retry_for = seconds  # what every call, the lease's and watches' too, reads
+
     # ---- lease ---------------------------------------------------------------------------
 
     def start_liveness(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:

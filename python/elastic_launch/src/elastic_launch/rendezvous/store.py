@@ -164,12 +164,22 @@ class Store(abc.ABC):
 
             read_timeout = float(default_of("read_timeout"))
         self.name = access.name
-        self.retry_for = access.retry_for  # seconds a request keeps retrying an unreachable store
+        self._retry_for = access.retry_for
         self.read_timeout = read_timeout  # seconds one request may take
         self.cancel = cancel
         self._requests = 0
         self._count_lock = threading.Lock()
         self._on_lost: Callable[[], None] = lambda: None
+
+    @property
+    def retry_for(self) -> float:
+        """Seconds a request keeps retrying an unreachable store (the rendezvous shortens it
+        to its reconnect timeout once the job runs)."""
+        return self._retry_for
+
+    @retry_for.setter
+    def retry_for(self, seconds: float) -> None:
+        self._retry_for = seconds
 
     def _count(self, n: int = 1) -> None:
         with self._count_lock:
