@@ -21,7 +21,7 @@ CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -t
 PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml \
 	python/elastic_launch/hatch_build.py $(wildcard python/elastic_launch/src/elastic_launch/rendezvous/etcdpb/*.proto)
 
-.PHONY: run test bench lint cpp ctest pytest consumer demo-consumer setup clean
+.PHONY: run test test-loaded bench lint cpp ctest pytest consumer demo-consumer setup clean
 
 # The example job under elasticrun: 2 workers, gloo on CPU; one worker is killed at step 150 to
 # show the restart and the resume from the checkpoint.
@@ -90,6 +90,11 @@ $(BUILD)/consumer/elastic-consumer: cpp cpp/examples/consumer/consumer.c cpp/exa
 pytest: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer
 	ELASTIC_CONSUMER_BIN=$(abspath $(BUILD)/consumer/elastic-consumer) \
 	  $(VPY) -m pytest -n 2 --dist loadfile --durations=15
+
+# The slow tests beside two CPU-bound processes: no verdict may depend on the machine's speed.
+test-loaded: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer
+	ELASTIC_CONSUMER_BIN=$(abspath $(BUILD)/consumer/elastic-consumer) \
+	  $(VPY) tests/under_load.py --burners 2 -m slow -n 2 --dist loadfile --durations=15
 
 lint: $(VENV)/.stamp-packages
 	$(VENV)/bin/ruff check .

@@ -1,18 +1,20 @@
 """A configurable worker for the launcher's integration tests.
 
 Records its pid (so tests can check nothing is left running) and its environment, then trains
-(with torch, so optimizer steps beat) or idles, and fails the way the flags say on the attempts
-they name.
+(with torch, so optimizer steps beat: worker_torch.py) or idles, and fails the way the flags say
+on the attempts they name. It does not import torch itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 
 def write(path: str, text: str) -> None:
@@ -102,38 +104,11 @@ def scribble(pattern: str) -> None:
             time.sleep(0.01)
 
 
-def all_reduce(args: argparse.Namespace, tag: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    with open(os.path.join(args.out, f"{tag}.dist.json"), "w") as f:
-        json.dump(
-            {
-                "sum": t.item(),
-                "launched": dist.is_torchelastic_launched(),
-                "world": dist.get_world_size(),
-                "rank": dist.get_rank(),
-            },
-            f,
-        )
-
-
-def train(args: argparse.Namespace, failing: bool, rank: int, restarts: int) -> None:
-    import torch
-
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(args.steps):
-        if failing and step == args.fail_at_step:
-            fail(args, rank, restarts)
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        time.sleep(args.step_time)
+def torch_parts() -> Any:
+    """worker_torch, imported by name when a flag needs it: `--preload auto` reads the
+    script's imports (and its own directory's modules'), and would import torch in every
+    launch's zygote for the many tests that never use it."""
+    return importlib.import_module("worker_torch")
 
 
 def main() -> None:
@@ -147,18 +122,15 @@ def main() -> None:
         print(f"{args.print} err rank {rank}", file=sys.stderr, flush=True)
     failing = rank == args.fail_rank and restarts < args.fail_until
     if args.dist:
-        all_reduce(args, tag)
+        torch_parts().all_reduce(args, tag)
     if args.steps:
-        train(args, failing, rank, restarts)
+        torch_parts().train(args, failing, rank, restarts, fail)
     elif failing:
         fail(args, rank, restarts)
     if args.hold_round and os.environ.get("ELASTICRUN_ROUND") == str(args.hold_round):
         time.sleep(300)
     if args.dist:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+        torch_parts().end(args)
     time.sleep(args.sleep)
 
 

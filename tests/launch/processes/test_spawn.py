@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
-from elastic_launch.processes.spawn import PopenProcess
+from elastic_launch.processes.spawn import ForkedProcess, PopenProcess
 
 
 def test_a_stopped_worker_ends_at_its_sigterm_not_after_the_grace():
@@ -26,6 +27,35 @@ def test_a_stopped_worker_ends_at_its_sigterm_not_after_the_grace():
         if popen.poll() is None:
             popen.kill()
             popen.wait()
+
+
+def test_a_stop_sent_before_a_forked_worker_has_its_own_group_still_reaches_it():
+    """A zygote answers with the worker's pid as soon as it forked; the worker makes its own
+    session a moment later. A group stop sent in between went nowhere (no such group), and the
+    worker ran until the SIGKILL at the end of the grace (30 s)."""
+    r, w = os.pipe()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    pid = os.fork()
+    if pid == 0:  # as a zygote's worker: stop signals blocked until it has its own group
+        os.read(r, 1)
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        time.sleep(60)
+        os._exit(0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    status = None
+    try:
+        ForkedProcess(pid).signal_group(signal.SIGTERM)  # before the worker's setsid
+        os.write(w, b"x")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+        os.close(w)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
 
 
 def _state(pid: int) -> str:

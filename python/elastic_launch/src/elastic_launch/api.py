@@ -150,7 +150,6 @@ class AgentState(str, enum.Enum):
         return self not in (AgentState.FAILED, AgentState.STOPPING, AgentState.STOPPED)
 
 
-
 class WorkerState(str, enum.Enum):
     """One worker's life within an attempt (shown by ``/healthz``)."""
 

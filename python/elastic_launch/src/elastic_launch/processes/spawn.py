@@ -93,10 +93,20 @@ class Process(abc.ABC):
         """Send `sig` to the process's whole group: everything the worker started (its group
         id is its pid, held until the process is reaped). A stopped process acts on a signal
         only once continued: SIGCONT follows (as a shell's kill does), so a SIGSTOPped worker
-        ends at its SIGTERM instead of sitting out the whole grace before SIGKILL."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        ends at its SIGTERM instead of sitting out the whole grace before SIGKILL.
+
+        A worker forked a moment ago may not have made its group yet (the zygote answers with
+        its pid at once): the process itself gets the signal then. It holds the stop signals
+        blocked until its handlers are set, so the signal waits for it, and is not lost."""
+        try:
             os.killpg(self.pid, sig)
-            if sig not in (signal.SIGKILL, signal.SIGCONT, signal.SIGSTOP):
+        except ProcessLookupError:
+            self.signal(sig)  # no such group (yet): the process, if it still runs
+            return
+        except PermissionError:
+            return
+        if sig not in (signal.SIGKILL, signal.SIGCONT, signal.SIGSTOP):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGCONT)
 
 
