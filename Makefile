@@ -89,7 +89,7 @@ $(BUILD)/consumer/elastic-consumer: cpp cpp/examples/consumer/consumer.c cpp/exa
 
 pytest: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer
 	ELASTIC_CONSUMER_BIN=$(abspath $(BUILD)/consumer/elastic-consumer) \
-	  $(VPY) -m pytest -n 2 --dist loadfile --durations=15
+	  $(VPY) -m pytest -n 3 --dist loadfile --durations=15
 
 # The slow tests beside two CPU-bound processes: no verdict may depend on the machine's speed.
 test-loaded: $(VENV)/.stamp-packages $(VENV)/.stamp-debian $(BUILD)/consumer/elastic-consumer

@@ -119,16 +119,6 @@ class Processes:
 
 
 @pytest.fixture
-def background() -> list[str]:
-    """A command prefix for heavy builds (a C++ wheel, a virtualenv): lowest CPU and I/O
-    priority, so that the tests another pytest process runs meanwhile keep their timing."""
-    import shutil
-
-    prefix = ["nice", "-n", "19"] if shutil.which("nice") else []
-    return prefix + (["ionice", "-c", "3"] if shutil.which("ionice") else [])
-
-
-@pytest.fixture
 def procs() -> Iterator[Processes]:
     p = Processes()
     yield p

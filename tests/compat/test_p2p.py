@@ -342,10 +342,10 @@ def test_sync_retryable_exception(job):
     url, group = job
     # A rank that had not yet connected to a peer when that peer left the group retries the
     # connection until the group's timeout (gloo's, 10 s here) before it fails and rejoins;
-    # upstream's "all 4 train 5 samples" needs the others' next round to wait for it that long,
-    # and more on a loaded machine (12 s was once too short). When every rank is back at once
-    # (the usual case), the last call is skipped.
-    u = url(last_call=30)
+    # upstream's "all 4 train 5 samples" needs the others' next round to wait for it however
+    # long that takes. A last call is a duration (30 s was once too short on a loaded machine:
+    # 6, 6, 6 and 2 samples): every round here waits for all four instead.
+    u = url(min_size=4)
     start(group, u, 2, rerendezvous=True)
     start(group, u, 2, rerendezvous=True, fail_sync_at=3)
     seen = [result(o) for o in group.outcomes().values()]

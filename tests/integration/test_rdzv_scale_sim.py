@@ -1,8 +1,10 @@
 """The rendezvous scale benchmark's simulator (benchmarks/bench_rdzv_scale.py) at a small N:
 real handlers in two processes against a real etcd, in both of its shapes (one gRPC channel
 per process, one per agent as deployed). It must form the round, and etcd must serve both
-shapes the same requests and bytes per agent: the shared channel changes the client's cost,
-not what the store sees."""
+shapes alike: the shared channel changes the client's cost, not what the store sees. How many
+compare-and-swaps lose and are retried depends on timing (more on a loaded machine), so each
+shape's requests per agent must lie in the protocol's band, and what one request carries must
+be the same in both."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ def test_both_simulator_shapes_form_the_round_and_etcd_serves_them_alike(tmp_pat
         assert r["round_ok"], (shape, r.get("round_errors"), r.get("commits"))
         assert r["round_done"] == n and r["world"] == [n]
         seen[shape] = bench_rdzv_scale.etcd_per_agent(r)
+    for shape in ("shared", "own"):
+        # The protocol's 11-14 a round, and a few retries.
+        assert 8 <= seen[shape]["requests"] <= 20, seen
     shared, own = seen["shared"], seen["own"]
-    assert 8 <= own["requests"] <= 20, seen  # the protocol's 11-14 a round, and a retry or two
-    for what in ("requests", "kib_in", "kib_out"):
-        assert shared[what] == pytest.approx(own[what], rel=0.2), (what, seen)
+    for what in ("kib_in", "kib_out"):
+        per_request = shared[what] / shared["requests"], own[what] / own["requests"]
+        assert per_request[0] == pytest.approx(per_request[1], rel=0.2), (what, seen)

@@ -7,8 +7,8 @@ Every rank takes 5 steps, runs the phase, takes 5 more steps and exits 0. Each p
 its pid to DIR/<rank>.pid first, so the test can end everything it started.
 
 The busy phases work a quarter of the time (as a host thread feeding a GPU): five times the
-CPU the detector takes for evidence of progress, and, for the six such workers a test runs
-side by side, a load the machine carries without starving the tests running beside them.
+CPU the detector takes for evidence of progress, and, for the workers a test runs side by
+side, a load the machine carries without starving the tests running beside them.
 """
 
 from __future__ import annotations
