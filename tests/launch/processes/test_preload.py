@@ -109,16 +109,12 @@ def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):
         "import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n",
     ],
 )
-def test_a_script_that_builds_an_optimizer_or_ddp_is_told_how_to_preload_dynamo(tmp_path, text):
-    """Their first construction imports torch._dynamo: seconds in every new worker. auto
-    leaves it out (a DDP teardown can deadlock with it imported before the fork) and says how
-    to opt in; named, it is preloaded."""
+def test_a_script_that_builds_an_optimizer_or_ddp_gets_dynamo_preloaded(tmp_path, text):
+    """Their first construction imports torch._dynamo: seconds in every new worker, paid once
+    in the zygote instead (named too, it is preloaded once)."""
     ep = script(tmp_path / "train.py", text)
-    chosen = plan(["auto"], ep)
-    assert chosen.modules == ["torch"]
-    assert chosen.hint is not None and "--preload auto,torch._dynamo" in chosen.hint
-    opted = plan(["auto", "torch._dynamo"], ep)
-    assert opted.modules == ["torch", "torch._dynamo"] and opted.hint is None
+    assert plan(["auto"], ep).modules == ["torch", "torch._dynamo"]
+    assert plan(["auto", "torch._dynamo"], ep).modules == ["torch", "torch._dynamo"]
 
 
 @pytest.mark.parametrize(
@@ -128,10 +124,9 @@ def test_a_script_that_builds_an_optimizer_or_ddp_is_told_how_to_preload_dynamo(
         "import numpy as np\nopt = np.optim\n",  # no torch: nothing of torch's
     ],
 )
-def test_a_script_without_an_optimizer_or_ddp_gets_no_hint(tmp_path, text):
+def test_a_script_without_an_optimizer_or_ddp_gets_no_dynamo(tmp_path, text):
     ep = script(tmp_path / "train.py", text)
-    chosen = plan(["auto"], ep)
-    assert "torch._dynamo" not in chosen.modules and chosen.hint is None
+    assert "torch._dynamo" not in plan(["auto"], ep).modules
 
 
 def test_named_modules_come_on_top_and_none_means_fresh(tmp_path):

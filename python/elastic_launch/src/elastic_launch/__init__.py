@@ -18,7 +18,7 @@ The parts, top to bottom (each imports only those below it):
 - ``processes``: spawning workers, the zygote, the worker's own side, the guardian
 - the foundation: ``api`` (interfaces, data classes, errors), ``cancel`` (deadlines and
   cancellation), ``compat`` (torchrun's environment contract), ``errors`` (error files,
-  ``@record``), ``net``
+  ``@record``), ``net``, ``teardown`` (how a worker lets go of its process groups and ends)
 """
 
 from __future__ import annotations

@@ -71,8 +71,6 @@ def run(
         node = stack.enter_context(watch(c.nproc_per_node, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         chosen = preload.plan(c.preload, entrypoint)
-        if chosen.hint:
-            logger.info("--preload auto: %s", chosen.hint)
         spawner = spawner_for(chosen, c.start_method, entrypoint, cancel, guardian)
         stack.callback(spawner.close)
         timer_env = stack.enter_context(compat.file_timer(layout.run_dir, run_id, random_id()))

@@ -31,11 +31,10 @@ NONE = "none"
 TORCH = "torch"
 TRAIN_LOOP = "elastic_launch.train_loop"
 LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd_v3"
-#: What the first optimizer or DDP model imports (measured at 3-4 s on this 2-core machine with
-#: torch loaded). Not preloaded by ``auto``: with it imported before the fork, a worker's DDP
-#: teardown can deadlock in torch (ProcessGroupGloo's destructor joins its work thread while
-#: holding the GIL, and that thread frees a finished work whose thread-local state holds a
-#: Python object); a script that builds one is told how to opt in (:attr:`Plan.hint`).
+#: What the first optimizer or DDP model imports: 1.5 s alone, 3-5 s when several workers import
+#: it at once on this 2-core machine, paid by every new worker before its first step. ``auto``
+#: preloads it for a script that builds one (a worker's teardown cannot deadlock on it since the
+#: workers keep the groups they end and skip the interpreter's teardown: ``teardown``).
 DYNAMO = "torch._dynamo"
 _DYNAMO_USERS = ("torch.optim", "torch.nn.parallel", "torch.distributed.optim")
 _DYNAMO_MENTIONS = {"optim", "DistributedDataParallel"}
@@ -74,7 +73,6 @@ class Plan:
     modules: list[str]
     zygote: bool
     why_not: str | None = None
-    hint: str | None = None  # a module worth preloading that auto leaves out, and how
 
 
 def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
@@ -93,14 +91,7 @@ def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
             "--no-python); its workers start as fresh processes",
         )
     modules = [m for m in auto_modules(entrypoint) if m not in named] if auto else []
-    hint = None
-    if auto and DYNAMO not in named and TORCH in modules and builds_dynamo_users(entrypoint):
-        hint = (
-            "the script builds an optimizer or a DDP model, whose first construction imports "
-            f"{DYNAMO} (seconds in every new worker); --preload auto,{DYNAMO} preloads it "
-            "(docs/launcher.md#preload says why it is not the default)"
-        )
-    return Plan(modules + named, zygote=True, hint=hint)
+    return Plan(modules + named, zygote=True)
 
 
 def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None, str | None]:
@@ -222,20 +213,23 @@ def imported_modules(entrypoint: Entrypoint) -> set[str]:
 
 
 def auto_modules(entrypoint: Entrypoint) -> list[str]:
-    """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch, and the
-    classic train loop with its rendezvous client (gRPC) when it runs the loop."""
-    names = imported_modules(entrypoint)
+    """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch (and
+    torch._dynamo when it builds an optimizer or a DDP model), and the classic train loop with
+    its rendezvous client (gRPC) when it runs the loop."""
+    sources = read_sources(entrypoint)
+    names = sources.imports
     roots = {n.split(".", maxsplit=1)[0] for n in names}
     modules = [TORCH] if TORCH in roots else []
+    if modules and _builds_dynamo_users(sources):
+        modules.append(DYNAMO)
     if any(n == TRAIN_LOOP or n.startswith(TRAIN_LOOP + ".") for n in names):
         modules += [TRAIN_LOOP, LOOP_RENDEZVOUS]
     return modules
 
 
-def builds_dynamo_users(entrypoint: Entrypoint) -> bool:
-    """Whether the entrypoint's sources build what imports ``torch._dynamo`` on first use: an
-    optimizer (``torch.optim``, however imported) or ``DistributedDataParallel``."""
-    sources = read_sources(entrypoint)
+def _builds_dynamo_users(sources: Sources) -> bool:
+    """Whether the sources build what imports ``torch._dynamo`` on first use: an optimizer
+    (``torch.optim``, however imported) or ``DistributedDataParallel``."""
     if any(n.startswith(_DYNAMO_USERS) for n in sources.imports):
         return True
     return bool(sources.mentions & _DYNAMO_MENTIONS)

@@ -29,7 +29,7 @@ from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.processes.entrypoint import Entrypoint, Kind, main_path
 from elastic_launch.processes.preload import Plan, import_time_mismatch
-from elastic_launch.processes.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_forked
+from elastic_launch.processes.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_worker
 
 if TYPE_CHECKING:
     from elastic_launch.processes.guardian import Guardian
@@ -323,7 +323,7 @@ class FunctionFork(Spawner):
         if pid == 0:  # the child never returns from here
             with contextlib.suppress(BaseException):
                 handover = Handover(env=request.env, stdout=request.stdout, stderr=request.stderr)
-                run_forked(handover, request.argv, request.call, run_exit_handlers=False)
+                run_worker(handover, request.argv, request.call, run_exit_handlers=False)
             os._exit(1)
         return ForkedProcess(pid)
 

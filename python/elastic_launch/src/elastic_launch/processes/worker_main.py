@@ -2,8 +2,8 @@
 
 A fresh interpreter runs ``python -u -m elastic_launch.processes.worker_main [--module|--function]
 TARGET ARGS...``; a child forked from the zygote or from the launcher (``start_method="fork"``)
-calls :func:`become_worker` with the :class:`Handover` its parent prepared, then
-:func:`run_target` and :func:`exit_like_interpreter`. Either way the worker gets:
+calls :func:`run_worker` with the :class:`Handover` its parent prepared. Either way the worker
+gets:
 
 - its own session and process group, its environment, standard streams and working directory;
 - default signal dispositions (a fork inherits its parent's handlers);
@@ -13,7 +13,9 @@ calls :func:`become_worker` with the :class:`Handover` its parent prepared, then
 - a Python stack dump of every thread (faulthandler) into ``$ELASTIC_STACK_FILE`` on
   :data:`STACK_SIGNAL`, which the agent sends before it stops a hung worker;
 - an error file (torch's format, ``$TORCHELASTIC_ERROR_FILE``) for an uncaught exception, so the
-  failure summary shows the traceback without ``@record``.
+  failure summary shows the traceback without ``@record``;
+- process groups kept alive once ended, and an end without the interpreter's teardown, so that
+  torch's teardown order cannot deadlock it (:mod:`elastic_launch.teardown`).
 
 The target then runs as ``__main__`` with the ``sys.argv`` and ``sys.path`` that ``python
 script.py`` or ``python -m module`` would give it; this module's own frames are left out of
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from elastic_launch import teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ PARENT_ENV = "ELASTICRUN_PARENT_PID"
 KEEP = -1  # the stream the parent has (the launcher's console)
 DEVNULL = -2
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
+_C10D_MODULE = "torch.distributed.distributed_c10d"
 _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGCHLD", "SIGALRM")
 #: What a zygote ignores (the agent ends it) and holds blocked across a worker's fork.
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -86,11 +90,19 @@ def _hook_optimizer(module: types.ModuleType) -> None:
         register(_beat_after_step)
 
 
-class _HookingLoader:
-    """Runs the real loader of torch.optim.optimizer, then registers the beat hook."""
+#: What a worker does to torch's modules as they are loaded (or at once, if they are).
+_HOOKS: dict[str, Callable[[types.ModuleType], None]] = {
+    _OPTIMIZER_MODULE: _hook_optimizer,
+    _C10D_MODULE: teardown.keep_destroyed_groups,
+}
 
-    def __init__(self, loader: Any) -> None:
+
+class _HookingLoader:
+    """Runs the real loader of a hooked module, then its hook."""
+
+    def __init__(self, loader: Any, hook: Callable[[types.ModuleType], None]) -> None:
         self._loader = loader
+        self._hook = hook
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         module: types.ModuleType | None = self._loader.create_module(spec)
@@ -98,11 +110,14 @@ class _HookingLoader:
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        _hook_optimizer(module)
+        self._hook(module)
 
 
-class _OptimizerHookFinder:
-    """Waits for torch.optim.optimizer to be imported; costs nothing if it never is."""
+class _HookFinder:
+    """Waits for the hooked modules to be imported; costs nothing if they never are."""
+
+    def __init__(self, waiting: set[str]) -> None:
+        self.waiting = waiting
 
     def find_spec(
         self,
@@ -110,19 +125,25 @@ class _OptimizerHookFinder:
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _OPTIMIZER_MODULE:
+        if fullname not in self.waiting:
             return None
         import importlib.util
 
-        sys.meta_path.remove(self)  # one shot, then the real finders
-        spec = importlib.util.find_spec(fullname)
+        self.waiting.discard(fullname)
+        sys.meta_path.remove(self)  # the real finders find it; back only if still waiting
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.waiting:
+                sys.meta_path.insert(0, self)
         if spec is not None and spec.loader is not None:
-            spec.loader = _HookingLoader(spec.loader)  # type: ignore[assignment]
+            spec.loader = _HookingLoader(spec.loader, _HOOKS[fullname])  # type: ignore[assignment]
         return spec
 
 
 def install_hooks() -> None:
-    """Install the beat hook and the stack dump; safe to call more than once."""
+    """Install the stack dump and the hooks on torch's modules (the beat after each optimizer
+    step, the groups kept once ended); safe to call more than once."""
     global _stack_file
     stack_path = os.environ.get(STACK_FILE_ENV)
     if stack_path and _stack_file is None:
@@ -130,10 +151,14 @@ def install_hooks() -> None:
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
-    if _OPTIMIZER_MODULE in sys.modules:
-        _hook_optimizer(sys.modules[_OPTIMIZER_MODULE])
-    elif not any(isinstance(f, _OptimizerHookFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OptimizerHookFinder())
+    waiting = set()
+    for name, hook in _HOOKS.items():
+        if name in sys.modules:  # a zygote imported it already
+            hook(sys.modules[name])
+        else:
+            waiting.add(name)
+    if waiting and not any(isinstance(f, _HookFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HookFinder(waiting))
 
 
 def die_with_parent() -> None:
@@ -314,35 +339,15 @@ def run_target(argv: list[str], call: FunctionCall | None = None) -> int:
     return 0
 
 
-def exit_like_interpreter(code: int, run_exit_handlers: bool = True) -> NoReturn:
-    """End a forked worker as an interpreter would end: join its threads, run its exit
-    handlers, flush its streams, exit with `code`. A copy of the launcher itself (a forked
-    function) must not run the launcher's atexit handlers: it ends as a multiprocessing fork
-    does, joining its threads and flushing its streams."""
-    try:
-        # Join the worker's threads and run threading's exit hooks (which finish background
-        # checkpoint saves) in either case, as a multiprocessing child does.
-        threading = sys.modules.get("threading")
-        if threading is not None:
-            threading._shutdown()
-        if run_exit_handlers:
-            import atexit
-
-            atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code & 0xFF if code >= 0 else 1)
-
-
-def run_forked(
-    handover: Handover,
+def run_worker(
+    handover: Handover | None,
     argv: list[str],
     call: FunctionCall | None = None,
     run_exit_handlers: bool = True,
 ) -> NoReturn:
-    """The whole life of a forked worker: become one, run, exit (never returns)."""
+    """The whole life of a worker: become one (`handover`: a forked child's; None: a fresh
+    interpreter's), run its target, and end without the interpreter's teardown
+    (:func:`elastic_launch.teardown.end_process`)."""
     code = 1
     try:
         become_worker(handover)
@@ -353,13 +358,12 @@ def run_forked(
     except BaseException:
         with contextlib.suppress(Exception):
             sys.excepthook(*sys.exc_info())
-    exit_like_interpreter(code, run_exit_handlers)
+    teardown.end_process(code, run_exit_handlers)
 
 
 def main(argv: list[str]) -> None:
-    """A fresh interpreter's worker: the interpreter itself does the exit."""
-    become_worker(None)
-    sys.exit(run_target(argv))
+    """A fresh interpreter's worker."""
+    run_worker(None, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A restart then costs a fork instead of a new interpreter and ``import torch``. T
 the zygote once, talks to it over a Unix socketpair (one JSON message per datagram, standard
 streams passed as file descriptors), and learns each worker's exit status from it, since the
 zygote is their parent. A forked worker becomes a worker through
-:func:`elastic_launch.processes.worker_main.run_forked`, the same path as every other worker.
+:func:`elastic_launch.processes.worker_main.run_worker`, the same path as every other worker.
 
 Protocol (agent -> zygote): ``spawn {id, argv, env, cwd, stdout, stderr}`` with the stream
 descriptors attached; ``watched {pid}`` once the agent watches a child (from then on the zygote
@@ -34,7 +34,7 @@ from typing import Any
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
-from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_forked
+from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _fork_worker(
         parent_pid=os.getppid(),  # the zygote: it must die with it
         title=request.get("title"),
     )
-    run_forked(handover, request["argv"])
+    run_worker(handover, request["argv"])
 
 
 def fork_hazard() -> str | None:

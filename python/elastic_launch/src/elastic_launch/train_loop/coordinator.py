@@ -28,6 +28,7 @@ import traceback
 import urllib.parse
 from typing import Any
 
+from elastic_launch import teardown
 from elastic_launch.api import ConfigError
 from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
 from elastic_launch.rendezvous.api import (
@@ -333,6 +334,9 @@ class ElasticCoordinator(Coordinator):
         except ImportError:
             return
         if dist.is_available() and dist.is_initialized():
+            # The State's DDP model holds the group until sync replaces it: never let it hold
+            # the last reference (its teardown could deadlock, see teardown).
+            teardown.keep(teardown.live_groups())
             try:
                 from torch.distributed.distributed_c10d import _abort_process_group
 

@@ -1,0 +1,54 @@
+"""teardown: the groups a script ends are kept, and a process ends without the interpreter's
+teardown but with its exit handlers and files flushed (tests/integration/test_teardown.py runs
+both in real workers, DDP included)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+from types import SimpleNamespace
+
+from elastic_launch import teardown
+
+
+def test_destroying_a_group_keeps_it_and_destroying_all_keeps_them_all(monkeypatch):
+    monkeypatch.setattr(teardown, "_kept", [])
+    one, two = object(), object()
+    destroyed = []
+    c10d = types.ModuleType("fake_c10d")
+    c10d._world = SimpleNamespace(pg_map={one: "one", two: "two"})
+    c10d.destroy_process_group = lambda group=None: destroyed.append(group)
+    teardown.keep_destroyed_groups(c10d)
+    c10d.destroy_process_group(one)
+    assert teardown.kept() == [one] and destroyed == [one], "torch's own still runs"
+    c10d.destroy_process_group()
+    assert teardown.kept() == [one, two], "each group once"
+    wrapped = c10d.destroy_process_group
+    teardown.keep_destroyed_groups(c10d)
+    assert c10d.destroy_process_group is wrapped, "wrapped once"
+
+
+def test_a_process_ends_with_its_status_handlers_and_files_but_no_finalizers(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import atexit, os
+        from elastic_launch import teardown
+
+        class Stuck:
+            def __del__(self):
+                open({str(tmp_path / "finalized")!r}, "w").close()
+
+        stuck = Stuck()
+        f = open({str(tmp_path / "buffered")!r}, "w")
+        f.write("kept")
+        atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").close())
+        teardown.end_process(5)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
+    assert proc.returncode == 5
+    assert (tmp_path / "buffered").read_text() == "kept"
+    assert (tmp_path / "atexit").exists()
+    assert not (tmp_path / "finalized").exists()
