@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -413,3 +415,62 @@ def test_a_memory_step_whose_restore_died_twice_falls_back_to_the_disk(tmp_path,
     fourth.save(state(8), 8)  # past the restored step: the count is cleared
     for _ in range(2):
         assert CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()[1] == 8
+
+
+SIGTERMED_MID_COPY = """
+import os, sys, time, torch
+from elastic_sampler import CheckpointManager, _payload
+
+release = sys.argv[1] + "/release"
+real = _payload.Plan.write
+
+def held(self, view):  # the copy waits until the test has sent SIGTERM
+    while not os.path.exists(release):
+        time.sleep(0.01)
+    return real(self, view)
+
+_payload.Plan.write = held
+m = CheckpointManager(sys.argv[1] + "/ckpt", memory=True, persist_every=100)
+m.save({"w": torch.full((1 << 19,), 7.0)}, 7)  # 2 MiB: copied on a thread
+open(sys.argv[1] + "/saved", "w").close()
+time.sleep(120)
+"""
+
+
+def wait_until(condition, proc, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_while_its_copy_is_in_flight_finishes_it_first(tmp_path):
+    """A group restart SIGTERMs the saving rank while the copy of the step it just saved is
+    on its thread: the copy reaches the slot before the worker dies (of its SIGTERM)."""
+    home = tmp_path / "memory"
+    home.mkdir()
+    env = {
+        **os.environ,
+        "ELASTICRUN_MEMORY_DIR": str(home),
+        "TORCHELASTIC_RUN_ID": "run-a",
+        "LOCAL_RANK": "0",
+    }
+    err = tmp_path / "stderr"
+    with open(err, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SIGTERMED_MID_COPY, str(tmp_path)], env=env, stderr=f
+        )
+    try:
+        wait_until((tmp_path / "saved").exists, proc, "never saved")
+        proc.send_signal(signal.SIGTERM)
+        said = "SIGTERM arrived: finishing the copy of checkpoint step 7 to memory"
+        wait_until(lambda: said in err.read_text(), proc, "the copy was not waited for")
+        (tmp_path / "release").touch()
+        assert proc.wait(60) == -signal.SIGTERM, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    slot = next(home.glob("checkpoint-*-rank0"))
+    assert MemorySlot(slot, "run-a").latest_step() == 7

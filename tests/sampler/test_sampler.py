@@ -253,3 +253,22 @@ def test_negative_or_fractional_step_counts_are_refused(steps, batch_size, messa
     s = ElasticDistributedSampler(Data(10), 2, 0)
     with pytest.raises(ValueError, match=message):
         s.state_dict(steps=steps, batch_size=batch_size)
+
+
+def test_steps_counted_from_the_epochs_start_after_a_resume_are_an_error_not_a_skip():
+    """After a resume the sampler starts where the job was; `steps` counts from there. Steps
+    counted from the epoch's start would skip samples: more than the iterator handed out is
+    refused, saying why."""
+    data = Data(100)
+    first = ElasticDistributedSampler(data, 2, 0, shuffle=False)
+    it = iter(first)
+    for _ in range(20):  # 10 steps of 2 samples on this rank
+        next(it)
+    resumed = ElasticDistributedSampler(data, 2, 0, shuffle=False)
+    resumed.load_state_dict(first.state_dict(steps=10, batch_size=2))  # 40 of 100 consumed
+    it = iter(resumed)
+    for _ in range(4):  # 2 more steps
+        next(it)
+    assert resumed.state_dict(steps=2, batch_size=2)["consumed"] == 48
+    with pytest.raises(ValueError, match="count the steps since then, not since the epoch"):
+        resumed.state_dict(steps=12, batch_size=2)  # the epoch's 12 steps: 20 samples skipped

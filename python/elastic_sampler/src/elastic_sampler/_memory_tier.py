@@ -1,9 +1,11 @@
 """The memory tier: this rank's newest steps in its slot of the node's shared memory (`_memory`),
 where the rank's death cannot take them.
 
-A large state is copied on a thread while the next step computes (`_overlap`); a step whose
-restore from memory ended in a death twice is not restored from memory again (`_restores`):
-the disk serves it.
+A large state is copied on a thread while the next step computes (`_overlap`); a worker
+stopped meanwhile (SIGTERM, for a group restart) or ending finishes that copy first, within the
+launcher's grace (`_finish`), so the step it saved is not lost. A step whose restore from
+memory ended in a death twice is not restored from memory again (`_restores`): the disk serves
+it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elastic_sampler import _overlap, _payload, _restores
+from elastic_sampler import _finish, _overlap, _payload, _restores
 from elastic_sampler._files import check_fits
 from elastic_sampler._memory import MemorySlot
 from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
@@ -27,9 +29,12 @@ class MemoryTier:
     """This rank's copies in `slot`. With `overlap`, a large state's copy runs on a thread and
     the next optimizer step waits for it (see `CheckpointManager`)."""
 
-    def __init__(self, slot: MemorySlot, overlap: bool = True) -> None:
+    def __init__(
+        self, slot: MemorySlot, overlap: bool = True, finish_timeout: float = 300.0
+    ) -> None:
         self.slot = slot
         self.overlap = overlap
+        self.finish_timeout = finish_timeout  # at exit, the longest a copy is waited for
         self.restores = _restores.RestoreLog(slot.path.with_name(slot.path.name + ".restores"))
         self._copy: _overlap.Copy | None = None  # the copy in flight
         self._restored: int | None = None  # the step restored from memory, until a newer save
@@ -47,6 +52,7 @@ class MemoryTier:
         if self.overlap and plan.apart >= OVERLAP_FROM:
             self.slot.check_room(plan.size)  # a limit is refused here, not at the next save
             self._copy = _overlap.Copy(self.slot, plan, step, then)
+            _finish.started(self)  # a SIGTERM or the exit waits for it
             return
         try:
             kept = self.slot.put_plan(plan, step)
@@ -70,6 +76,7 @@ class MemoryTier:
         if not report:
             return
         self._copy = None
+        _finish.finished(self)
         if copy.error is not None:
             raise copy.error
         if copy.kept is False:
@@ -82,6 +89,23 @@ class MemoryTier:
                 "finish before save() returns (pass overlap=False to say so from the start)",
                 stacklevel=4,
             )
+
+    def finish(self, timeout: float, why: str, hint: str) -> bool:
+        """For `_finish` at exit or SIGTERM: let the copy in flight reach the slot, for at most
+        `timeout` s (the step then survives this worker); what follows it (a peer's exchange)
+        is not waited for. True: nothing of it runs any more, or only what follows it."""
+        copy = self._copy
+        if copy is None or copy.join_local(0):
+            return True
+        _finish.say(
+            f"{why}: finishing the copy of checkpoint step {copy.step} to memory (for at most "
+            f"{round(timeout, 1):g} s)"
+        )
+        if copy.join_local(timeout):
+            _finish.say(f"checkpoint step {copy.step} is in memory")
+            return True
+        _finish.say(f"abandoned the copy of checkpoint step {copy.step} to memory ({hint})")
+        return False
 
     def keep_bytes(self, data: Any, step: int) -> None:
         """Keep step `step` from its bytes as another rank held them."""

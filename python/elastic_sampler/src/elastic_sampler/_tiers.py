@@ -79,7 +79,7 @@ def compose(directory: Path, prefix: str, keep_last: int, reuse: bool, s: Settin
     )
     # Slots are named by local rank, not rank: a replacement finds its predecessor's.
     slot = _memory.slot_for(directory, prefix, owner=rank, world=world) if s.memory else None
-    memory = MemoryTier(slot, s.overlap) if slot is not None else None
+    memory = MemoryTier(slot, s.overlap, float(s.finish_timeout)) if slot is not None else None
     replica = None
     if memory is not None and s.replicas:
         peer = _memory.slot_for(directory, prefix, "replica")

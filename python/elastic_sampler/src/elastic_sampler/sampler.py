@@ -89,6 +89,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             )
         self.start_index = start_index
         self._handed_out = 0
+        self._iterated = False  # an iterator has started (steps can be checked against it)
         self._pass_done = False  # the iterator ran to the end of the epoch
         remaining = n - start_index
         if self.drop_last:
@@ -108,6 +109,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         remaining = n - start
         perm = make_permutation(self.permutation, n, self.seed, self.epoch, self.shuffle)
         self._handed_out = 0
+        self._iterated = True
         for first in range(0, self.num_samples, _CHUNK):
             k = min(_CHUNK, self.num_samples - first)
             q = self.rank + (first + torch.arange(k, dtype=torch.int64)) * replicas
@@ -131,7 +133,12 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         """Samples of this epoch the whole job has consumed: `steps` completed steps of
         `batch_size` samples per rank since this sampler started iterating, or else what this
         rank's iterator has handed out (over-counts what a DataLoader with prefetching has
-        trained on: pass steps when you can)."""
+        trained on: pass steps when you can).
+
+        After a resume, `steps` counts from the resume (the sampler's start already holds what
+        was consumed before it), not from the epoch's start: more steps than the iterator has
+        handed out batches (once it iterates) is that mistake, and a ValueError rather than
+        samples skipped."""
         if (steps is None) != (batch_size is None):
             raise ValueError("give both steps and batch_size, or neither")
         if steps is not None and batch_size is not None:
@@ -139,6 +146,14 @@ class ElasticDistributedSampler(DistributedSampler[int]):
                 if isinstance(value, bool) or not isinstance(value, int) or value < least:
                     raise ValueError(f"{name}={value!r}: give an integer >= {least}")
             per_rank = steps * batch_size
+            if self._iterated and per_rank > self._handed_out:
+                raise ValueError(
+                    f"steps={steps} of batch_size={batch_size} is {per_rank} samples per rank, "
+                    f"but this sampler has handed out {self._handed_out} since it started "
+                    f"iterating (at sample {self.start_index} of the epoch): count the steps "
+                    "since then, not since the epoch began (after a resume, the steps before "
+                    "it are in the sampler's start already)"
+                )
         else:
             per_rank = self._handed_out
         return min(self.dataset_size, self.start_index + per_rank * self.num_replicas)
