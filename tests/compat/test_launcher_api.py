@@ -126,9 +126,14 @@ def test_launch_elastic(etcd_shared, out):
     assert touched(out) == ranks(4)
 
 
-def test_launch_elastic_worker_raise_exception(etcd_shared):
-    """upstream: test_launch_elastic_worker_raise_exception"""
-    with pytest.raises(ChildFailedError) as info:
+@pytest.mark.parametrize("whose", ["ours", "torch's"])
+def test_launch_elastic_worker_raise_exception(etcd_shared, whose):
+    """upstream: test_launch_elastic_worker_raise_exception, with the ChildFailedError it
+    imports: torch's own (only the launcher's import swapped) or ours"""
+    from torch.distributed.elastic.multiprocessing import errors
+
+    caught = ChildFailedError if whose == "ours" else errors.ChildFailedError
+    with pytest.raises(caught) as info:
         elastic_launch(config(etcd_shared.endpoint, 1, 2, 4), sys.executable)(
             "-u", SCRIPT, "--fail"
         )

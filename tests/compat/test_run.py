@@ -81,14 +81,14 @@ def _second_agent(argv: list[str]) -> None:
 
 
 def test_launch_elastic_multiple_agents(tmp_path):
-    """upstream: test_launch_elastic_multiple_agents (a second launcher in another process).
-    The join timeout is 30 s, not upstream's 5: the second agent keeps trying the embedded
-    service for that long, and under the full suite's load the hosting launcher once took
-    longer than 5 s to serve. The last call is torch's 30 s (ours is 3 s): the second agent,
-    spawned afresh, once came after the first had formed the round alone and finished."""
+    """upstream: test_launch_elastic_multiple_agents (a second launcher in another process),
+    with its 5 s join timeout: an agent that does not host waits for the embedded service as
+    torch's agents wait for their store (60 s), and the join timeout counts from its first
+    answer. The last call is torch's 30 s (ours is 3 s): the second agent, spawned afresh,
+    once came after the first had formed the round alone and finished."""
     args = ["--nnodes=1:2", "--nproc-per-node=4", "--rdzv-backend=c10d"]
     args += [f"--rdzv-endpoint=localhost:{free_port()}", f"--rdzv-id={uuid.uuid4()}"]
-    args += ["--rdzv_conf=timeout=30,last_call_timeout=30", *COMMON, SCRIPT]
+    args += ["--rdzv_conf=timeout=5,last_call_timeout=30", *COMMON, SCRIPT]
     args += [f"--touch-file-dir={tmp_path}"]
     other = multiprocessing.get_context("spawn").Process(target=_second_agent, args=(args,))
     other.start()

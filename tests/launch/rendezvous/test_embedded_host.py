@@ -200,3 +200,40 @@ def test_a_task_that_ignores_cancellation_does_not_hold_up_the_stop():
         assert not server._thread.is_alive(), "the service's thread still waits for the task"
     finally:
         release.set()
+
+
+def test_an_agent_that_does_not_host_waits_for_its_host_past_its_join_timeout():
+    """upstream's test_launch_elastic_multiple_agents gives a 5 s join timeout, and a loaded
+    machine's hosting launcher may take longer to serve: an agent that does not host waits for
+    the service's first answer as torch's agents wait for their store, and its join timeout
+    counts from then."""
+    port = free_port()
+    conf = {"is_host": "false", "join_timeout": "1", "last_call_timeout": "1"}
+    client = EmbeddedRendezvous(
+        RendezvousParameters("c10d", f"127.0.0.1:{port}", "late-host", 1, 1, 1, conf)
+    )
+    outcome: list[object] = []
+    joiner = threading.Thread(target=lambda: outcome.append(_next(client)), daemon=True)
+    joiner.start()
+    server = None
+    try:
+        # Retries back off from 50 ms to 1 s: seven of them outlast the 1 s join timeout.
+        deadline = time.monotonic() + 60
+        while client.store.requests < 7 and not outcome:
+            assert time.monotonic() < deadline, "the agent never tried the service"
+            time.sleep(0.05)
+        assert not outcome, f"it gave up before its host served: {outcome}"
+        server = EmbeddedServer("127.0.0.1", port, None)
+        joiner.join(60)
+        assert outcome and getattr(outcome[0], "world_size", None) == 1, outcome
+    finally:
+        client.shutdown(stopped())
+        if server is not None:
+            server.close()
+
+
+def _next(handler: EmbeddedRendezvous) -> object:
+    try:
+        return handler.next_rendezvous()
+    except Exception as e:  # the test reports what ended the wait
+        return e

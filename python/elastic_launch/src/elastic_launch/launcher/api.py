@@ -11,11 +11,13 @@
 (``role="default_role"``, ``rdzv_backend="etcd"``, ``max_restarts=3``, a rendezvous timeout of
 900 s) and takes torch's extra fields (``logs_specs``, ``rdzv_timeout``,
 ``log_line_prefix_template``, ``metrics_cfg``). A failed job raises a ``ChildFailedError``
-(:class:`~elastic_launch.api.WorkerFailedError`), a signal :class:`SignalException`.
+(:class:`~elastic_launch.api.WorkerFailedError`, which ``except ChildFailedError`` catches with
+torch's own class too, when torch is there), a signal :class:`SignalException`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -121,7 +123,21 @@ def launch_agent(
         return result.return_values
     if result.state == AgentState.STOPPED:
         raise SignalException(result.signal or 0)
-    raise WorkerFailedError(format_summary(ep.name, result), result, name)
+    raise _torch_catchable()(format_summary(ep.name, result), result, name)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_catchable() -> type[WorkerFailedError]:
+    """The failure torch's launcher raises: elasticrun's, which torch's own
+    ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` catches too (a script
+    that only swapped its import still catches torch's name). Without torch, elasticrun's."""
+    try:
+        from torch.distributed.elastic.multiprocessing import errors
+    except ImportError:
+        return WorkerFailedError
+    doc = "A failed job: elasticrun's WorkerFailedError and torch's ChildFailedError at once."
+    body = {"__module__": __name__, "__doc__": doc}
+    return type("ChildFailedError", (WorkerFailedError, errors.ChildFailedError), body)
 
 
 def _get_entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> str:

@@ -51,6 +51,10 @@ HOST_BIND_GRACE = 30.0  # seconds a held port may take to serve or come free (as
 # Nodes the embedded service is measured to serve through a node loss (docs/rendezvous_scale.md:
 # at 1,024 on 2 cores the new round is final 18 s after the loss is seen; larger, not measured).
 EMBEDDED_MAX_NODES = 1024
+#: How long an agent that does not host waits for the embedded service to answer at all, when
+#: its join timeout is shorter: agents started together wait for their host as torch's wait
+#: for their store (its read timeout: 60 s); the join timeout counts from the first answer.
+HOST_WAIT = 60.0
 
 
 class EmbeddedRendezvous(ElasticRendezvous):
@@ -75,6 +79,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self._v3: EtcdV3Store = store  # its leases tell the host who is still here
         try:
             super().__init__(params, store, conf, host)
+            if self.server is None:
+                self.first_contact = HOST_WAIT
         except BaseException:
             store.close()
             self._stop_serving()

@@ -71,6 +71,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._rounds = 0
         self._closed_phase = False
         self._follower: Follower | None = None
+        #: How long the first contact with the store may be retried, if longer than the join
+        #: timeout (the embedded service's host may be starting: see backends.HOST_WAIT).
+        self.first_contact: float | None = None
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -112,7 +115,11 @@ class ElasticRendezvous(RendezvousHandler):
         self._stop_follower()
         if self._presence is None:
             self._presence = PresencePort(self.addr)
+        if self.first_contact is not None:
+            self.store.retry_for = max(self.first_contact, self.conf.join_timeout)
         self.session.open()
+        if self.first_contact is not None:  # the store answers: the join timeout from now
+            self.store.retry_for, self.first_contact = self.conf.join_timeout, None
         # A lease lost before now (this node was cut off while its workers ran) cost us the
         # keys of the round we leave; every key of this call is written with the new lease.
         self.session.take_lost()
