@@ -1,5 +1,7 @@
 """A small, real DDP training job for elasticrun: synthetic ImageNet-like images, a small CNN,
-gloo on CPU, checkpoints that let a restarted group resume where the last one stopped.
+AdamW with a learning-rate schedule, a DataLoader with worker processes, gloo on CPU, and
+checkpoints that let a restarted group resume where the last one stopped: the shape of a job
+users run (the benchmarks measure recovery on it).
 
     elasticrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py
 
@@ -82,20 +84,14 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def training_state(
-    model: DistributedDataParallel,
-    optimizer: torch.optim.Optimizer,
-    sampler: ElasticDistributedSampler,
-    step: int,
-    epoch_steps: int,
-    batch_size: int,
-) -> dict[str, object]:
+def training_state(job: Job, epoch_steps: int) -> dict[str, object]:
     """Everything a restarted (or resized) job needs to continue exactly where this one is."""
     return {
-        "model": model.module.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "sampler": sampler.state_dict(steps=epoch_steps, batch_size=batch_size),
-        "step": step,
+        "model": job.model.module.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "sampler": job.sampler.state_dict(steps=epoch_steps, batch_size=job.args.batch_size),
+        "step": job.step,
     }
 
 
@@ -117,7 +113,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr", type=float, default=0.003, help="AdamW's, decayed 0.8x every 50 steps")
+    p.add_argument(
+        "--loader-workers",
+        type=int,
+        default=2,
+        help="DataLoader worker processes per training worker (0: load in the worker itself)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
     p.add_argument(
@@ -179,6 +181,7 @@ class Job:
     loader: DataLoader[tuple[torch.Tensor, int, int]]
     model: DistributedDataParallel
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpoints: CheckpointManager
     record: IO[str] | None = None
     step: int = 0
@@ -191,9 +194,7 @@ class Job:
         --replicas every rank saves, as each would its own shard."""
         if self.local_rank != 0 and not self.args.replicas:
             return
-        state = training_state(
-            self.model, self.optimizer, self.sampler, self.step, epoch_steps, self.args.batch_size
-        )
+        state = training_state(self, epoch_steps)
         writes = self.rank == 0 or self.args.replicas
         persist = (epoch_steps == 0 or None) if writes else False
         self.checkpoints.save(state, self.step, background=True, persist=persist)
@@ -211,6 +212,7 @@ def resume(job: Job) -> None:
     state, _ = latest
     job.model.module.load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
+    job.scheduler.load_state_dict(state["scheduler"])
     job.sampler.load_state_dict(state["sampler"])
     job.step = int(state["step"])
     if job.rank == 0:
@@ -245,6 +247,7 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
         job.optimizer.zero_grad()
         loss.backward()
         job.optimizer.step()  # elasticrun beats here
+        job.scheduler.step()
         job.step += 1
         time.sleep(max(0.0, job.args.step_time - (time.monotonic() - started)))
         # Every step goes to the memory tier (on disk every --checkpoint-every steps), before
@@ -286,6 +289,8 @@ def setup(args: argparse.Namespace) -> Job:
     # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
     sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
     model = DistributedDataParallel(SmallCNN(args.classes), **bucket_per_parameter())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    workers = args.loader_workers
     job = Job(
         args,
         rank,
@@ -293,9 +298,17 @@ def setup(args: argparse.Namespace) -> Job:
         world,
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         sampler=sampler,
-        loader=DataLoader(data, batch_size=args.batch_size, sampler=sampler),
+        # The sampler runs here, the loader's workers only load: the order is the sampler's.
+        loader=DataLoader(
+            data,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        ),
         model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.8),
         # Every step to the node's memory (a restarted worker resumes at the step where the
         # failure struck), every --checkpoint-every steps to disk.
         checkpoints=CheckpointManager(

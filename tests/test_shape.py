@@ -193,3 +193,12 @@ def test_a_type_checking_or_lazy_import_is_an_arrow(tmp_path):
     known = {"pkg", "pkg.a", "pkg.b"}
     assert "pkg.b" in imports_of(pkg / "a.py", "pkg.a", known)
     assert imports_of(pkg / "b.py", "pkg.b", known) == {"pkg.a"}
+
+
+def test_every_test_module_has_its_own_basename():
+    """pytest imports test modules by basename (no packages under tests/): two of one name stop
+    the collection of the whole suite on a clean checkout."""
+    seen: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(path.relative_to(REPO).as_posix())
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}

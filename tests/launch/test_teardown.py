@@ -1,5 +1,5 @@
 """teardown: the groups a script ends are kept, and a process ends without the interpreter's
-teardown but with its exit handlers and files flushed (tests/integration/test_teardown.py runs
+teardown but with its exit handlers and files flushed (tests/integration/test_teardown_order.py runs
 both in real workers, DDP included)."""
 
 from __future__ import annotations
