@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _two_nodes import STEPS, Outcome, TwoNodes
+from _job_run import STEPS, JobRun, Outcome
 
 from common import Row
 
@@ -40,14 +40,14 @@ def run(seed: int = 0) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="bench-steps-lost-"))
     rows = []
     try:
-        reference = TwoNodes(root, "reference", "elasticrun").run(None)
+        reference = JobRun(root, "reference", "elasticrun").run(None)
         if any(reference.returncodes):
             raise RuntimeError(f"the fault-free run failed: {reference.log}")
         for fault in ("worker", "node"):
             kill_at = rng.randint(10, STEPS - 15)
             got: dict[str, Outcome] = {}
             for launcher in ("elasticrun", "torchrun"):
-                job = TwoNodes(root, f"{launcher}-{fault}", launcher)
+                job = JobRun(root, f"{launcher}-{fault}", launcher)
                 try:
                     got[launcher] = job.run(fault, kill_at)
                 except RuntimeError as e:  # reported, not raised: the other figures stand

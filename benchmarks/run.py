@@ -19,6 +19,7 @@ import bench_hang
 import bench_launch
 import bench_memory_tier
 import bench_rdzv_scale
+import bench_real_job
 import bench_rendezvous
 import bench_replace
 import bench_sampler
@@ -40,6 +41,7 @@ SECTIONS = {
     "sampler": bench_sampler.run,
     "memory_tier": bench_memory_tier.run,
     "steps_lost": bench_steps_lost.run,
+    "real_job": bench_real_job.run,  # runs per scenario: BENCH_REAL_JOB_RUNS (default 5)
     "train_loop": bench_train_loop.run,
     "slurm": bench_slurm.run,
     "hostile": hostile_load.run,

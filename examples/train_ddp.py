@@ -157,7 +157,7 @@ def parse_args() -> argparse.Namespace:
         "--record-samples",
         type=Path,
         default=None,
-        help="directory: each rank writes the sample ids of every step it trains",
+        help="directory: 'EPOCH STEP IDS' per step trained; a saver's 'kept STEP' once sealed",
     )
     p.add_argument(
         "--final-weights",
@@ -185,6 +185,7 @@ class Job:
     checkpoints: CheckpointManager
     record: IO[str] | None = None
     step: int = 0
+    in_flight: int | None = None  # the step whose copy save() started last
 
     def save(self, epoch_steps: int) -> None:
         """The first worker of each node keeps the step in the node's memory (so that a node's
@@ -198,6 +199,24 @@ class Job:
         writes = self.rank == 0 or self.args.replicas
         persist = (epoch_steps == 0 or None) if writes else False
         self.checkpoints.save(state, self.step, background=True, persist=persist)
+        # save() waited for the previous step's copy (and, with --replicas, its exchange).
+        self.kept(self.in_flight)
+        self.in_flight = self.step
+
+    def trained(self, epoch: int, ids: torch.Tensor) -> None:
+        """Records step `self.step` as trained, with its samples."""
+        self.write(f"{epoch} {self.step} {','.join(map(str, ids.tolist()))}\n")
+
+    def kept(self, step: int | None) -> None:
+        """Records that `step`'s copy is sealed: a failure can no longer take it back (a
+        completed step, docs/checkpoints.md). Said by the ranks that save, one step late."""
+        if step is not None:
+            self.write(f"kept {step}\n")
+
+    def write(self, line: str) -> None:
+        if self.record is not None:
+            self.record.write(line)
+            self.record.flush()
 
 
 def resume(job: Job) -> None:
@@ -255,9 +274,7 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
         # the next epoch.
         if epoch_steps < len(job.loader):
             job.save(epoch_steps)
-        if job.record is not None:
-            job.record.write(f"{epoch} {job.step} {','.join(map(str, ids.tolist()))}\n")
-            job.record.flush()
+        job.trained(epoch, ids)
         progress.update(1)
         progress.set_postfix_str(f"epoch {epoch} loss {loss.item():.3f}", refresh=False)
     return loss
@@ -337,7 +354,8 @@ def main() -> None:
         job.sampler.set_epoch(epoch + 1)  # the epoch is done: a checkpoint now starts the next
         job.save(0)
     progress.close()
-    job.checkpoints.close()
+    job.checkpoints.close()  # waits for the last copy
+    job.kept(job.in_flight)
     dist.barrier()
     if job.rank == 0:
         if args.final_weights is not None:

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _two_nodes import STEPS, TwoNodes
+from _job_run import STEPS, JobRun
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    got = TwoNodes(tmp_path_factory.mktemp("steps-lost"), "reference", "elasticrun").run(None)
+    got = JobRun(tmp_path_factory.mktemp("steps-lost"), "reference", "elasticrun").run(None)
     assert got.returncodes == [0, 0], got.log
     return got.weights
 
@@ -38,7 +38,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_a_fault_at_a_random_step_loses_no_completed_step(tmp_path, reference, fault, job):
     kill_at = random.Random(fault + "".join(job)).randint(10, STEPS - 15)  # a fixed draw
-    got = TwoNodes(tmp_path, fault, "elasticrun", job).run(fault, kill_at)
+    got = JobRun(tmp_path, fault, "elasticrun", job).run(fault, kill_at)
     print(
         f"{fault}: killed at {kill_at}, completed {got.completed_at_kill}, resumed "
         f"{got.resumed}, back in {got.recovery_s:.2f} s"

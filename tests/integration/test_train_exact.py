@@ -62,6 +62,8 @@ def trained_samples(directory: Path) -> dict[int, Counter]:
     ):
         rank = int(f.stem.split("rank")[1])
         for line in f.read_text().splitlines():
+            if line.startswith("kept "):  # the step's copy sealed: no step of its own
+                continue
             epoch, step, ids = line.split(" ")
             steps[(int(epoch), int(step), rank)] = [int(i) for i in ids.split(",")]
     per_epoch: dict[int, Counter] = defaultdict(Counter)

@@ -1,16 +1,19 @@
-"""A job of 2 nodes x 2 workers on this machine (examples/train_ddp.py, each node a launcher of
-its own), under elasticrun or torchrun, meeting one fault: a worker SIGKILLed, or a whole node
-(its launcher and workers) SIGKILLed and a replacement node started, as a cluster would.
+"""A job on this machine (examples/train_ddp.py, each node a launcher of its own; 2 nodes x 2
+workers unless a `Shape` says otherwise), under elasticrun or torchrun, meeting one fault: a
+worker SIGKILLed, a worker hung, or a whole node (its launcher and workers) SIGKILLed and a
+replacement node started, as a cluster would.
 
 Measured from the job's own records (each rank writes the steps it trains): the steps lost,
 the time from the kill to the first step trained after it, and the final weights.
 
-A step is *completed* once every rank has recorded it (a rank records a step after its
-optimizer step, and after saving it when the rank saves). The steps lost are the completed
-steps the job trains again: the newest completed step at the kill, less the step the job
-resumed from (the step before the first one trained after the kill).
+A step is *completed* once every rank has it: a rank that saves once it has said the step's
+copy is sealed ("kept STEP", one step late: examples/train_ddp.py), the others once they have
+trained it. The steps lost are the completed steps the job trains again: the newest completed
+step at the kill, less the step the job resumed from (the step before the first one trained
+after the kill).
 
-Used by benchmarks/bench_steps_lost.py and tests/integration/test_steps_lost.py.
+Used by benchmarks/bench_steps_lost.py, benchmarks/bench_real_job.py and
+tests/integration/test_steps_lost.py.
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ JOB = [
     "--step-time",
     "0.04",
 ]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The job's nodes and workers, and the launcher's flags beyond the rendezvous's."""
+
+    nnodes: int = 2
+    nproc: int = 2
+    flags: tuple[str, ...] = ("--max-restarts", "3")
+    ours: tuple[str, ...] = ("--monitor-interval", "0.05")  # elasticrun's only
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc
 
 
 @dataclass
@@ -122,13 +139,26 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-class TwoNodes:
+def _trained(lines: list[str]) -> list[int]:
+    """The steps of a record's "EPOCH STEP IDS" lines, in order."""
+    return [int(line.split(" ")[1]) for line in lines if line.count(" ") == 2]
+
+
+class JobRun:
     """One run's files and nodes."""
 
-    def __init__(self, root: Path, name: str, launcher: str, job: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        launcher: str,
+        job: tuple[str, ...] = (),
+        shape: Shape = Shape(),
+    ) -> None:
         """`job`: arguments added to the example's (JOB)."""
         self.root = root / name
         self.job = job
+        self.shape = shape
         self.root.mkdir(parents=True, exist_ok=True)
         self.launcher = launcher
         self.samples = self.root / "samples"
@@ -140,21 +170,20 @@ class TwoNodes:
         self.logs: list[Path] = []
 
     def _command(self) -> list[str]:
-        extra = ["--monitor-interval", "0.05"] if self.launcher == "elasticrun" else []
+        extra = self.shape.ours if self.launcher == "elasticrun" else ()
         return [
             *LAUNCHERS[self.launcher],
             "--nnodes",
-            "2",
+            str(self.shape.nnodes),
             "--nproc-per-node",
-            "2",
+            str(self.shape.nproc),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
             f"127.0.0.1:{self.port}",
             "--rdzv-id",
             self.run_id,
-            "--max-restarts",
-            "3",
+            *self.shape.flags,
             *extra,
             str(EXAMPLE),
             *JOB,
@@ -200,63 +229,102 @@ class TwoNodes:
         return found
 
     def completed(self) -> int | None:
-        """The newest step every rank has recorded, in the first attempt."""
+        """The newest step every rank has completed, in the first attempt: for a rank that
+        saves, the newest step whose copy it has said is sealed ("kept STEP"); for the
+        others, the newest they trained."""
         newest = {}
         for f, lines in self._lines().items():
             if not f.name.startswith("attempt0-"):
                 continue
-            steps = [int(line.split(" ")[1]) for line in lines if line.count(" ") == 2]
+            kept = [int(line.split(" ")[1]) for line in lines if line.startswith("kept ")]
+            steps = kept or _trained(lines)
             if steps:
                 newest[f.name] = max(steps)
-        return min(newest.values()) if len(newest) == 4 else None
+        return min(newest.values()) if len(newest) == self.shape.world else None
+
+    def newest(self, rank: int) -> int:
+        """The newest step `rank` has trained in the first attempt (0: none yet)."""
+        lines = self._lines().get(self.samples / f"attempt0-rank{rank}.txt", [])
+        return max(_trained(lines), default=0)
 
     def line_counts(self) -> dict[Path, int]:
         return {f: len(lines) for f, lines in self._lines().items()}
 
     def first_step_after(self, before: dict[Path, int]) -> int | None:
-        """The first step trained by a worker started after the kill: the first line past
+        """The first step trained by a worker started after the kill: the first step past
         `before` (the line counts once the workers of the kill's time were all gone) in any
         record, if any yet. (A membership change restarts workers under the same attempt
         number: their records grow, they are not new files.)"""
         firsts = []
         for f, lines in self._lines().items():
-            new = lines[before.get(f, 0) :]
-            if new and new[0].count(" ") == 2:
-                firsts.append(int(new[0].split(" ")[1]))
+            new = _trained(lines[before.get(f, 0) :])
+            if new:
+                firsts.append(new[0])
         return min(firsts) if firsts else None
 
     # ---- a run --------------------------------------------------------------------------
 
-    def run(self, fault: str | None, kill_at: int = 0, timeout: float = 240) -> Outcome:
-        """The job, with `fault` ("worker", "node" or None) at step `kill_at`."""
+    def run(
+        self, fault: str | None, kill_at: int = 0, timeout: float = 240, victim: int | None = None
+    ) -> Outcome:
+        """The job, with `fault` at step `kill_at`: "worker" (rank `victim`, the last unless
+        given, SIGKILLed once every rank has recorded the step), "hang" (the last rank stops
+        making progress after training the step: the example's --hang-at-step), "node" (the
+        last node's launcher and workers SIGKILLed, a new node started), or None."""
         self._deadline = time.monotonic() + timeout
+        if fault == "hang":
+            self.job = (*self.job, "--hang-at-step", str(kill_at))
         try:
             host = self.start_node()
-            self._until(lambda: _listening(self.port), "the first node hosting", host)
-            other = self.start_node()
+            if self.shape.nnodes > 1:  # one node alone needs no service (elasticrun's has none)
+                self._until(lambda: _listening(self.port), "the first node hosting", host)
+            for _ in range(self.shape.nnodes - 1):
+                self.start_node()
+            last = self.nodes[-1]
             completed = recovery = resumed = None
             if fault is not None:
-                self._until(
-                    lambda: (self.completed() or 0) >= kill_at, f"step {kill_at}", host, other
-                )
-                workers = list(self.workers().values())
-                killed_at = time.monotonic()
-                self._kill(fault, other)
+                faulted_at, workers = self._fault(fault, kill_at, victim)
                 completed = self.completed()
                 # The survivors fail on their dead peers; every line after is a new worker's.
                 self._until(lambda: not any(_alive(p) for p in workers), "the old workers gone")
                 before = self.line_counts()
                 self._until(lambda: self.first_step_after(before) is not None, "a step after")
-                recovery = time.monotonic() - killed_at
+                recovery = time.monotonic() - faulted_at
                 resumed = (self.first_step_after(before) or 0) - 1
             codes = [
                 node.wait(timeout=max(1.0, self._deadline - time.monotonic()))
                 for node in self.nodes
-                if not (node is other and fault == "node")
+                if not (node is last and fault == "node")
             ]
             return Outcome(codes, completed, resumed, recovery, self.weights, self._log())
         finally:
             self.stop()
+
+    def _fault(self, fault: str, at: int, victim: int | None) -> tuple[float, list[int]]:
+        """Bring `fault` about at step `at`: when it struck, and the workers of that time."""
+        running = tuple(self.nodes)
+        if fault == "hang":
+            last = self.shape.world - 1
+            self._until(lambda: self.newest(last) >= at, f"rank {last} at step {at}", *running)
+            return time.monotonic(), list(self.workers().values())
+        self._until(lambda: (self.completed() or 0) >= at, f"step {at}", *running)
+        workers = self.workers()
+        killed_at = time.monotonic()
+        if fault == "worker":
+            rank = self.shape.world - 1 if victim is None else victim
+            if rank not in workers:
+                raise RuntimeError(f"no worker of rank {rank} to kill: {workers}")
+            os.kill(workers[rank], signal.SIGKILL)
+        elif fault == "node":
+            last = self.nodes[-1]
+            for pid in _descendants(last.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            last.wait(timeout=30)
+            self.start_node()  # the replacement
+        else:
+            raise ValueError(f"fault={fault!r}: give 'worker', 'hang' or 'node'")
+        return killed_at, list(workers.values())
 
     def _until(self, done: Callable[[], bool], what: str, *alive: subprocess.Popen[bytes]) -> None:
         while not done():
@@ -267,37 +335,24 @@ class TwoNodes:
             time.sleep(0.002)
 
     def workers(self) -> dict[int, int]:
-        """{rank: pid} of this run's workers (their command line names its records)."""
-        found = {}
+        """{rank: pid} of this run's workers (their command line names its records; a
+        DataLoader's worker processes, forked from theirs, share it and are left out)."""
+        found: dict[int, tuple[int, int]] = {}  # pid: (rank, parent)
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
                 cmdline = (entry / "cmdline").read_bytes()
                 environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
                 continue
             if os.fsencode(self.samples) not in cmdline:
                 continue
             for var in environ:
                 if var.startswith(b"RANK="):
-                    found[int(var[5:])] = int(entry.name)
-        return found
-
-    def _kill(self, fault: str, other: subprocess.Popen[bytes]) -> None:
-        if fault == "worker":
-            victim = self.workers().get(3)
-            if victim is None:
-                raise RuntimeError(f"no worker of rank 3 to kill: {self.workers()}")
-            os.kill(victim, signal.SIGKILL)
-        elif fault == "node":
-            for pid in _descendants(other.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            other.wait(timeout=30)
-            self.start_node()  # the replacement
-        else:
-            raise ValueError(f"fault={fault!r}: give 'worker' or 'node'")
+                    found[int(entry.name)] = (int(var[5:]), parent)
+        return {rank: pid for pid, (rank, parent) in found.items() if parent not in found}
 
     def _log(self) -> str:
         return "\n".join(

@@ -1,0 +1,291 @@
+"""Recovery of a training job of the shape users run, beside torchrun in one run: the fault to
+the job's next completed step, and the completed steps lost.
+
+The job is examples/train_ddp.py (a CNN in DistributedDataParallel on gloo, AdamW and a StepLR
+schedule, a DataLoader with 2 worker processes over ElasticDistributedSampler, every step kept
+in the node's memory by CheckpointManager(memory=True), a disk checkpoint every 50 steps), or
+for the classic train loop the same job as a State (benchmarks/_loop_job.py). Both launchers
+run with default flags besides the job's shape and --max-restarts 3:
+
+- a worker SIGKILLed, group restart: 1 node x 2 workers, the rank that saves (rank 0) or the
+  other (rank 1) killed once every rank has recorded a step drawn at random;
+- a worker SIGKILLed under the classic train loop (elasticrun only: torchrun has no such
+  loop; its figure beside it is its group restart of the same job);
+- a node SIGKILLed (its launcher and workers), two launchers of 1 worker each on the embedded
+  c10d rendezvous, a replacement node started at once; with and without
+  CheckpointManager(replicas=1);
+- a worker hung (it stops making progress): elasticrun with --hang-timeout 5; torchrun has
+  no hang detection (one run, ended after HANG_WAIT s).
+
+Each figure is the median of BENCH_REAL_JOB_RUNS runs (default 5); the steps lost are the
+most any run lost. A step is completed once every rank has reported it, and a rank that saves
+reports a step once its copy is in memory (examples/train_ddp.py).
+
+    python benchmarks/bench_real_job.py [--runs 5] [--seed 0] [SCENARIO ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from _job_run import JobRun, Outcome, Shape
+
+from common import Row, end_job, start_job
+
+HERE = Path(__file__).resolve().parent
+LOOP_JOB = HERE / "_loop_job.py"
+ONE_NODE = Shape(1, 2, ("--max-restarts", "3"), ())
+TWO_NODES = Shape(2, 1, ("--max-restarts", "3"), ())
+HANG = Shape(1, 2, ("--max-restarts", "3"), ("--hang-timeout", "5"))
+EPOCH = ("--epochs", "1")  # 100 steps on 1 x 2 (3200 samples, 16 a batch), 2 x 1 alike
+HANG_WAIT = 60.0  # torchrun's hang: how long a run is watched before it is called lost
+
+
+@dataclass
+class Runs:
+    """One scenario's runs under one launcher."""
+
+    recovery_s: list[float]
+    lost: list[int]
+    failed: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.recovery_s) if self.recovery_s else float("nan")
+
+    def note(self, total: int) -> str:
+        lost = "no step lost" if not any(self.lost) else f"steps lost per run {self.lost}"
+        return f"{len(self.recovery_s)}/{total} recovered, {lost}"
+
+
+def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **how: object) -> Runs:
+    """`runs` runs of the example under `launcher` with `fault`; `how`: the victim (an int),
+    the job's extra arguments (a tuple, "job"), the seed and a timeout."""
+    rng = random.Random(f"{how.get('seed', 0)}{fault}{how.get('victim')}{how.get('job')}")
+    got = Runs([], [], 0)
+    for i in range(runs):
+        kill_at = rng.randint(20, 60)
+        job = (*EPOCH, *how.get("job", ()))  # type: ignore[misc]
+        name = f"{launcher}-{fault}-{i}-{kill_at}"
+        where = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+        run = JobRun(where, name, launcher, job, shape)
+        try:
+            outcome: Outcome = run.run(
+                fault,
+                kill_at,
+                float(how.get("timeout", 240)),
+                how.get("victim"),  # type: ignore[arg-type]
+            )
+        except RuntimeError as e:  # reported, not raised: the other runs stand
+            print(f"{launcher}, {fault} at step {kill_at}: no recovery: {str(e)[:300]}")
+            got.failed += 1
+            continue
+        if outcome.recovery_s is not None:
+            got.recovery_s.append(outcome.recovery_s)
+        got.lost.append(outcome.lost if outcome.lost is not None else -1)
+        if any(outcome.returncodes):
+            print(f"{launcher}, {fault} at step {kill_at}: ended {outcome.returncodes}")
+    return got
+
+
+# ---- the classic train loop ------------------------------------------------------------------
+
+
+def _records(out: Path) -> list[tuple[int, int, int, int, int]]:
+    """(t_ns, step, world, rank, pid) of every step the loop job completed so far."""
+    found = []
+    for path in out.glob("*.steps"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5:
+                found.append(tuple(int(x) for x in parts))
+    return found  # type: ignore[return-value]
+
+
+def _wait(pred: Callable[[], object], timeout: float) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pred()
+        if found:
+            return found
+        time.sleep(0.002)
+    return None
+
+
+def loop_run(kill_at: int) -> tuple[float | None, int | None]:
+    """The loop job on 2 workers; rank 1 SIGKILLed right after it reports step `kill_at`
+    (before the next step's gradients reach its peer, so that no step completes without the
+    new group): seconds to the next step any worker completes, and the steps lost."""
+    out = Path(tempfile.mkdtemp(prefix="bench-real-loop-"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(LOOP_JOB),
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+    ]
+    proc = start_job(cmd, {"OMP_NUM_THREADS": "1"})
+    try:
+        victim = _wait(
+            lambda: next((r for r in _records(out) if r[3] == 1 and r[1] >= kill_at), None), 180
+        )
+        if victim is None:
+            return None, None
+        os.kill(victim[4], signal.SIGKILL)  # type: ignore[index]
+        t_kill = time.monotonic_ns()
+        done = max(r[1] for r in _records(out))
+
+        def after() -> tuple[int, int, int, int, int] | None:
+            new = [r for r in _records(out) if r[0] > t_kill and r[1] > victim[1]]  # type: ignore[index]
+            return min(new) if new else None
+
+        first = _wait(after, 120)
+        if first is None:
+            return None, None
+        return (first[0] - t_kill) / 1e9, max(0, done - (first[1] - 1))  # type: ignore[index]
+    finally:
+        end_job(proc, out)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def loop_runs(runs: int, seed: int) -> Runs:
+    rng = random.Random(f"{seed}loop")
+    got = Runs([], [], 0)
+    for _ in range(runs):
+        seconds, lost = loop_run(rng.randint(20, 60))
+        if seconds is None or lost is None:
+            got.failed += 1
+            continue
+        got.recovery_s.append(seconds)
+        got.lost.append(lost)
+    return got
+
+
+# ---- the table ---------------------------------------------------------------------------
+
+
+def rows_for(what: str, ours: Runs, theirs: Runs | None, runs: int, baseline: str) -> list[Row]:
+    """The recovery time and the steps lost of one scenario."""
+    base_s = None if theirs is None or not theirs.recovery_s else theirs.median_s
+    base_lost = None if theirs is None or not theirs.lost else float(max(theirs.lost))
+    their_note = "" if theirs is None else f"; torchrun: {theirs.note(runs)}"
+    return [
+        Row(
+            "real_job",
+            f"real job, {what}: the fault to the next completed step",
+            ours.median_s,
+            base_s,
+            baseline,
+            "s",
+            f"median of {ours.note(runs)}{their_note}",
+        ),
+        Row(
+            "real_job",
+            f"real job, {what}: completed steps lost (most in one run)",
+            float(max(ours.lost, default=-1)),
+            base_lost,
+            baseline,
+            "steps",
+            "a disk checkpoint every 50 steps under torchrun (the job's own)",
+        ),
+    ]
+
+
+def scenarios(root: Path, runs: int, seed: int) -> dict[str, Callable[[], list[Row]]]:
+    def worker(victim: int, label: str) -> Callable[[], list[Row]]:
+        def measure() -> list[Row]:
+            ours = job_runs(root, "elasticrun", ONE_NODE, "worker", runs, victim=victim, seed=seed)
+            theirs = job_runs(root, "torchrun", ONE_NODE, "worker", runs, victim=victim, seed=seed)
+            return rows_for(f"1 x 2, {label} SIGKILLed", ours, theirs, runs, "torchrun")
+
+        return measure
+
+    def node(replicas: bool) -> Callable[[], list[Row]]:
+        job = ("--replicas",) if replicas else ()
+        label = "2 x 1, a node SIGKILLed" + (", replicas=1" if replicas else "")
+
+        def measure() -> list[Row]:
+            ours = job_runs(root, "elasticrun", TWO_NODES, "node", runs, job=job, seed=seed)
+            theirs = job_runs(root, "torchrun", TWO_NODES, "node", runs, job=job, seed=seed)
+            return rows_for(label, ours, theirs, runs, "torchrun")
+
+        return measure
+
+    def hang() -> list[Row]:
+        ours = job_runs(root, "elasticrun", HANG, "hang", runs, seed=seed)
+        theirs = job_runs(root, "torchrun", HANG, "hang", 1, seed=seed, timeout=HANG_WAIT)
+        return rows_for("1 x 2, a worker hung (--hang-timeout 5)", ours, theirs, runs, "torchrun")
+
+    def loop() -> list[Row]:
+        ours = loop_runs(runs, seed)
+        theirs = job_runs(root, "torchrun", ONE_NODE, "worker", runs, victim=1, seed=seed)
+        return rows_for(
+            "classic train loop, 1 x 2, rank 1 SIGKILLed",
+            ours,
+            theirs,
+            runs,
+            "torchrun group restart",
+        )
+
+    return {
+        "worker": worker(1, "rank 1 (not the saving rank)"),
+        "saver": worker(0, "rank 0 (the saving rank)"),
+        "loop": loop,
+        "node": node(False),
+        "node-replicas": node(True),
+        "hang": hang,
+    }
+
+
+def run(cpp_build: Path | None = None, names: list[str] | None = None, seed: int = 0) -> list[Row]:
+    """Every scenario (or `names`), BENCH_REAL_JOB_RUNS runs each."""
+    runs = int(os.environ.get("BENCH_REAL_JOB_RUNS", "5"))
+    root = Path(tempfile.mkdtemp(prefix="bench-real-job-"))
+    try:
+        table = scenarios(root, runs, seed)
+        rows: list[Row] = []
+        for name in names or list(table):
+            rows += table[name]()
+        return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("scenarios", nargs="*", help="worker, saver, loop, node, node-replicas, hang")
+    p.add_argument("--runs", type=int, default=None, help="runs per scenario (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.runs is not None:
+        os.environ["BENCH_REAL_JOB_RUNS"] = str(args.runs)
+    known = {"worker", "saver", "loop", "node", "node-replicas", "hang"}
+    unknown = [s for s in args.scenarios if s not in known]
+    if unknown:
+        p.error(f"unknown scenario {unknown[0]!r}: choose from {sorted(known)}")
+    from common import format_table
+
+    print(format_table(run(None, args.scenarios, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())
