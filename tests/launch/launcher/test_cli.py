@@ -52,6 +52,8 @@ def _no_pet(monkeypatch):
         (["--standalone", "--nnodes", "1:2"], "asks for up to 2"),
         (["--min-workers", "0"], "--min-workers '0' is not valid"),
         (["--min-workers", "two"], "--min-workers 'two' is not valid"),
+        (["--role", "r\n[host:default1]: FORGED"], "--role 'r\\n[host:default1]: FORGED': it"),
+        (["--role", ""], "--role '': it is empty or too long"),
         (["--preload", "none,numpy"], "--preload none turns preloading off, but modules are"),
         (["--preload", "torch", "--preload", "off"], "named too (torch)"),
         (["--preload", "torch,2d"], "--preload 'torch,2d': '2d' is not a module name"),

@@ -237,3 +237,13 @@ def _next(handler: EmbeddedRendezvous) -> object:
         return handler.next_rendezvous()
     except Exception as e:  # the test reports what ended the wait
         return e
+
+
+def test_a_taken_port_is_refused_without_grpc_logging_an_error(server, capfd):
+    """Every agent that does not host tries the port first: the normal case prints no error
+    line (gRPC's own failed bind logs "Failed to add port to server" from its C core)."""
+    service, _ = server
+    with pytest.raises(OSError, match="another process listens there"):
+        EmbeddedServer("127.0.0.1", service.port, token=None)
+    captured = capfd.readouterr()
+    assert "add_port" not in captured.err and "Failed to add port" not in captured.err

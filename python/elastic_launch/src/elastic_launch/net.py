@@ -71,6 +71,18 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def port_listened(host: str, port: int) -> bool:
+    """True if a socket listens on host:port already: binding it as a server does (with
+    SO_REUSEADDR, so that connections of an earlier server in TIME_WAIT do not count) fails."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 address in brackets (``[::1]:29400``), as gRPC and URLs
     want it."""

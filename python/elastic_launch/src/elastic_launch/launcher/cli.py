@@ -22,6 +22,7 @@ from elastic_launch.errors import record
 from elastic_launch.launcher.config import (
     check_memory_limit,
     check_range,
+    check_role,
     parse_hang_timeout,
     parse_list,
     parse_nnodes,
@@ -330,6 +331,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
     nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
     backend, endpoint, run_id = _rendezvous_target(args, max_nodes)
     parse_signals(args.signals_to_handle)  # checked now, installed by the agent
+    check_role(args.role)
     rdzv_configs = parse_rdzv_conf(args.rdzv_conf)
     if source(args, "rdzv_conf") == "--rdzv-conf":
         for warning in command_line_secrets(rdzv_configs):

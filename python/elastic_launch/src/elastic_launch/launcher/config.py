@@ -514,6 +514,9 @@ def _any_stream(setting: Std | dict[int, Std]) -> bool:
     return any(setting.values()) if isinstance(setting, dict) else bool(setting)
 
 
+MAX_ROLE = 128
+
+
 def check_run_id(run_id: str) -> None:
     """A run id names the job's keys (``/elasticrun/<run id>/...``): a '/' would put them
     inside another job's, and control characters would garble every message naming it."""
@@ -526,10 +529,23 @@ def check_run_id(run_id: str) -> None:
         )
 
 
+def check_role(role: str) -> None:
+    """A role starts every line of its workers' output (``[role:rank]``): a control character
+    in it (a newline) would let it forge lines of other workers, or of the launcher."""
+    bad = next((c for c in role if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None or not role or len(role) > MAX_ROLE:
+        what = f"it holds {bad!r}" if bad is not None else "it is empty or too long"
+        raise ConfigError(
+            f"--role {role!r}: {what}; give a name of 1 to {MAX_ROLE} characters without "
+            "control characters (the default is 'default')"
+        )
+
+
 def check_config(config: LaunchConfig) -> None:
     """Reject a bad LaunchConfig before anything starts: each error names the field."""
     check_types(config)
     check_run_id(config.run_id)
+    check_role(config.role)
     parse_nnodes(f"{config.min_nodes}:{config.max_nodes}", "min_nodes:max_nodes")
     if config.nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from elastic_launch.cancel import NEVER, CancelToken, join
-from elastic_launch.net import host_port
+from elastic_launch.net import host_port, port_listened
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
@@ -624,6 +624,10 @@ class EmbeddedServer:
         self.state.on_kept = self._told
         self._service = _Service(self.state, token)
         self._address = host_port(host, port)
+        # Found here, not by gRPC: its failed bind logs an error line (add_port.cc) in every
+        # agent that does not host, the normal case for all but one.
+        if port and port_listened(host, port):
+            raise OSError(f"cannot listen on {self._address}: another process listens there")
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
         started: concurrent.futures.Future[int] = concurrent.futures.Future()
