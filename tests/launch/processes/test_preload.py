@@ -117,6 +117,17 @@ def test_a_script_that_builds_an_optimizer_or_ddp_gets_dynamo_preloaded(tmp_path
     assert plan(["auto", "torch._dynamo"], ep).modules == ["torch", "torch._dynamo"]
 
 
+def test_a_script_that_uses_the_sampler_or_checkpoints_gets_them_preloaded(tmp_path):
+    """elastic_sampler takes 45 ms to import with torch loaded, on each new worker's way to
+    its first step; without torch it is not preloaded (nothing of torch's is)."""
+    ep = script(
+        tmp_path / "train.py", "import torch\nfrom elastic_sampler import save_checkpoint\n"
+    )
+    assert plan(["auto"], ep).modules == ["torch", "elastic_sampler"]
+    bare = script(tmp_path / "bare.py", "import elastic_sampler\n")
+    assert plan(["auto"], bare).modules == []
+
+
 @pytest.mark.parametrize(
     "text",
     [

@@ -49,12 +49,44 @@ def test_a_message_over_the_limit_is_refused_before_sending():
         send(a, {"env": "x" * (2 << 20)})
 
 
-@pytest.fixture
-def zygote():
-    z = Zygote([])
+@pytest.fixture(params=[0, 2], ids=["forked-on-request", "warm-spares"])
+def zygote(request):
+    """A zygote that forks each worker when asked, or hands it to one of 2 warm spares: every
+    test of a worker holds for both."""
+    z = Zygote([], spares=request.param)
     assert z.wait_ready(30), "the zygote never got ready"
     yield z
     z.close()
+
+
+def children(pid: int) -> dict[int, bytes]:
+    """{pid: command line} of `pid`'s living children (a zombie is gone)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found[int(entry)] = cmdline
+    return found
+
+
+def spares(zygote: Zygote) -> set[int]:
+    return {p for p, cmd in children(zygote.pid).items() if b"(warm spare)" in cmd}
+
+
+def until(what: str, done, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not (found := done()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.005)
+    return found
 
 
 def test_a_forked_worker_is_a_worker(zygote, tmp_path, monkeypatch):
@@ -159,3 +191,53 @@ def test_a_worker_environment_read_at_start_that_differs_is_not_forked(tmp_path,
         assert "OMP_NUM_THREADS='7'" in caplog.text and "fresh interpreters" in caplog.text
     finally:
         spawner.close()
+
+
+def test_a_spawn_goes_to_a_warm_spare_and_another_is_forked(tmp_path):
+    z = Zygote([], spares=1)
+    try:
+        assert z.wait_ready(30)
+        (spare,) = until("warm spare", lambda: spares(z))
+        script = tmp_path / "probe.py"
+        script.write_text(SCRIPT)
+        out = tmp_path / "out.json"
+        pid = z.spawn(["--", str(script), str(out), "3"], dict(os.environ), DEVNULL, DEVNULL)
+        assert pid == spare, "the request went to the spare forked ahead of it"
+        z.acknowledge(pid)
+        status = z.wait_status(pid, 30)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 3
+        seen = json.loads(out.read_text())
+        assert seen["pid"] == pid and seen["sid"] == pid and seen["parent"] == str(z.pid)
+        (again,) = until("new warm spare", lambda: spares(z))
+        assert again != spare
+    finally:
+        z.close()
+
+
+def test_warm_spares_end_with_the_zygote():
+    z = Zygote([], spares=2)
+    assert z.wait_ready(30)
+    kept = until("2 warm spares", lambda: spares(z) if len(spares(z)) == 2 else None)
+    z.close()  # the zygote killed: each spare reads end of file on its channel
+    for pid in kept:
+        until(f"end of spare {pid}", lambda pid=pid: not os.path.exists(f"/proc/{pid}/cmdline"))
+
+
+def test_a_spare_killed_from_outside_is_reaped_and_spawns_fork_again(tmp_path):
+    """A spare that dies unused is not forked anew (a cause that kills each new one would
+    make the zygote fork without end); workers are forked on request instead."""
+    z = Zygote([], spares=1)
+    try:
+        assert z.wait_ready(30)
+        (spare,) = until("warm spare", lambda: spares(z))
+        os.kill(spare, signal.SIGKILL)
+        until("the spare reaped", lambda: not os.path.exists(f"/proc/{spare}"))
+        script = tmp_path / "probe.py"
+        script.write_text(SCRIPT)
+        pid = z.spawn(["--", str(script), str(tmp_path / "o"), "0"], dict(os.environ), -1, -1)
+        z.acknowledge(pid)
+        status = z.wait_status(pid, 30)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0
+        assert spares(z) == set(), "no spare forked again after one died unused"
+    finally:
+        z.close()

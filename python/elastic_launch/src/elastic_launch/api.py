@@ -89,6 +89,9 @@ class LaunchConfig:
     # The most restarts a train-loop script's failure budget (max_failures, which its workers
     # report) may give the job beyond max_restarts: a worker cannot raise its own budget.
     loop_max_restarts: int = 100
+    # Workers the zygote keeps forked ahead of need, so that a start or restart skips the
+    # fork (about 2 MB each, the rest shared with the zygote). None: one per local worker.
+    warm_spares: int | None = None
 
 
 class FailureKind(str, enum.Enum):

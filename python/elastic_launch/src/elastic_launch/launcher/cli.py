@@ -300,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the classic train loop: the most restarts its max_failures (which the workers "
         "report) may give the job beyond --max-restarts (default 100, the loop's own default)",
     )
+    _add(
+        e,
+        "warm-spares",
+        default=None,
+        help="workers the --preload zygote keeps forked ahead of need, so that a start or "
+        "restart skips the fork (about 2 MB each; default: one per local worker; 0: none)",
+    )
     _add(e, "events-file", default=None, help="append agent events as JSON lines to this file")
     _add(e, "metrics-port", default=None, help="serve Prometheus metrics on [HOST:]PORT")
     _add(e, "health-port", default=None, help="serve /healthz on [HOST:]PORT")
@@ -421,7 +428,7 @@ def _rendezvous_target(args: argparse.Namespace, max_nodes: int) -> tuple[str, s
 #: LaunchConfig's numbers the command line takes, each checked against its Range.
 _FLOATS = ("monitor_interval", "hang_timeout_floor", "hang_timeout_factor", "gpu_check_interval")
 _INTS = ("max_restarts", "node_rank", "loop_max_restarts")
-_OPTIONAL_INTS = ("master_port", "min_workers")
+_OPTIONAL_INTS = ("master_port", "min_workers", "warm_spares")
 
 
 def _numbers(args: argparse.Namespace) -> dict[str, Any]:

@@ -342,6 +342,7 @@ RANGES: dict[str, Range] = {
         Range("gpu_check_interval", 0, 86_400, "seconds"),
         Range("min_workers", 1, 1 << 31, "a number of workers", integer=True),
         Range("loop_max_restarts", 0, 1_000_000, "restarts", integer=True),
+        Range("warm_spares", 0, 4096, "a number of workers", integer=True),
     )
 }
 

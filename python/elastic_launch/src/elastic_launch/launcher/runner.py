@@ -71,7 +71,8 @@ def run(
         node = stack.enter_context(watch(c.nproc_per_node, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         chosen = preload.plan(c.preload, entrypoint)
-        spawner = spawner_for(chosen, c.start_method, entrypoint, cancel, guardian)
+        spares = c.nproc_per_node if c.warm_spares is None else c.warm_spares
+        spawner = spawner_for(chosen, c.start_method, entrypoint, cancel, guardian, spares)
         stack.callback(spawner.close)
         timer_env = stack.enter_context(compat.file_timer(layout.run_dir, run_id, random_id()))
         can_serve = not isinstance(spawner, FunctionFork)

@@ -38,6 +38,9 @@ LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd_v3"
 DYNAMO = "torch._dynamo"
 _DYNAMO_USERS = ("torch.optim", "torch.nn.parallel", "torch.distributed.optim")
 _DYNAMO_MENTIONS = {"optim", "DistributedDataParallel"}
+#: The project's sampler and checkpoints: 45 ms to import with torch loaded, on every new
+#: worker's way to its first step; it starts no thread. Preloaded for a script that imports it.
+SAMPLER = "elastic_sampler"
 #: At most this many of the entrypoint's own files are read to find whether it imports torch.
 _MAX_SCANNED_FILES = 200
 #: Variables read when the interpreter, the C runtime or torch's libraries start (a forked worker
@@ -214,14 +217,16 @@ def imported_modules(entrypoint: Entrypoint) -> set[str]:
 
 def auto_modules(entrypoint: Entrypoint) -> list[str]:
     """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch (and
-    torch._dynamo when it builds an optimizer or a DDP model), and the classic train loop with
-    its rendezvous client (gRPC) when it runs the loop."""
+    torch._dynamo when it builds an optimizer or a DDP model, elastic_sampler when it uses
+    it), and the classic train loop with its rendezvous client (gRPC) when it runs the loop."""
     sources = read_sources(entrypoint)
     names = sources.imports
     roots = {n.split(".", maxsplit=1)[0] for n in names}
     modules = [TORCH] if TORCH in roots else []
     if modules and _builds_dynamo_users(sources):
         modules.append(DYNAMO)
+    if modules and SAMPLER in roots:
+        modules.append(SAMPLER)
     if any(n == TRAIN_LOOP or n.startswith(TRAIN_LOOP + ".") for n in names):
         modules += [TRAIN_LOOP, LOOP_RENDEZVOUS]
     return modules

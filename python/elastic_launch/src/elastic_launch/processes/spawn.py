@@ -224,7 +224,9 @@ class ZygoteFork(Spawner):
         fallback: FreshInterpreter,
         cancel: CancelToken = NEVER,
         guardian: Guardian | None = None,
+        spares: int = 0,
     ) -> None:
+        """`spares`: warm spares the zygote keeps forked ahead of need (``--warm-spares``)."""
         from elastic_launch.processes.zygote import Zygote
 
         self.fallback = fallback
@@ -233,7 +235,7 @@ class ZygoteFork(Spawner):
         self.zygote: Zygote | None = None
         self.why_not: str | None = None  # why workers are not forked, once known
         try:
-            self.zygote = Zygote(modules)
+            self.zygote = Zygote(modules, spares)
         except OSError as e:
             self._give_up(f"the --preload zygote cannot start ({e})")
         else:
@@ -334,12 +336,13 @@ def spawner_for(
     entrypoint: Entrypoint,
     cancel: CancelToken,
     guardian: Guardian | None = None,
+    spares: int = 0,
 ) -> Spawner:
     """How a launch starts its workers, given what :func:`~.preload.plan` chose: forked from a
     zygote (``--preload``, by default for every Python entrypoint, or ``fork``/``forkserver``),
     forked from the launcher for a function with ``fork``, else fresh interpreters (saying why
     when preloading was asked for). The zygote starts now, so that its imports overlap the
-    rendezvous."""
+    rendezvous, and keeps `spares` workers forked ahead of need."""
     if entrypoint.kind == Kind.FUNCTION and start_method == "fork":
         return FunctionFork()
     fresh = FreshInterpreter(entrypoint)
@@ -347,7 +350,7 @@ def spawner_for(
         entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and start_method == "fork"
     )
     if entrypoint.is_python and (chosen.zygote or forked_method):
-        return ZygoteFork(chosen.modules, fresh, cancel, guardian)
+        return ZygoteFork(chosen.modules, fresh, cancel, guardian, spares)
     if chosen.why_not:
         logger.warning("%s", chosen.why_not)
     return fresh

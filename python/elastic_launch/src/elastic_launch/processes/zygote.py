@@ -6,11 +6,18 @@ streams passed as file descriptors), and learns each worker's exit status from i
 zygote is their parent. A forked worker becomes a worker through
 :func:`elastic_launch.processes.worker_main.run_worker`, the same path as every other worker.
 
-Protocol (agent -> zygote): ``spawn {id, argv, env, cwd, stdout, stderr}`` with the stream
-descriptors attached; ``watched {pid}`` once the agent watches a child (from then on the zygote
-may reap it: until then its zombie keeps the pid, so the agent's pidfd always finds the right
-process). Zygote -> agent: ``ready {seconds, failed}`` once its imports are done; ``spawned
-{id, pid}``; ``exited {pid, status}``. End of file on either side ends the other.
+Protocol (agent -> zygote): ``spares {count}``: how many warm spares to keep; ``spawn {id,
+argv, env, cwd, stdout, stderr}`` with the stream descriptors attached; ``watched {pid}`` once
+the agent watches a child (from then on the zygote may reap it: until then its zombie keeps
+the pid, so the agent's pidfd always finds the right process). Zygote -> agent: ``ready
+{seconds, failed}`` once its imports are done; ``spawned {id, pid}``; ``exited {pid,
+status}``. End of file on either side ends the other.
+
+A *warm spare* is a child forked ahead of need, while the zygote has nothing else to do, that
+waits for a spawn request on a socketpair of its own: a spawn then hands the request to a spare
+(no fork on the way to the worker's first line) and a new spare is forked once the zygote is
+idle again. A spare is the zygote as it was when forked (nothing changes in the zygote after
+its imports), with the stop signals held as a freshly forked child's are.
 
 Run by the agent as ``python -m elastic_launch.processes.zygote FD MODULE...``.
 """
@@ -68,18 +75,8 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 # ---- the zygote process ----------------------------------------------------------------------
 
 
-def _fork_worker(
-    sock: socket.socket,
-    sel: selectors.BaseSelector,
-    wakeup: tuple[int, int],
-    request: dict[str, Any],
-    fds: list[int],
-) -> None:
-    """In the forked child: drop the zygote's own descriptors, then the one worker path."""
-    sel.close()
-    sock.close()
-    for fd in wakeup:
-        os.close(fd)
+def _fork_worker(request: dict[str, Any], fds: list[int]) -> None:
+    """In a forked child without the zygote's descriptors: the one worker path."""
     it = iter(fds)
     streams = [next(it) if kind == 0 else kind for kind in (request["stdout"], request["stderr"])]
     handover = Handover(
@@ -138,8 +135,9 @@ def serve(fd: int, modules: list[str]) -> None:
 
 
 class _Forks:
-    """The zygote's children: forked on the agent's requests, reaped once the agent watches
-    them (their exit status is then sent to it), woken by SIGCHLD through a pipe."""
+    """The zygote's children: forked on the agent's requests (or handed to a warm spare),
+    reaped once the agent watches them (their exit status is then sent to it), woken by
+    SIGCHLD through a pipe."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -152,16 +150,23 @@ class _Forks:
         self.sel.register(sock, selectors.EVENT_READ, "sock")
         self.sel.register(self.wakeup[0], selectors.EVENT_READ, "child")
         self.children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
+        self.spares: dict[int, socket.socket] = {}  # pid -> its end of the spare's channel
+        self.want_spares = 0
 
     def serve(self) -> None:
         while True:
-            for key, _ in self.sel.select():
+            short = len(self.spares) < self.want_spares
+            events = self.sel.select(timeout=0 if short else None)
+            if not events and short:  # idle: time to fork a spare
+                self._fork_spare()
+            for key, _ in events:
                 if key.data == "child":
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wakeup[0], 4096)
                     for pid, watched in list(self.children.items()):
                         if watched:
                             self._reap_if_exited(pid)
+                    self._reap_dead_spares()
                 else:
                     self._request()
 
@@ -169,23 +174,75 @@ class _Forks:
         request, fds = recv(self.sock)
         if request is None:  # the agent is gone: so are we
             os._exit(0)
+        if request.get("op") == "spares":
+            self.want_spares = max(0, int(request["count"]))
+            return
         if request.get("op") == "watched":
             if request["pid"] in self.children:
                 self.children[request["pid"]] = True
                 self._reap_if_exited(request["pid"])
             return
+        pid = self._to_spare(request, fds)
+        if pid is None:
+            pid = self._fork(lambda: _fork_worker(request, fds))
+        for f in fds:
+            os.close(f)
+        self.children[pid] = False
+        send(self.sock, {"op": "spawned", "id": request["id"], "pid": pid})
+
+    def _fork(self, child: Any, close: socket.socket | None = None) -> int:
+        """Fork; the child drops the zygote's descriptors (and `close`) and runs `child`."""
         # The zygote ignores the stop signals; a child would too until it sets them back, and
         # one sent in between (a job that fails as it starts) would be lost. Held blocked
         # across the fork, it waits in the child until the worker unblocks it.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
-            _fork_worker(self.sock, self.sel, self.wakeup, request, fds)
+            self.sel.close()
+            self.sock.close()
+            for fd in self.wakeup:
+                os.close(fd)
+            for end in [*self.spares.values(), *([close] if close else [])]:
+                end.close()
+            child()
+            os._exit(1)  # never reached: the worker path ends the process
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        for f in fds:
-            os.close(f)
-        self.children[pid] = False
-        send(self.sock, {"op": "spawned", "id": request["id"], "pid": pid})
+        return pid
+
+    def _fork_spare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = self._fork(lambda: _wait_as_spare(theirs), close=ours)
+        theirs.close()
+        self.spares[pid] = ours
+
+    def _to_spare(self, request: dict[str, Any], fds: list[int]) -> int | None:
+        """Hand `request` to a warm spare: its pid, or None when no spare could take it."""
+        while self.spares:
+            pid, end = next(iter(self.spares.items()))
+            del self.spares[pid]
+            try:
+                send(end, request, fds)
+            except OSError:  # it died: reaped below, and forked anew when idle
+                self._reap_spare(pid)
+                continue
+            finally:
+                end.close()
+            return pid
+        return None
+
+    def _reap_dead_spares(self) -> None:
+        for pid in list(self.spares):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    self.spares.pop(pid).close()
+                    # A spare that dies unused (killed from outside) is not forked anew: a
+                    # cause that kills each new one would make the zygote fork without end.
+                    self.want_spares = 0
+
+    def _reap_spare(self, pid: int) -> None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        self.want_spares = 0
 
     def _reap_if_exited(self, pid: int) -> None:
         try:
@@ -201,6 +258,17 @@ class _Forks:
         send(self.sock, {"op": "exited", "pid": pid, "status": status})
 
 
+def _wait_as_spare(channel: socket.socket) -> None:
+    """A warm spare: wait for the one request it will run (end of file: the zygote is gone)."""
+    signal.set_wakeup_fd(-1)  # the zygote's, closed here
+    set_title([sys.executable, "-m", "elastic_launch.processes.zygote", "(warm spare)"])
+    request, fds = recv(channel)
+    channel.close()
+    if request is None:
+        os._exit(0)
+    _fork_worker(request, fds)
+
+
 # ---- the agent's side ------------------------------------------------------------------------
 
 
@@ -212,7 +280,8 @@ class Zygote:
     """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
     torch) overlap the rendezvous."""
 
-    def __init__(self, modules: list[str]) -> None:
+    def __init__(self, modules: list[str], spares: int = 0) -> None:
+        """`spares`: how many warm spares the zygote keeps forked (see the module's doc)."""
         self.modules = modules
         #: The environment it started with: what a forked worker keeps of it is read at start.
         self.env = dict(os.environ)
@@ -244,6 +313,9 @@ class Zygote:
         self.unsafe: str | None = None  # why forking from it would be wrong (fork_hazard)
         self._reader = threading.Thread(target=self._read, name="elasticrun-zygote", daemon=True)
         self._reader.start()
+        if spares:
+            with contextlib.suppress(OSError):  # a zygote gone already is found at the spawn
+                send(self._sock, {"op": "spares", "count": spares})
 
     def _read(self) -> None:
         while True:
