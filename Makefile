@@ -21,7 +21,7 @@ CORE_SOURCES := $(shell find cpp/include cpp/src python/elastic_core/bindings -t
 PURE_SOURCES := python/elastic_launch/pyproject.toml python/elastic_sampler/pyproject.toml \
 	python/elastic_launch/hatch_build.py $(wildcard python/elastic_launch/src/elastic_launch/rendezvous/etcdpb/*.proto)
 
-.PHONY: run test test-loaded bench lint cpp ctest pytest consumer demo-consumer setup clean
+.PHONY: run test test-loaded bench gpu-check lint cpp ctest pytest consumer demo-consumer setup clean
 
 # The example job under elasticrun: 2 workers, gloo on CPU; one worker is killed at step 150 to
 # show the restart and the resume from the checkpoint.
@@ -103,6 +103,10 @@ lint: $(VENV)/.stamp-packages
 
 bench: $(VENV)/.stamp-packages cpp
 	$(VPY) benchmarks/run.py --cpp-build $(BUILD)/cpp
+
+# The real-job benchmark on this machine's GPUs over NCCL (needs 2 GPUs and a CUDA torch).
+gpu-check: $(VENV)/.stamp-packages
+	$(VPY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(BUILD) python/*/build

@@ -65,6 +65,8 @@ class Shape:
     nproc: int = 2
     flags: tuple[str, ...] = ("--max-restarts", "3")
     ours: tuple[str, ...] = ("--monitor-interval", "0.05")  # elasticrun's only
+    #: GPUs, NCCL: each node gets `nproc` of `gpus` (CUDA_VISIBLE_DEVICES entries, in order)
+    gpus: tuple[str, ...] = ()
 
     @property
     def world(self) -> int:
@@ -187,6 +189,7 @@ class JobRun:
             *extra,
             str(EXAMPLE),
             *JOB,
+            *(("--backend", "nccl") if self.shape.gpus else ()),
             *self.job,
             "--checkpoint-dir",
             str(self.root / "checkpoints"),
@@ -201,6 +204,9 @@ class JobRun:
         # One thread per worker in every run: torch's kernels would sum in another order
         # (and the weights differ in their last bits) with more.
         env["OMP_NUM_THREADS"] = "1"
+        if self.shape.gpus:  # a replacement node takes the GPUs of the node it replaces
+            at = (len(self.nodes) % self.shape.nnodes) * self.shape.nproc
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.shape.gpus[at : at + self.shape.nproc])
         if self.launcher == "torchrun":
             # torchrun's reliable mode: with the rendezvous's store shared, its restarted
             # groups often hang in gloo's connectFullMesh (docs/benchmarks.md).

@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's convention
 from elastic_launch import train_loop
+from elastic_launch.train_loop import distributed as edist
 from elastic_sampler import ElasticDistributedSampler, load_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -39,7 +40,11 @@ class JobState(train_loop.State):
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
         self.args = args
-        self.net = SmallCNN(args.classes)
+        self.device = torch.device("cpu")
+        if args.backend == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        self.net = SmallCNN(args.classes).to(self.device)
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=args.lr, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=50, gamma=0.8)
         self.data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
@@ -67,24 +72,17 @@ class JobState(train_loop.State):
     def sync(self, world_size: int, rank: int) -> None:
         """The rank with the most steps sends its state (a new worker has taken none)."""
         self.world, self.rank = world_size, rank
-        steps = torch.tensor([self.step, rank])
-        everyone = [torch.zeros(2, dtype=torch.long) for _ in range(world_size)]
-        dist.all_gather(everyone, steps)
-        source = int(max(everyone, key=lambda t: (int(t[0]), -int(t[1])))[1])
-        buffer = io.BytesIO()
+        source, _ = edist.all_gather_return_max_long(self.step)  # the lowest rank on ties
+        data = None
         if rank == source:
+            buffer = io.BytesIO()
             torch.save(self.job_state(), buffer)
-        size = torch.tensor([buffer.getbuffer().nbytes])
-        dist.broadcast(size, source)
-        data = torch.zeros(int(size), dtype=torch.uint8)
+            data = numpy.frombuffer(buffer.getbuffer(), dtype=numpy.uint8)
+        received = edist.broadcast_binary(data, source)
         if rank == source:
-            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        dist.broadcast(data, source)
-        state = (
-            self.job_state()
-            if rank == source
-            else load_checkpoint(io.BytesIO(data.numpy().tobytes()))
-        )
+            state = self.job_state()
+        else:
+            state = load_checkpoint(io.BytesIO(received.tobytes()), map_location=self.device)
         self.rebuild(state)
 
     def rebuild(self, state: dict[str, Any]) -> None:
@@ -94,7 +92,8 @@ class JobState(train_loop.State):
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.batches = self.loader = self.model = None  # the old group's, dropped first
-        self.model = DistributedDataParallel(self.net, **bucket_per_parameter())
+        on_gpu = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        self.model = DistributedDataParallel(self.net, **on_gpu, **bucket_per_parameter())
         self.sampler = ElasticDistributedSampler(
             self.data, num_replicas=self.world, rank=self.rank, seed=self.args.seed
         )
@@ -107,6 +106,7 @@ class JobState(train_loop.State):
             sampler=self.sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
+            pin_memory=self.device.type == "cuda",
         )
         self.batches, self.since = iter(self.loader), 0
 
@@ -132,7 +132,8 @@ def train_step(state: JobState) -> JobState:
         raise StopIteration
     assert state.model is not None
     images, labels, _ = batch
-    loss = F.cross_entropy(state.model(images), labels)
+    x, y = images.to(state.device, non_blocking=True), labels.to(state.device, non_blocking=True)
+    loss = F.cross_entropy(state.model(x), y)
     state.optimizer.zero_grad()
     loss.backward()
     state.optimizer.step()
@@ -158,9 +159,10 @@ def main() -> None:
     p.add_argument("--loader-workers", type=int, default=2)
     p.add_argument("--step-time", type=float, default=0.04)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    train_loop.train(train_loop.from_environment("gloo"), train_step, JobState(args))
+    train_loop.train(train_loop.from_environment(args.backend), train_step, JobState(args))
 
 
 if __name__ == "__main__":

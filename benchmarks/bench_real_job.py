@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from _job_run import JobRun, Outcome, Shape
@@ -49,6 +49,7 @@ ONE_NODE = Shape(1, 2, ("--max-restarts", "3"), ())
 TWO_NODES = Shape(2, 1, ("--max-restarts", "3"), ())
 HANG = Shape(1, 2, ("--max-restarts", "3"), ("--hang-timeout", "5"))
 EPOCH = ("--epochs", "1")  # 100 steps on 1 x 2 (3200 samples, 16 a batch), 2 x 1 alike
+SCENARIOS = ("worker", "saver", "loop", "node", "node-replicas", "hang")
 HANG_WAIT = 60.0  # torchrun's hang: how long a run is watched before it is called lost
 
 
@@ -64,8 +65,9 @@ class Runs:
     def median_s(self) -> float:
         return statistics.median(self.recovery_s) if self.recovery_s else float("nan")
 
-    def note(self, total: int) -> str:
+    def note(self) -> str:
         lost = "no step lost" if not any(self.lost) else f"steps lost per run {self.lost}"
+        total = len(self.lost) + self.failed
         return f"{len(self.recovery_s)}/{total} recovered, {lost}"
 
 
@@ -123,7 +125,7 @@ def _wait(pred: Callable[[], object], timeout: float) -> object:
     return None
 
 
-def loop_run(kill_at: int) -> tuple[float | None, int | None]:
+def loop_run(kill_at: int, gpus: tuple[str, ...] = ()) -> tuple[float | None, int | None]:
     """The loop job on 2 workers; rank 1 SIGKILLed right after it reports step `kill_at`
     (before the next step's gradients reach its peer, so that no step completes without the
     new group): seconds to the next step any worker completes, and the steps lost."""
@@ -140,8 +142,10 @@ def loop_run(kill_at: int) -> tuple[float | None, int | None]:
         str(out),
         "--epochs",
         "1",
+        *(("--backend", "nccl") if gpus else ()),
     ]
-    proc = start_job(cmd, {"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1"} | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])} if gpus else {})
+    proc = start_job(cmd, env)
     try:
         victim = _wait(
             lambda: next((r for r in _records(out) if r[3] == 1 and r[1] >= kill_at), None), 180
@@ -165,11 +169,11 @@ def loop_run(kill_at: int) -> tuple[float | None, int | None]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def loop_runs(runs: int, seed: int) -> Runs:
+def loop_runs(runs: int, seed: int, gpus: tuple[str, ...] = ()) -> Runs:
     rng = random.Random(f"{seed}loop")
     got = Runs([], [], 0)
     for _ in range(runs):
-        seconds, lost = loop_run(rng.randint(20, 60))
+        seconds, lost = loop_run(rng.randint(20, 60), gpus)
         if seconds is None or lost is None:
             got.failed += 1
             continue
@@ -181,11 +185,11 @@ def loop_runs(runs: int, seed: int) -> Runs:
 # ---- the table ---------------------------------------------------------------------------
 
 
-def rows_for(what: str, ours: Runs, theirs: Runs | None, runs: int, baseline: str) -> list[Row]:
+def rows_for(what: str, ours: Runs, theirs: Runs | None, baseline: str) -> list[Row]:
     """The recovery time and the steps lost of one scenario."""
     base_s = None if theirs is None or not theirs.recovery_s else theirs.median_s
     base_lost = None if theirs is None or not theirs.lost else float(max(theirs.lost))
-    their_note = "" if theirs is None else f"; torchrun: {theirs.note(runs)}"
+    their_note = "" if theirs is None else f"; torchrun: {theirs.note()}"
     return [
         Row(
             "real_job",
@@ -194,7 +198,7 @@ def rows_for(what: str, ours: Runs, theirs: Runs | None, runs: int, baseline: st
             base_s,
             baseline,
             "s",
-            f"median of {ours.note(runs)}{their_note}",
+            f"median of {ours.note()}{their_note}",
         ),
         Row(
             "real_job",
@@ -208,12 +212,18 @@ def rows_for(what: str, ours: Runs, theirs: Runs | None, runs: int, baseline: st
     ]
 
 
-def scenarios(root: Path, runs: int, seed: int) -> dict[str, Callable[[], list[Row]]]:
+def scenarios(
+    root: Path, runs: int, seed: int, gpus: tuple[str, ...] = ()
+) -> dict[str, Callable[[], list[Row]]]:
+    """Each scenario's measurement; with `gpus` (CUDA_VISIBLE_DEVICES entries, 2 at least)
+    the job runs on them over NCCL, each node on its own."""
+    one_node, two_nodes, hung = (replace(s, gpus=gpus) for s in (ONE_NODE, TWO_NODES, HANG))
+
     def worker(victim: int, label: str) -> Callable[[], list[Row]]:
         def measure() -> list[Row]:
-            ours = job_runs(root, "elasticrun", ONE_NODE, "worker", runs, victim=victim, seed=seed)
-            theirs = job_runs(root, "torchrun", ONE_NODE, "worker", runs, victim=victim, seed=seed)
-            return rows_for(f"1 x 2, {label} SIGKILLed", ours, theirs, runs, "torchrun")
+            ours = job_runs(root, "elasticrun", one_node, "worker", runs, victim=victim, seed=seed)
+            theirs = job_runs(root, "torchrun", one_node, "worker", runs, victim=victim, seed=seed)
+            return rows_for(f"1 x 2, {label} SIGKILLed", ours, theirs, "torchrun")
 
         return measure
 
@@ -222,25 +232,24 @@ def scenarios(root: Path, runs: int, seed: int) -> dict[str, Callable[[], list[R
         label = "2 x 1, a node SIGKILLed" + (", replicas=1" if replicas else "")
 
         def measure() -> list[Row]:
-            ours = job_runs(root, "elasticrun", TWO_NODES, "node", runs, job=job, seed=seed)
-            theirs = job_runs(root, "torchrun", TWO_NODES, "node", runs, job=job, seed=seed)
-            return rows_for(label, ours, theirs, runs, "torchrun")
+            ours = job_runs(root, "elasticrun", two_nodes, "node", runs, job=job, seed=seed)
+            theirs = job_runs(root, "torchrun", two_nodes, "node", runs, job=job, seed=seed)
+            return rows_for(label, ours, theirs, "torchrun")
 
         return measure
 
     def hang() -> list[Row]:
-        ours = job_runs(root, "elasticrun", HANG, "hang", runs, seed=seed)
-        theirs = job_runs(root, "torchrun", HANG, "hang", 1, seed=seed, timeout=HANG_WAIT)
-        return rows_for("1 x 2, a worker hung (--hang-timeout 5)", ours, theirs, runs, "torchrun")
+        ours = job_runs(root, "elasticrun", hung, "hang", runs, seed=seed)
+        theirs = job_runs(root, "torchrun", hung, "hang", 1, seed=seed, timeout=HANG_WAIT)
+        return rows_for("1 x 2, a worker hung (--hang-timeout 5)", ours, theirs, "torchrun")
 
     def loop() -> list[Row]:
-        ours = loop_runs(runs, seed)
-        theirs = job_runs(root, "torchrun", ONE_NODE, "worker", runs, victim=1, seed=seed)
+        ours = loop_runs(runs, seed, gpus)
+        theirs = job_runs(root, "torchrun", one_node, "worker", runs, victim=1, seed=seed)
         return rows_for(
             "classic train loop, 1 x 2, rank 1 SIGKILLed",
             ours,
             theirs,
-            runs,
             "torchrun group restart",
         )
 
@@ -254,12 +263,17 @@ def scenarios(root: Path, runs: int, seed: int) -> dict[str, Callable[[], list[R
     }
 
 
-def run(cpp_build: Path | None = None, names: list[str] | None = None, seed: int = 0) -> list[Row]:
-    """Every scenario (or `names`), BENCH_REAL_JOB_RUNS runs each."""
+def run(
+    cpp_build: Path | None = None,
+    names: list[str] | None = None,
+    seed: int = 0,
+    gpus: tuple[str, ...] = (),
+) -> list[Row]:
+    """Every scenario (or `names`), BENCH_REAL_JOB_RUNS runs each; on `gpus` over NCCL."""
     runs = int(os.environ.get("BENCH_REAL_JOB_RUNS", "5"))
     root = Path(tempfile.mkdtemp(prefix="bench-real-job-"))
     try:
-        table = scenarios(root, runs, seed)
+        table = scenarios(root, runs, seed, gpus)
         rows: list[Row] = []
         for name in names or list(table):
             rows += table[name]()
@@ -270,13 +284,13 @@ def run(cpp_build: Path | None = None, names: list[str] | None = None, seed: int
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("scenarios", nargs="*", help="worker, saver, loop, node, node-replicas, hang")
+    p.add_argument("scenarios", nargs="*", help=", ".join(SCENARIOS))
     p.add_argument("--runs", type=int, default=None, help="runs per scenario (default 5)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.runs is not None:
         os.environ["BENCH_REAL_JOB_RUNS"] = str(args.runs)
-    known = {"worker", "saver", "loop", "node", "node-replicas", "hang"}
+    known = set(SCENARIOS)
     unknown = [s for s in args.scenarios if s not in known]
     if unknown:
         p.error(f"unknown scenario {unknown[0]!r}: choose from {sorted(known)}")

@@ -129,6 +129,18 @@ def parse_args() -> argparse.Namespace:
         help="steps between checkpoints on disk (every step is kept in memory)",
     )
     p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="nccl: the model on the GPU of the worker's local rank (CPU tensors go over gloo)",
+    )
+    add_test_flags(p)
+    return p.parse_args()
+
+
+def add_test_flags(p: argparse.ArgumentParser) -> None:
+    """Faults to inject, and records the tests and benchmarks read."""
+    p.add_argument(
         "--crash-at-step",
         type=int,
         default=None,
@@ -165,7 +177,6 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="where rank 0 saves the final model weights",
     )
-    return p.parse_args()
 
 
 @dataclass
@@ -262,7 +273,9 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
     for epoch_steps, (images, labels, ids) in enumerate(job.loader, start=1):
         inject_failure(job)
         started = time.monotonic()
-        loss = F.cross_entropy(job.model(images), labels)
+        device = next(job.model.parameters()).device
+        x, y = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        loss = F.cross_entropy(job.model(x), y)
         job.optimizer.zero_grad()
         loss.backward()
         job.optimizer.step()  # elasticrun beats here
@@ -299,19 +312,28 @@ def progress_bar(job: Job) -> tqdm[Any]:
 
 
 def setup(args: argparse.Namespace) -> Job:
-    dist.init_process_group("gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if args.backend == "nccl":  # checkpoints' and samplers' CPU tensors still go over gloo
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     data = SyntheticImages(args.samples, args.classes, args.image_size, args.seed)
     # Resumes mid-epoch on any number of workers, with every sample exactly once per epoch.
     sampler = ElasticDistributedSampler(data, num_replicas=world, rank=rank, seed=args.seed)
-    model = DistributedDataParallel(SmallCNN(args.classes), **bucket_per_parameter())
+    on_gpu = {"device_ids": [local_rank]} if device.type == "cuda" else {}
+    net = SmallCNN(args.classes).to(device)
+    model = DistributedDataParallel(net, **on_gpu, **bucket_per_parameter())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     workers = args.loader_workers
     job = Job(
         args,
         rank,
-        int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank,
         world,
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         sampler=sampler,
@@ -322,6 +344,7 @@ def setup(args: argparse.Namespace) -> Job:
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
+            pin_memory=device.type == "cuda",
         ),
         model=model,
         optimizer=optimizer,

@@ -440,3 +440,30 @@ def test_a_failed_init_process_group_does_not_rename_the_next_group():
     finally:
         c._destroy_process_group()
         assert not dist.is_initialized()
+
+
+def test_on_nccl_a_broken_round_aborts_the_communicators_and_a_new_round_stops_that(monkeypatch):
+    """NCCL does not see a dead peer's closed connection as gloo does: a collective may block
+    for good. Once the rendezvous says the round is broken, the communicators are aborted
+    (torch's _abort_process_group), so that the collective raises and the loop re-forms; the
+    next round's teardown stops the watch, and a broken round is aborted once."""
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+
+    aborted = threading.Semaphore(0)
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: aborted.release(), raising=False)
+    broken = threading.Event()
+    team = FakeTeam()
+    team.round_broken = broken.is_set  # type: ignore[method-assign]
+    c = coordinator(0, 2, team, backend="nccl")
+    c._watch_for_abort()
+    assert not aborted.acquire(timeout=0.2), "no abort while the round holds"
+    broken.set()
+    assert aborted.acquire(timeout=30), "the broken round's communicators were not aborted"
+    assert not aborted.acquire(timeout=0.2), "aborted once"
+    broken.clear()
+    c._watch_for_abort()  # the next round
+    c._destroy_process_group()  # and its end: the watch stops
+    broken.set()
+    assert not aborted.acquire(timeout=0.2), "a round already torn down is not aborted"
