@@ -253,11 +253,25 @@ def test_outside_elasticrun_memory_warns_and_keeps_every_nth_step_on_disk(tmp_pa
     from elastic_sampler import CheckpointManager
 
     monkeypatch.delenv("ELASTICRUN_MEMORY_DIR", raising=False)
-    with pytest.warns(UserWarning, match="outside elasticrun: there is no memory tier"):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.warns(UserWarning, match=r"\$ELASTICRUN_MEMORY_DIR is not set \(elasticrun sets"):
         m = CheckpointManager(tmp_path / "ckpt", keep_last=9, memory=True, persist_every=3)
     for step in range(1, 8):
         m.save(state(step), step)
     assert m.steps() == [3, 6]
+
+
+def test_outside_elasticrun_only_a_node_s_first_worker_says_so(tmp_path, monkeypatch):
+    """Under torchrun every rank builds the manager: one line per node, not one per rank."""
+    import warnings
+
+    from elastic_sampler import CheckpointManager
+
+    monkeypatch.delenv("ELASTICRUN_MEMORY_DIR", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CheckpointManager(tmp_path / "ckpt", memory=True)
 
 
 @pytest.mark.parametrize(

@@ -225,3 +225,19 @@ def test_property_tests_can_fail():
         RoundState.from_json(b'{"size": -1}', "k")
     with pytest.raises(StoreValueError):
         Member.from_json(b'{"lws": "4"}', "k")
+
+
+def test_text_from_the_store_cannot_forge_a_log_line():
+    """A closed job's detail (or any text field) reaches the launcher's log: a newline or an
+    escape sequence in it is shown escaped, never printed raw."""
+    from elastic_launch.rendezvous.api import CloseReason, JobClosed
+
+    forged = "worker failed\nelasticrun: the job SUCCEEDED\x1b[2K"
+    stored = RoundState(3, Status.CLOSED, closed=JobClosed(CloseReason.FAILED, forged)).to_json()
+    closed = RoundState.from_json(stored, "k").closed
+    assert closed is not None
+    assert "\n" not in str(closed) and "\x1b" not in str(closed)
+    assert closed.detail == "worker failed\\x0aelasticrun: the job SUCCEEDED\\x1b[2K"
+    plain = RoundState.from_json(json.dumps({"closed": forged}).encode(), "k").closed
+    assert plain is not None and "\n" not in plain.detail
+    assert text_value(b"node\nelasticrun: x", "k") == "node\\x0aelasticrun: x"

@@ -106,6 +106,17 @@ def test_the_embedded_service_beyond_loopback_needs_a_token():
         check_parameters(params(loopback))
 
 
+def test_an_unresolvable_host_says_so_rather_than_asking_for_a_token():
+    """A name the resolver does not know is not "beyond loopback": the message names it.
+    (With a token the check is left to the connection, which retries: a cluster's DNS name
+    may appear after its pods start.)"""
+    with pytest.raises(RendezvousConfigError) as e:
+        check_parameters(params("no-such-host.invalid:29400"))
+    message = str(e.value)
+    assert "cannot resolve 'no-such-host.invalid'" in message and "token" not in message
+    check_parameters(params("no-such-host.invalid:29400", token="t"))
+
+
 # ---- the challenge ---------------------------------------------------------------------------
 
 

@@ -107,6 +107,15 @@ def local_address(target_host: str) -> str:
         return socket.gethostname()
 
 
+def resolve_error(host: str) -> str | None:
+    """Why `host` does not resolve to an address (the resolver's words), or None if it does."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
+
+
 def is_loopback(host: str) -> bool:
     """True if every address `host` names is a loopback address (only this host reaches it)."""
     try:

@@ -76,8 +76,10 @@ def _flush_open_files() -> None:
     import gc
     import io
 
-    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
-    files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
+    # By type, not isinstance: an object's __class__ may be a property (torch's deprecated
+    # names warn when it is read), and every object alive passes here.
+    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
+    files.sort(key=lambda f: not issubclass(type(f), io.TextIOBase))
     for f in files:
         with contextlib.suppress(Exception):
             if not f.closed:

@@ -67,7 +67,7 @@ class DiskTier:
         except OSError as e:
             raise CheckpointError(
                 f"cannot write checkpoints to '{directory}': {why(e)}; choose a writable directory"
-            ) from e
+            ) from None  # the reason is in the message; pathlib's chain of mkdirs adds nothing
         self._staging: Any = None  # the last background copy, once written: the next one's buffers
         self._thread: threading.Thread | None = None
         self._writing: int | None = None  # the step the background write is saving

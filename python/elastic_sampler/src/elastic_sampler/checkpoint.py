@@ -109,10 +109,11 @@ class CheckpointManager:
         self._overlap = s.overlap  # without a memory tier: only said back
         # The last step written to disk by this manager (or its first save, until one is).
         self._persisted: int | None = None
-        if s.memory and self.memory_tier is None:
+        # Said by one worker of a node (local rank 0), not by every rank in the same words.
+        if s.memory and self.memory_tier is None and os.environ.get("LOCAL_RANK", "0") == "0":
             warnings.warn(
-                "CheckpointManager(memory=True) outside elasticrun: there is no memory tier "
-                f"(${_memory.MEMORY_DIR_ENV} is set for its workers); steps reach the disk "
+                f"CheckpointManager(memory=True): ${_memory.MEMORY_DIR_ENV} is not set (elasticrun "
+                "sets it for its workers), so there is no memory tier: steps reach the disk "
                 f"every {s.persist_every} step(s), and the others are not kept",
                 stacklevel=2,
             )

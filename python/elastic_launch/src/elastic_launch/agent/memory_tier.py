@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from elastic_launch.agent.watch import HEARTBEAT_DIR
+from elastic_launch.agent.shm import own_name
 
 if TYPE_CHECKING:
     from elastic_launch.processes.guardian import Guardian
@@ -28,7 +28,7 @@ MEMORY_LIMIT_ENV = "ELASTICRUN_MEMORY_LIMIT"
 def memory_tier(guardian: Guardian, limit: int | None) -> Iterator[dict[str, str]]:
     """Make the node's directory (mode 0700), have the guardian remove it should the launcher
     die, and give the workers' environment; the directory goes when the launcher ends."""
-    path = f"{HEARTBEAT_DIR}/elasticrun-{os.getpid()}-memory-{os.urandom(4).hex()}"
+    path = own_name("memory")
     os.mkdir(path, 0o700)
     try:
         guardian.remove_path(path)

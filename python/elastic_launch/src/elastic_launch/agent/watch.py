@@ -4,7 +4,6 @@ worker), NVML's GPU checks, and the watchdog thread that reads both and the work
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,12 +11,12 @@ from typing import TYPE_CHECKING
 from elastic_core import GpuHealth, HeartbeatTable, Watchdog
 
 from elastic_launch.agent.devices import open_gpu_health
+from elastic_launch.agent.shm import own_name
 
 if TYPE_CHECKING:
     from elastic_launch.agent.worker import Watcher
     from elastic_launch.processes.guardian import Guardian
 
-HEARTBEAT_DIR = "/dev/shm"
 #: Heartbeats are compared every 50 ms, so a fixed --hang-timeout is kept to within 100 ms even
 #: on a busy node (reading a few slots costs microseconds).
 HANG_CHECK_INTERVAL = 0.05
@@ -38,7 +37,7 @@ class Watch:
 def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterator[Watch]:
     """The table (its file removed by the guardian should the launcher be SIGKILLed), the GPU
     checks (none without a GPU, or with an interval of 0) and the watchdog, closed in reverse."""
-    path = f"{HEARTBEAT_DIR}/elasticrun-{os.getpid()}-{os.urandom(4).hex()}"
+    path = own_name()
     with contextlib.ExitStack() as stack:
         table = stack.enter_context(HeartbeatTable.create(path, workers))
         guardian.remove_path(table.path)

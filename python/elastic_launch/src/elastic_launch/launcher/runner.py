@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_launch import compat
+from elastic_launch.agent import shm
 from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import Events
@@ -68,6 +69,7 @@ def run(
         events = stack.enter_context(
             Events.open(run_id, c.event_log_handler, c.events_file, plan.metrics)
         )
+        shm.sweep()  # what launchers SIGKILLed with their guardian left
         node = stack.enter_context(watch(c.nproc_per_node, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         chosen = preload.plan(c.preload, entrypoint)

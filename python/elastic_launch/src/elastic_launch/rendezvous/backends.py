@@ -27,6 +27,7 @@ from elastic_launch.net import (
     is_local_host,
     is_loopback,
     parse_endpoint,
+    resolve_error,
 )
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
@@ -265,6 +266,12 @@ def _embedded_endpoint(
         )
     host, port = parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
     if conf.token is None and not conf.allow_unauthenticated and not is_loopback(host):
+        unresolved = resolve_error(host)
+        if unresolved is not None:
+            raise RendezvousConfigError(
+                f"--rdzv-endpoint {host_port(host, port)}: cannot resolve {host!r} "
+                f"({unresolved}); check the name, or give the host's address"
+            )
         raise RendezvousConfigError(
             f"--rdzv-endpoint {host_port(host, port)} is beyond loopback, and the rendezvous "
             "service there would let anyone who reaches the port read the job, join it or end "

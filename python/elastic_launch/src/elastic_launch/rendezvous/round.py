@@ -35,7 +35,15 @@ from elastic_launch.rendezvous.api import (
     RendezvousInfo,
     RestartReason,
 )
-from elastic_launch.rendezvous.values import MAX_ENTRIES, MAX_TEXT, Fields, bad, decode, row
+from elastic_launch.rendezvous.values import (
+    MAX_ENTRIES,
+    MAX_TEXT,
+    Fields,
+    bad,
+    decode,
+    printable,
+    row,
+)
 
 #: The rendezvous protocol: keys and the state's format. Nodes of another protocol cannot join.
 #: 3: the state key is small (no membership: that is in a round's members shards, a node reads
@@ -255,7 +263,7 @@ def _closed(f: Fields) -> JobClosed | None:
     if not closed:
         return None
     if isinstance(closed, str):
-        return JobClosed(CloseReason.FAILED, closed[:MAX_TEXT])
+        return JobClosed(CloseReason.FAILED, printable(closed[:MAX_TEXT]))
     reasons = {r.value for r in CloseReason}
     reason = closed.get("reason") if isinstance(closed, dict) else None
     if not isinstance(reason, str) or reason not in reasons:

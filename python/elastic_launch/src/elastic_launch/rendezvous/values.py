@@ -22,6 +22,20 @@ MAX_ENTRIES = 1 << 16
 MAX_COUNT = (1 << 53) - 1
 
 
+#: Characters that would end or rewrite a log line, or a terminal's, shown escaped instead.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {
+    0x85: "\\x85",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (a newline, an escape sequence) escaped: text
+    from the store reaches log lines, and must not be able to forge one."""
+    return text.translate(_CONTROL)
+
+
 def bad(key: str, problem: str) -> NoReturn:
     raise StoreValueError(
         f"the rendezvous store's key {key!r} holds {problem}; another program or another "
@@ -52,7 +66,7 @@ def text_value(data: bytes, key: str) -> str:
         bad(key, "bytes that are not UTF-8")
     if len(text) > MAX_TEXT:
         bad(key, f"{len(text)} characters (at most {MAX_TEXT})")
-    return text
+    return printable(text)
 
 
 class Fields:
@@ -82,7 +96,7 @@ class Fields:
         value = self.raw.get(name, default)
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             self.bad(name, value, f"a string of at most {MAX_TEXT} characters")
-        return value
+        return printable(value)
 
     def number(self, name: str) -> float | None:
         value = self.raw.get(name)
