@@ -119,11 +119,12 @@ def sweep(directory: str | None = None) -> Swept:
             continue
         entries, size = entries + 1, size + freed
     if entries:
+        amount = f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB"
         logger.warning(
-            "removed %d leftover(s) of elasticrun launchers that are gone from %s (%.1f MB of "
+            "removed %d leftover(s) of elasticrun launchers that are gone from %s (%s of "
             "shared memory freed)",
             entries,
             directory,
-            size / 1e6,
+            amount,
         )
     return Swept(entries, size)
