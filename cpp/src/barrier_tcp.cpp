@@ -267,8 +267,7 @@ TcpBarrier::TcpBarrier(std::vector<std::string> peers, uint32_t rank, const std:
       listen_on_own_entry();
       accept_members(deadline, connect_timeout_ms);
     } else {
-      fds_[0] = connect_to_leader(deadline, connect_timeout_ms);
-      handshake(fds_[0], deadline);
+      join_leader(deadline, connect_timeout_ms);
     }
   } catch (...) {
     close_all();
@@ -289,7 +288,7 @@ void TcpBarrier::listen_on_own_entry() {
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        ::listen(fd, static_cast<int>(peers_.size())) == 0) {
+        ::listen(fd, SOMAXCONN) == 0) {  // a full queue would drop a member's SYN
       listen_fd_ = fd;
     } else {
       last_err = errno;
@@ -441,8 +440,23 @@ void TcpBarrier::accept_members(uint64_t deadline, int connect_timeout_ms) {
     if (pfds[0].revents != 0) {
       int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0 && pending.size() >= 4 * peers_.size() + 16) {
-        ::close(fd);  // more strangers than peers: not one of them gets to wait
-      } else if (fd >= 0) {
+        // Room is made by the connection that has been silent longest: a member says HELLO
+        // as it connects, so silent strangers, however many, never keep one out.
+        size_t oldest = pending.size();
+        for (size_t k = 0; k < pending.size(); ++k) {
+          if (pending[k].got == 0 && !pending[k].hello_done &&
+              (oldest == pending.size() || pending[k].deadline < pending[oldest].deadline)) {
+            oldest = k;
+          }
+        }
+        if (oldest < pending.size()) {
+          drop(oldest);
+        } else {
+          ::close(fd);  // every one is mid-handshake: the newcomer waits for the next accept
+          fd = -1;
+        }
+      }
+      if (fd >= 0) {
         set_nodelay(fd);
         Pending c;
         c.fd = fd;
@@ -493,7 +507,27 @@ int TcpBarrier::connect_to_leader(uint64_t deadline, int connect_timeout_ms) {
   return fd;
 }
 
-void TcpBarrier::handshake(int fd, uint64_t deadline) {
+void TcpBarrier::join_leader(uint64_t deadline, int connect_timeout_ms) {
+  // Rank 0 may close a connection before answering it (it made room for another when strangers
+  // filled its queue, or it is starting over): connecting again within the deadline is safe,
+  // since nothing derived from the token was sent.
+  for (;;) {
+    fds_[0] = connect_to_leader(deadline, connect_timeout_ms);
+    if (handshake(fds_[0], deadline)) return;
+    ::close(fds_[0]);
+    fds_[0] = -1;
+    if (now_ns() >= deadline) {
+      throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) +
+                                           " closed every connection before answering within " +
+                                           std::to_string(connect_timeout_ms) +
+                                           " ms: is it an elasticrun TCP barrier?")
+          .with_culprit(0);
+    }
+    ::usleep(10000);
+  }
+}
+
+bool TcpBarrier::handshake(int fd, uint64_t deadline) {
   const uint32_t n = static_cast<uint32_t>(peers_.size());
   unsigned char hello[kHelloSize];
   put_u32(hello, kMagic);
@@ -509,12 +543,12 @@ void TcpBarrier::handshake(int fd, uint64_t deadline) {
                                           "elasticrun TCP barrier of the same version?")
         .with_culprit(0);
   };
-  // A refusal is a short frame (magic, status) or a full one: read the status first.
-  if (!write_full(fd, hello, kHelloSize) ||
-      read_full(fd, challenge, kWelcomeSize, deadline, &err) != Read::kOk ||
-      get_u32(challenge) != kMagic) {
-    throw unanswered();
-  }
+  // A refusal is a short frame (magic, status) or a full one: read the status first. Closed
+  // before a word: false, and the caller connects again.
+  if (!write_full(fd, hello, kHelloSize)) return false;
+  Read first = read_full(fd, challenge, kWelcomeSize, deadline, &err);
+  if (first == Read::kClosed) return false;
+  if (first != Read::kOk || get_u32(challenge) != kMagic) throw unanswered();
   uint32_t status = get_u32(challenge + 4);
   if (status != kOk) {
     throw Error(ELASTIC_ERR_NETWORK, "TCP barrier: " + describe(0) + " refused rank " +
@@ -547,6 +581,7 @@ void TcpBarrier::handshake(int fd, uint64_t deadline) {
                                          std::to_string(rank_) + ": " + welcome_text(status))
         .with_culprit(0);
   }
+  return true;
 }
 
 TcpBarrier::~TcpBarrier() { close_all(); }

@@ -331,6 +331,42 @@ TEST(TcpBarrier, SilentConnectionsDelayNoOne) {
   EXPECT_EQ(formed.load(), 3);
 }
 
+TEST(TcpBarrier, TwoHundredSilentConnectionsKeepNoMemberOut) {
+  // Rank 0 holds at most 4n+16 connections that have not finished their handshake; when
+  // strangers fill that room, the one silent longest makes way, so a member (who speaks as it
+  // connects) always gets in. Before, the newcomer was the one closed: 24 idle connections
+  // kept the barrier from forming until they reached their 5 s handshake limit, past this
+  // test's 3 s to connect.
+  int port = free_port();
+  std::string leader = "127.0.0.1:" + std::to_string(port);
+  std::vector<std::string> peers = {leader, "127.0.0.1:1"};
+  std::atomic<int> formed{0};
+  std::thread lead([&] {
+    TcpBarrier b(peers, 0, "t", 3000);
+    b.wait(3000);
+    ++formed;
+  });
+  std::vector<int> silent;
+  for (int tries = 0; silent.size() < 200 && tries < 2000; ++tries) {
+    int fd = connect_to(port);
+    if (fd >= 0) {
+      silent.push_back(fd);
+    } else {
+      ::usleep(5000);
+    }
+  }
+  ASSERT_EQ(silent.size(), 200u);
+  std::thread member([&] {
+    TcpBarrier b(peers, 1, "t", 3000);
+    b.wait(3000);
+    ++formed;
+  });
+  member.join();
+  lead.join();
+  for (int fd : silent) ::close(fd);
+  EXPECT_EQ(formed.load(), 2);
+}
+
 TEST(TcpBarrier, AnAbortCutShortIsReadWithinItsFrame) {
   // Rank 0, played by hand (the handshake computed from the protocol's description), sends an
   // ABORT whose reason never comes and whose culprit is out of range: the member reports just

@@ -107,6 +107,27 @@ def test_a_crafted_copy_is_refused_by_default(path):
         MemorySlot(path, "run-a").load()
 
 
+def test_a_refused_memory_copy_falls_back_to_the_disk(tmp_path, monkeypatch):
+    """Through the manager, a memory copy that is refused (or cannot be decoded) is skipped
+    with a warning, as a torn one is, and the newest good step on disk loads."""
+    from elastic_sampler import CheckpointManager
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    monkeypatch.setenv("ELASTICRUN_MEMORY_DIR", str(tmp_path / "mem"))
+    (tmp_path / "mem").mkdir(mode=0o700)
+    m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=2)
+    m.save(state(2, 1000), 2)  # memory and disk
+    m.save(state(3, 1000), 3)  # memory only
+    m.wait()
+    m.memory_tier.slot.put({"x": Evil()}, 4)  # what a rogue writer of the slot leaves
+    with pytest.warns(UserWarning, match="refused the memory checkpoint"):
+        loaded, step = CheckpointManager(tmp_path / "ckpt", memory=True).load_latest()
+    assert step == 2 and same(loaded, state(2, 1000))
+
+
 SIZE = 32 << 20
 
 

@@ -111,6 +111,28 @@ def test_a_skeleton_naming_anything_else_is_refused():
         _payload.decode(data, "the copy")
 
 
+@pytest.mark.timeout(60)
+def test_a_skeleton_of_shared_references_is_refused_before_it_is_walked():
+    """Pickle's memo lets a few hundred bytes hold one list twice at each of 40 levels: walked,
+    that is 2^40 visits (this test's time limit ends it). plan() writes every container once,
+    so a container met twice is refused at once; states with repeated values still load."""
+    import pickle
+    import struct
+
+    shared: list = [1]
+    for _ in range(40):
+        shared = [shared, shared]
+    body = pickle.dumps({"state": {"model": shared}, "at": []}, protocol=4)
+    assert len(body) < 4096
+    data = struct.pack("<8sQ", _payload.MAGIC, len(body)) + body
+    with pytest.raises(CheckpointError, match="holds one container in two places"):
+        _payload.decode(data, "the copy")
+    same = [0.5, (1, 2)]
+    state = {"a": same, "b": same, "t": (), "u": (), "x": torch.ones(3), "y": torch.zeros(5000)}
+    back = _payload.decode(written(state), "ok")
+    assert back["a"] == back["b"] == same and back["t"] == back["u"] == ()
+
+
 def test_a_skeleton_whose_table_lies_is_an_error():
     import pickle
     import struct

@@ -90,8 +90,9 @@ class TcpBarrier {
   // The constructor's steps: rank 0 listens and admits every member; the others connect.
   void listen_on_own_entry();
   void accept_members(uint64_t deadline, int connect_timeout_ms);
+  void join_leader(uint64_t deadline, int connect_timeout_ms);
   int connect_to_leader(uint64_t deadline, int connect_timeout_ms);
-  void handshake(int fd, uint64_t deadline);
+  bool handshake(int fd, uint64_t deadline);
   void wait_leader(uint64_t deadline);
   void wait_member(uint64_t deadline);
   std::string describe(uint32_t rank) const;

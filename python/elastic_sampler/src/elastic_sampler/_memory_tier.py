@@ -146,12 +146,13 @@ class MemoryTier:
     def load_newest(
         self, map_location: Any, model: torch.nn.Module | None, weights_only: bool
     ) -> tuple[Any, int] | None:
-        """(state, step) of the newest copy, or None (no copy, or one that cannot be loaded:
-        said, and the caller uses the disk)."""
+        """(state, step) of the newest copy, or None (no copy, or one that cannot be loaded
+        or is refused: said, and the caller uses the disk, as for a torn copy)."""
         try:
             found = self.slot.load(map_location, weights_only)
-        except UnsafeCheckpointError:
-            raise
+        except UnsafeCheckpointError as e:  # nothing of it ran: the disk may hold a good one
+            warnings.warn(f"refused the memory checkpoint: {e}; using the disk", stacklevel=4)
+            return None
         except Exception as e:
             warnings.warn(f"skipping the memory checkpoint: {e}; using the disk", stacklevel=4)
             return None

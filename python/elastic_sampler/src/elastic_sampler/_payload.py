@@ -357,9 +357,20 @@ def decode(data: Any, where: str, map_location: Any = "cpu", weights_only: bool 
         target = _device_for(map_location, str(original), where)
         return t if str(target) == "cpu" else t.to(target)
 
+    seen: set[int] = set()  # the containers walked: the encoder writes each once (a tree)
+
     def walk(x: Any) -> Any:
         if isinstance(x, TensorRef):
             return tensor(x)
+        if isinstance(x, (dict, list, tuple)) and len(x):  # () is one shared object
+            if id(x) in seen:
+                # A few bytes of pickle can hold a container twice at every level: walked, it
+                # would be 2^depth (seconds and gigabytes from 4 KB). Never written by plan().
+                raise CheckpointError(
+                    f"{where}: its skeleton holds one container in two places, which "
+                    "elastic_sampler never writes; it is not loaded"
+                )
+            seen.add(id(x))
         if isinstance(x, dict):
             return _rebuilt(x, [(k, walk(v)) for k, v in x.items()])
         if type(x) in (list, tuple):
