@@ -320,6 +320,56 @@ def test_another_user_cannot_keep_this_agent_from_hosting():
         squatter.wait(10)
 
 
+@pytest.mark.slow  # a listener run as user nobody
+def test_a_port_another_user_listens_on_is_refused_naming_the_owner():
+    """Without a token nothing proves the service on the port is the job's: another local user
+    listening there first would read every key. The agent refuses, naming the port's owner."""
+    if os.getuid() != 0:
+        pytest.skip("needs root, to run the listener as another user")
+    import shutil
+    import subprocess
+    import sys
+
+    port = free_port()
+    listen = (
+        "import socket, time\n"
+        "s = socket.socket()\n"
+        f"s.bind(('127.0.0.1', {port}))\n"
+        "s.listen(8)\n"
+        "print('listening', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    squatter = subprocess.Popen(
+        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", listen],
+        stdout=subprocess.PIPE,
+        text=True,
+        user=65534,  # nobody
+        cwd="/",
+    )
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "listening"
+        for conf in ({}, {"is_host": "false"}):  # an agent that would host, one that joins
+            p = RendezvousParameters(
+                "c10d",
+                f"127.0.0.1:{port}",
+                "job",
+                2,
+                2,
+                1,
+                local_addr="127.0.0.1",
+                config={"join_timeout": "5", **conf},
+            )
+            with pytest.raises(RendezvousConfigError) as e:
+                EmbeddedRendezvous(p)
+            assert f"127.0.0.1:{port}: the port is held by another user, nobody (uid 65534)" in (
+                str(e.value)
+            )
+            assert "ELASTICRUN_RDZV_TOKEN" in str(e.value)
+    finally:
+        squatter.kill()
+        squatter.wait(10)
+
+
 # ---- a host that cannot serve says so at once --------------------------------------------------
 
 

@@ -107,6 +107,26 @@ def local_address(target_host: str) -> str:
         return socket.gethostname()
 
 
+def listener_owners(port: int) -> set[int]:
+    """The users (uids) of the sockets listening on TCP `port` of this host, on any address
+    (Linux: /proc/net/tcp and tcp6; empty elsewhere, or if none listens)."""
+    owners: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 8 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            local = fields[1].rsplit(":", 1)
+            if len(local) == 2 and int(local[1], 16) == port:
+                owners.add(int(fields[7]))
+    return owners
+
+
 def resolve_error(host: str) -> str | None:
     """Why `host` does not resolve to an address (the resolver's words), or None if it does."""
     try:

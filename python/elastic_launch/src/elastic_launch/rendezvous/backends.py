@@ -26,6 +26,7 @@ from elastic_launch.net import (
     host_port,
     is_local_host,
     is_loopback,
+    listener_owners,
     parse_endpoint,
     resolve_error,
 )
@@ -96,6 +97,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
         service that will not come."""
         wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
         if not wants_host:
+            if is_loopback(host):
+                _refuse_another_users(host, port, conf)
             return
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
@@ -124,6 +127,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
                     f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
                     f"({error}); free the port, or leave is_host out"
                 ) from None
+            _refuse_another_users(host, port, conf)
             holder = who_serves(host, port, _tls(conf))
             if holder == SERVICE:
                 logger.info("another agent of this host serves the rendezvous: %s", error)
@@ -280,6 +284,31 @@ def _embedded_endpoint(
             "--rdzv-conf allow_unauthenticated=true (docs/security.md)"
         )
     return host, port
+
+
+def _refuse_another_users(host: str, port: int, conf: RendezvousConf) -> None:
+    """Without a token, nothing proves that the service on this host's port is the job's: one
+    that another user runs there would read and write every key. So a listener of another
+    user is refused (with a token, the service proves it holds it, or the agent stops)."""
+    if conf.token is not None:
+        return
+    others = sorted(listener_owners(port) - {os.getuid()})
+    if not others:
+        return
+    import pwd
+
+    names = []
+    for uid in others:
+        try:
+            names.append(f"{pwd.getpwuid(uid).pw_name} (uid {uid})")
+        except KeyError:
+            names.append(f"uid {uid}")
+    raise RendezvousConfigError(
+        f"--rdzv-endpoint {host_port(host, port)}: the port is held by another user, "
+        f"{', '.join(names)}, not by this one (uid {os.getuid()}): without a token its program "
+        "would read and write this job's keys; free the port or choose another, or give every "
+        "node the same token (export ELASTICRUN_RDZV_TOKEN=$(openssl rand -hex 16))"
+    )
 
 
 def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, str, int]:
