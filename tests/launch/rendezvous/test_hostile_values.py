@@ -241,3 +241,36 @@ def test_text_from_the_store_cannot_forge_a_log_line():
     plain = RoundState.from_json(json.dumps({"closed": forged}).encode(), "k").closed
     assert plain is not None and "\n" not in plain.detail
     assert text_value(b"node\nelasticrun: x", "k") == "node\\x0aelasticrun: x"
+
+
+def test_a_final_round_without_its_membership_ends_in_a_clear_error_not_a_hot_loop(embedded):
+    """A well-typed but impossible state: round 3 final, its members shard missing. Nothing
+    will change it, so the agent looks again at most STALL_RATE times a second and stops at
+    the join timeout with an error that says what is wrong (it polled etcd 508 times a
+    second, past its join timeout)."""
+    import dataclasses
+
+    from elastic_launch.rendezvous import round as rnd
+    from elastic_launch.rendezvous.api import RendezvousTimeoutError
+    from elastic_launch.rendezvous.elastic import STALL_RATE
+
+    address, token = embedded
+    run_id = f"stalled-{time.monotonic_ns()}"
+    params = RendezvousParameters("etcd", address, run_id, 1, 1, 1, local_addr="127.0.0.1")
+    store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
+    conf = dataclasses.replace(CONF, join_timeout=2.0)
+    handler = ElasticRendezvous(params, store, conf, "127.0.0.1")
+    final = dataclasses.replace(
+        rnd.initial(handler.release), version=3, status=Status.FINAL, size=1, world=1, shards=1
+    )
+    store.put(f"/elasticrun/{run_id}/state", final.to_json())
+    try:
+        with pytest.raises(RendezvousTimeoutError) as e:
+            handler.next_rendezvous()
+        requests = handler.counters().store_requests
+    finally:
+        handler.shutdown()
+    assert "round 3 is final but cannot be joined or entered" in str(e.value)
+    assert "give the job a new --rdzv-id" in str(e.value)
+    # Two reads (the state, the shard) per look; a hot loop made thousands in the 2 s.
+    assert requests is not None and requests <= 2 * (2.0 * STALL_RATE + 10), requests

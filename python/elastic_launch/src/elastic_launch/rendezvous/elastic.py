@@ -37,6 +37,7 @@ from elastic_launch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousTimeoutError,
     RendezvousVersionError,
     RestartReason,
     RunIdInUseError,
@@ -50,6 +51,8 @@ from elastic_launch.rendezvous.store import Store, StoreError
 from elastic_launch.rendezvous.waits import RoundWaits
 
 logger = logging.getLogger(__name__)
+#: Looks a second, at most, at a state no node can go on from (before the join timeout).
+STALL_RATE = 10.0
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -126,6 +129,7 @@ class ElasticRendezvous(RendezvousHandler):
         if self._round is not None:
             self._leave(reason, failure)
         deadline = Deadline(self.conf.join_timeout)
+        stalled: list[int] = []  # the state's version, when a look gave nothing to wait on
         while True:
             cancel.check()
             state, version = self._open_state()
@@ -134,6 +138,31 @@ class ElasticRendezvous(RendezvousHandler):
             final = self._wait(state, version, deadline)
             if final is not None:
                 return self._enter(final)
+            self._no_progress(state, version, stalled, deadline, cancel)
+
+    def _no_progress(
+        self,
+        state: RoundState,
+        version: int,
+        last: list[int],
+        deadline: Deadline,
+        cancel: CancelToken,
+    ) -> None:
+        """A look that found nothing to wait on, at the same state as the look before: the
+        store holds a state no node can go on from (a final round whose membership is
+        missing, say). It is looked at again STALL_RATE times a second at most, and is a
+        clear error at the join timeout."""
+        if last != [version]:
+            last[:] = [version]
+            return
+        if deadline.passed:
+            raise RendezvousTimeoutError(
+                f"rendezvous of run '{self.params.run_id}' on {self.store.name}: its round "
+                f"{state.version} is {state.status.value} but cannot be joined or entered (its "
+                f"membership is missing or does not fit it) and did not change within "
+                f"{self.conf.join_timeout:g} s; give the job a new --rdzv-id"
+            )
+        cancel.wait(min(deadline.left(), 1.0 / STALL_RATE))
 
     def _open_state(self) -> tuple[RoundState | None, int]:
         """The job's state, created if there is none yet (None: another node created it as we
