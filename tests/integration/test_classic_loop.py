@@ -432,3 +432,28 @@ def test_a_ddp_model_in_the_state_never_stalls_the_survivors(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         kill_all([int(p.stem) for p in out.glob("*.steps")])
+
+
+def test_a_worker_that_writes_a_huge_budget_gets_only_the_launchers(tmp_path):
+    """The loop's max_failures reaches the agent through a file the worker can write: one
+    that writes "running 999999999" (as a loop with that budget would) and fails at once is
+    started 1 + --loop-max-restarts times, never more (before: 77 replacements in 25 s
+    under --max-restarts 0)."""
+    from launcher_util import run
+
+    script = tmp_path / "greedy.py"
+    script.write_text(
+        "import os, sys\n"
+        "with open(os.environ['ELASTICRUN_LOOP_FILE'], 'w') as f:\n"
+        "    f.write('running 999999999')\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "sys.exit(3)\n"
+    )
+    args = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
+    for cap in (0, 2):
+        starts = tmp_path / f"starts-{cap}"
+        cmd = [*args, "--loop-max-restarts", str(cap), str(script), str(starts)]
+        result = run(cmd, tmp_path)
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert len(starts.read_text().split()) == 1 + cap, "the first start and the cap's"
