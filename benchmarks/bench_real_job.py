@@ -41,7 +41,7 @@ from pathlib import Path
 
 from _job_run import JobRun, Outcome, Shape
 
-from common import Row, end_job, start_job
+from common import Row, end_job, start_job, step_records, wait_until
 
 HERE = Path(__file__).resolve().parent
 LOOP_JOB = HERE / "_loop_job.py"
@@ -104,27 +104,6 @@ def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **h
 # ---- the classic train loop ------------------------------------------------------------------
 
 
-def _records(out: Path) -> list[tuple[int, int, int, int, int]]:
-    """(t_ns, step, world, rank, pid) of every step the loop job completed so far."""
-    found = []
-    for path in out.glob("*.steps"):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 5:
-                found.append(tuple(int(x) for x in parts))
-    return found  # type: ignore[return-value]
-
-
-def _wait(pred: Callable[[], object], timeout: float) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = pred()
-        if found:
-            return found
-        time.sleep(0.002)
-    return None
-
-
 def loop_run(kill_at: int, gpus: tuple[str, ...] = ()) -> tuple[float | None, int | None]:
     """The loop job on 2 workers; rank 1 SIGKILLed right after it reports step `kill_at`
     (before the next step's gradients reach its peer, so that no step completes without the
@@ -147,20 +126,20 @@ def loop_run(kill_at: int, gpus: tuple[str, ...] = ()) -> tuple[float | None, in
     env = {"OMP_NUM_THREADS": "1"} | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])} if gpus else {})
     proc = start_job(cmd, env)
     try:
-        victim = _wait(
-            lambda: next((r for r in _records(out) if r[3] == 1 and r[1] >= kill_at), None), 180
+        victim = wait_until(
+            lambda: next((r for r in step_records(out) if r[3] == 1 and r[1] >= kill_at), None), 180
         )
         if victim is None:
             return None, None
         os.kill(victim[4], signal.SIGKILL)  # type: ignore[index]
         t_kill = time.monotonic_ns()
-        done = max(r[1] for r in _records(out))
+        done = max(r[1] for r in step_records(out))
 
         def after() -> tuple[int, int, int, int, int] | None:
-            new = [r for r in _records(out) if r[0] > t_kill and r[1] > victim[1]]  # type: ignore[index]
+            new = [r for r in step_records(out) if r[0] > t_kill and r[1] > victim[1]]  # type: ignore[index]
             return min(new) if new else None
 
-        first = _wait(after, 120)
+        first = wait_until(after, 120)
         if first is None:
             return None, None
         return (first[0] - t_kill) / 1e9, max(0, done - (first[1] - 1))  # type: ignore[index]

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Row, end_job, start_job
+from common import Row, end_job, start_job, step_records, wait_until
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_loop_worker.py"
@@ -33,27 +33,6 @@ ELASTICRUN = [sys.executable, "-m", "elastic_launch"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 NPROC = 3
 WARM_STEPS = 30  # steps every rank takes before the kill
-
-
-def _records(out: Path) -> list[tuple[int, int, int, int, int]]:
-    """(t_ns, step, world, rank, pid) of every step completed so far."""
-    rows = []
-    for path in out.glob("*.steps"):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 5:
-                rows.append(tuple(int(x) for x in parts))
-    return rows  # type: ignore[return-value]
-
-
-def _until(pred, timeout: float):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = pred()
-        if found:
-            return found
-        time.sleep(0.002)
-    return None
 
 
 def kill_one(
@@ -84,10 +63,10 @@ def kill_one(
     ]
     proc = start_job(cmd, {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
-        warm = _until(
+        warm = wait_until(
             lambda: (
-                {r[3]: r[4] for r in _records(out) if r[1] >= WARM_STEPS}
-                if len({r[3] for r in _records(out) if r[1] >= WARM_STEPS}) == NPROC
+                {r[3]: r[4] for r in step_records(out) if r[1] >= WARM_STEPS}
+                if len({r[3] for r in step_records(out) if r[1] >= WARM_STEPS}) == NPROC
                 else None
             ),
             180,
@@ -101,15 +80,16 @@ def kill_one(
         after = t_kill + 2_000_000  # a step in flight at the kill is not a recovered one
 
         def survivors() -> int | None:
-            got = [r[0] for r in _records(out) if r[0] > after and (r[4] in old or mode == "plain")]
+            rows = step_records(out)
+            got = [r[0] for r in rows if r[0] > after and (r[4] in old or mode == "plain")]
             return min(got) if got else None
 
         def full() -> int | None:
-            got = [r[0] for r in _records(out) if r[0] > after and r[2] == NPROC]
+            got = [r[0] for r in step_records(out) if r[0] > after and r[2] == NPROC]
             return min(got) if got else None
 
-        a = _until(survivors, 60)
-        b = _until(full, 60)
+        a = wait_until(survivors, 60)
+        b = wait_until(full, 60)
         seconds = [None if t is None else (t - t_kill) / 1e9 for t in (a, b)]
         return seconds[0], seconds[1]
     finally:

@@ -9,8 +9,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,6 +47,28 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, round(q * (len(ordered) - 1)))
     return ordered[index]
+
+
+def step_records(out: Path) -> list[tuple[int, int, int, int, int]]:
+    """(t_ns, step, world, rank, pid) of every step a loop worker recorded in OUT/*.steps."""
+    rows = []
+    for path in out.glob("*.steps"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5:
+                rows.append(tuple(int(x) for x in parts))
+    return rows  # type: ignore[return-value]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float) -> Any:
+    """`pred()`'s first true value within `timeout` s (polled every 2 ms), else None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pred()
+        if found:
+            return found
+        time.sleep(0.002)
+    return None
 
 
 def free_port() -> int:

@@ -5,8 +5,10 @@ clear."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -272,16 +274,34 @@ def test_a_password_is_never_sent_without_tls_unless_allowed(backend, tls_files,
 # ---- the host: chosen by the port, which no other user can hold for us ------------------------
 
 
-@pytest.mark.slow  # a squatter process as user nobody
-def test_another_user_cannot_keep_this_agent_from_hosting():
-    # The host was picked by an abstract-socket lock named after the port, which any local user
-    # could bind first: the agent then never hosted and its job failed after join_timeout.
+@contextlib.contextmanager
+def as_nobody(code: str, ready: str) -> Iterator[None]:
+    """`code` run by another user (nobody) until the block ends, once it printed `ready`."""
     if os.getuid() != 0:
-        pytest.skip("needs root, to run the squatter as another user")
+        pytest.skip("needs root, to run a process as another user")
     import shutil
     import subprocess
     import sys
 
+    other = subprocess.Popen(
+        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        user=65534,  # nobody
+        cwd="/",
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == ready
+        yield
+    finally:
+        other.kill()
+        other.wait(10)
+
+
+@pytest.mark.slow  # a squatter process as user nobody
+def test_another_user_cannot_keep_this_agent_from_hosting():
+    # The host was picked by an abstract-socket lock named after the port, which any local user
+    # could bind first: the agent then never hosted and its job failed after join_timeout.
     port = free_port()
     squat = (
         "import socket, sys, time\n"
@@ -291,16 +311,8 @@ def test_another_user_cannot_keep_this_agent_from_hosting():
         "print('bound', flush=True)\n"
         "time.sleep(60)\n"
     )
-    squatter = subprocess.Popen(
-        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", squat],
-        stdout=subprocess.PIPE,
-        text=True,
-        user=65534,  # nobody
-        cwd="/",
-    )
     handler = None
-    try:
-        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "bound"
+    with as_nobody(squat, "bound"):
         p = RendezvousParameters(
             "c10d",
             f"127.0.0.1:{port}",
@@ -311,25 +323,18 @@ def test_another_user_cannot_keep_this_agent_from_hosting():
             local_addr="127.0.0.1",
             config={"join_timeout": "5"},
         )
-        handler = EmbeddedRendezvous(p)
-        assert handler.hosting, "the agent hosts: the port decides, not a lock others can take"
-    finally:
-        if handler is not None:
-            handler.shutdown()
-        squatter.kill()
-        squatter.wait(10)
+        try:
+            handler = EmbeddedRendezvous(p)
+            assert handler.hosting, "the agent hosts: the port decides, not a lock others can take"
+        finally:
+            if handler is not None:
+                handler.shutdown()
 
 
 @pytest.mark.slow  # a listener run as user nobody
 def test_a_port_another_user_listens_on_is_refused_naming_the_owner():
     """Without a token nothing proves the service on the port is the job's: another local user
     listening there first would read every key. The agent refuses, naming the port's owner."""
-    if os.getuid() != 0:
-        pytest.skip("needs root, to run the listener as another user")
-    import shutil
-    import subprocess
-    import sys
-
     port = free_port()
     listen = (
         "import socket, time\n"
@@ -339,15 +344,7 @@ def test_a_port_another_user_listens_on_is_refused_naming_the_owner():
         "print('listening', flush=True)\n"
         "time.sleep(60)\n"
     )
-    squatter = subprocess.Popen(
-        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", listen],
-        stdout=subprocess.PIPE,
-        text=True,
-        user=65534,  # nobody
-        cwd="/",
-    )
-    try:
-        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "listening"
+    with as_nobody(listen, "listening"):
         for conf in ({}, {"is_host": "false"}):  # an agent that would host, one that joins
             p = RendezvousParameters(
                 "c10d",
@@ -365,9 +362,6 @@ def test_a_port_another_user_listens_on_is_refused_naming_the_owner():
                 str(e.value)
             )
             assert "ELASTICRUN_RDZV_TOKEN" in str(e.value)
-    finally:
-        squatter.kill()
-        squatter.wait(10)
 
 
 # ---- a host that cannot serve says so at once --------------------------------------------------
