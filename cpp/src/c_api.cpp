@@ -164,6 +164,7 @@ const char* elastic_event_kind_name(int kind) {
     case ELASTIC_EVENT_EXITED: return "EXITED";
     case ELASTIC_EVENT_HUNG: return "HUNG";
     case ELASTIC_EVENT_GPU_UNHEALTHY: return "GPU_UNHEALTHY";
+    case ELASTIC_EVENT_BAD_HEARTBEAT: return "BAD_HEARTBEAT";
     default: return "UNKNOWN";
   }
 }

@@ -1,10 +1,14 @@
 #include "elastic/heartbeat.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "heartbeat_layout.hpp"
 #include "shared_mapping.hpp"
@@ -57,24 +61,132 @@ Slot* slot_at(TableHeader* h, uint32_t slot) {
   return reinterpret_cast<Slot*>(reinterpret_cast<char*>(h) + sizeof(TableHeader)) + slot;
 }
 
-void clear_slot(Slot& s) {
-  s.pid.store(0, std::memory_order_relaxed);
-  s.step.store(0, std::memory_order_relaxed);
-  s.last_beat_ns.store(0, std::memory_order_relaxed);
-  s.timeout_ms.store(0, std::memory_order_relaxed);
-  s.state.store(ELASTIC_SLOT_EMPTY, std::memory_order_release);
-}
-
 }  // namespace
 
 // ---- HeartbeatTable -------------------------------------------------------------------------
 
-HeartbeatTable::HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping,
-                               uint32_t capacity, bool owner)
-    : mapping_(std::move(mapping)),
-      header_(static_cast<TableHeader*>(mapping_->data())),
-      capacity_(capacity),
-      owner_(owner) {}
+namespace detail {
+
+// The supervisor's side of a table: a descriptor, never a mapping (see heartbeat.hpp). The slot
+// count used for every bound is this private copy; the file's header is the workers' to break.
+struct TableFile {
+  std::string path;
+  uint32_t capacity = 0;
+  bool owner = false;
+  int fd = -1;
+  uint64_t generation = 0;  // the owner's count; rewritten into the header by reset()
+  mutable std::mutex m;     // fd: reset() may replace it while the watchdog reads
+
+  ~TableFile() {
+    if (fd >= 0) ::close(fd);
+    if (owner) ::unlink(path.c_str());
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::TableFile;
+using detail::system_error;
+
+// A beat stamped later than this after the reader's clock was not made by beat().
+constexpr uint64_t kFutureSlackNs = 1000000000ull;
+
+Error bad_file(const TableFile& f, const std::string& what) {
+  return Error(ELASTIC_ERR_BAD_FILE, "heartbeat table '" + f.path + "' " + what);
+}
+
+// Read exactly `size` bytes at `offset`; a short read means the file was cut below it.
+void pread_exact(const TableFile& f, void* buf, size_t size, size_t offset) {
+  ssize_t got;
+  do {
+    got = ::pread(f.fd, buf, size, static_cast<off_t>(offset));
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) throw system_error(errno, "cannot read heartbeat table '" + f.path + "'");
+  if (static_cast<size_t>(got) != size) {
+    struct stat st {};
+    const long long now = ::fstat(f.fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+    throw bad_file(f, "was truncated to " + std::to_string(now) + " bytes (a table of " +
+                          std::to_string(f.capacity) + " slots has " +
+                          std::to_string(detail::table_size(f.capacity)) + ")");
+  }
+}
+
+void pwrite_exact(const TableFile& f, const void* buf, size_t size, size_t offset) {
+  const char* p = static_cast<const char*>(buf);
+  while (size > 0) {
+    ssize_t put = ::pwrite(f.fd, p, size, static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) throw system_error(errno, "cannot write heartbeat table '" + f.path + "'");
+    p += put;
+    size -= static_cast<size_t>(put);
+    offset += static_cast<size_t>(put);
+  }
+}
+
+// The whole file as its creator writes it: the header, then `capacity` empty slots.
+void write_fresh(const TableFile& f) {
+  std::vector<char> bytes(detail::table_size(f.capacity), 0);
+  auto* h = reinterpret_cast<TableHeader*>(bytes.data());
+  h->version = detail::kTableVersion;
+  h->capacity = f.capacity;
+  h->header_size = sizeof(TableHeader);
+  h->slot_size = sizeof(Slot);
+  h->creator_pid = static_cast<int32_t>(::getpid());
+  h->created_ns = now_ns();
+  h->generation.store(f.generation, std::memory_order_relaxed);
+  h->magic.store(detail::kTableMagic, std::memory_order_relaxed);
+  if (::ftruncate(f.fd, static_cast<off_t>(bytes.size())) != 0) {
+    throw system_error(errno, "cannot size heartbeat table '" + f.path + "' (is the file "
+                                  "system full?)");
+  }
+  pwrite_exact(f, bytes.data(), bytes.size(), 0);
+}
+
+int create_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd >= 0) return fd;
+  int err = errno;
+  if (err == EEXIST) {
+    throw Error(ELASTIC_ERR_STATE, "cannot create heartbeat table '" + path +
+                                       "': the file exists; remove it if no job uses it, or "
+                                       "choose another path");
+  }
+  throw system_error(err, "cannot create heartbeat table '" + path + "'");
+}
+
+// The header as the reader expects it; any other is a table a worker overwrote.
+void check_header(const TableFile& f, const TableHeader& h) {
+  if (h.magic.load(std::memory_order_relaxed) != detail::kTableMagic ||
+      h.version != detail::kTableVersion || h.header_size != sizeof(TableHeader) ||
+      h.slot_size != sizeof(Slot) || h.capacity != f.capacity) {
+    throw bad_file(f, "has a header that is not the one its creator wrote: the file was "
+                      "overwritten");
+  }
+}
+
+// A slot read until two reads agree: pread copies bytes, and a beat may land between them.
+void read_stable(const TableFile& f, Slot& out, size_t offset) {
+  alignas(Slot) unsigned char again[sizeof(Slot)];
+  pread_exact(f, &out, sizeof(Slot), offset);
+  for (int i = 0; i < 4; ++i) {
+    pread_exact(f, again, sizeof(Slot), offset);
+    if (std::memcmp(again, &out, sizeof(Slot)) == 0) return;
+    std::memcpy(static_cast<void*>(&out), again, sizeof(Slot));
+  }
+}
+
+// True if the path still names the file behind `fd`.
+bool same_file(const TableFile& f) {
+  struct stat a {}, b {};
+  return ::fstat(f.fd, &a) == 0 && ::stat(f.path.c_str(), &b) == 0 && a.st_dev == b.st_dev &&
+         a.st_ino == b.st_ino;
+}
+
+}  // namespace
+
+HeartbeatTable::HeartbeatTable(std::unique_ptr<detail::TableFile> file) : file_(std::move(file)) {}
 
 HeartbeatTable::HeartbeatTable(HeartbeatTable&&) noexcept = default;
 HeartbeatTable& HeartbeatTable::operator=(HeartbeatTable&&) noexcept = default;
@@ -87,50 +199,83 @@ HeartbeatTable HeartbeatTable::create(const std::string& path, uint32_t slots) {
                     std::to_string(ELASTIC_HEARTBEAT_MAX_SLOTS) + " slots, got " +
                     std::to_string(slots));
   }
-  auto mapping = detail::SharedMapping::create(path, detail::table_size(slots), kWhat);
-  auto* h = static_cast<TableHeader*>(mapping->data());
-  h->version = detail::kTableVersion;
-  h->capacity = slots;
-  h->header_size = sizeof(TableHeader);
-  h->slot_size = sizeof(Slot);
-  h->creator_pid = static_cast<int32_t>(::getpid());
-  h->created_ns = now_ns();
-  h->generation.store(0, std::memory_order_relaxed);
-  h->magic.store(detail::kTableMagic, std::memory_order_release);
-  return HeartbeatTable(std::move(mapping), slots, true);
+  detail::check_path(path, kWhat);
+  auto f = std::make_unique<TableFile>();
+  f->path = path;
+  f->capacity = slots;
+  f->fd = create_file(path);
+  f->owner = true;  // from here the file is removed on every exit path
+  write_fresh(*f);
+  return HeartbeatTable(std::move(f));
 }
 
 HeartbeatTable HeartbeatTable::open(const std::string& path) {
   auto mapping = detail::SharedMapping::open(path, sizeof(TableHeader), kWhat);
-  uint32_t capacity = validate(*mapping);
-  return HeartbeatTable(std::move(mapping), capacity, false);
+  auto f = std::make_unique<TableFile>();
+  f->path = path;
+  f->capacity = validate(*mapping);
+  f->generation =
+      static_cast<TableHeader*>(mapping->data())->generation.load(std::memory_order_acquire);
+  mapping.reset();
+  f->fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (f->fd < 0) throw system_error(errno, "cannot open heartbeat table '" + path + "'");
+  return HeartbeatTable(std::move(f));
 }
 
-uint32_t HeartbeatTable::capacity() const noexcept { return capacity_; }
+uint32_t HeartbeatTable::capacity() const noexcept { return file_->capacity; }
+
 uint64_t HeartbeatTable::generation() const noexcept {
-  return header_->generation.load(std::memory_order_acquire);
+  std::lock_guard<std::mutex> g(file_->m);
+  TableHeader h;
+  try {
+    pread_exact(*file_, &h, sizeof h, 0);
+    check_header(*file_, h);
+    return h.generation.load(std::memory_order_relaxed);
+  } catch (const Error&) {
+    return file_->generation;  // a broken header: the count this handle last wrote or read
+  }
 }
-const std::string& HeartbeatTable::path() const noexcept { return mapping_->path(); }
-bool HeartbeatTable::owner() const noexcept { return owner_; }
 
-Slot& HeartbeatTable::slot_ref(uint32_t slot) const {
-  if (slot >= capacity_) {
+const std::string& HeartbeatTable::path() const noexcept { return file_->path; }
+bool HeartbeatTable::owner() const noexcept { return file_->owner; }
+
+void HeartbeatTable::check_slot(uint32_t slot) const {
+  if (slot >= file_->capacity) {
     throw Error(ELASTIC_ERR_INVALID_ARGUMENT,
                 "slot " + std::to_string(slot) + " is out of range: heartbeat table '" + path() +
-                    "' has " + std::to_string(capacity_) + " slots (0.." +
-                    std::to_string(capacity_ - 1) + ")");
+                    "' has " + std::to_string(file_->capacity) + " slots (0.." +
+                    std::to_string(file_->capacity - 1) + ")");
   }
-  return *slot_at(header_, slot);
 }
 
 SlotInfo HeartbeatTable::read(uint32_t slot) const {
-  Slot& s = slot_ref(slot);
+  check_slot(slot);
+  const TableFile& f = *file_;
+  TableHeader h;
+  Slot s;
+  {
+    std::lock_guard<std::mutex> g(f.m);
+    pread_exact(f, &h, sizeof h, 0);
+    check_header(f, h);
+    read_stable(f, s, sizeof(TableHeader) + static_cast<size_t>(slot) * sizeof(Slot));
+  }
   SlotInfo info{};
-  info.last_beat_ns = s.last_beat_ns.load(std::memory_order_acquire);
+  info.last_beat_ns = s.last_beat_ns.load(std::memory_order_relaxed);
   info.step = s.step.load(std::memory_order_relaxed);
   info.pid = s.pid.load(std::memory_order_relaxed);
   info.timeout_ms = s.timeout_ms.load(std::memory_order_relaxed);
-  info.state = s.state.load(std::memory_order_acquire);
+  info.state = s.state.load(std::memory_order_relaxed);
+  if (info.last_beat_ns > now_ns() + kFutureSlackNs) {
+    throw bad_file(f, "slot " + std::to_string(slot) + " holds a beat time " +
+                          std::to_string((info.last_beat_ns - now_ns()) / 1000000) +
+                          " ms in the future: it was not written by beat()");
+  }
+  if (info.timeout_ms > ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS) {
+    throw bad_file(f, "slot " + std::to_string(slot) + " asks for a hang timeout of " +
+                          std::to_string(info.timeout_ms) + " ms, longer than the " +
+                          std::to_string(ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS) +
+                          " ms a worker may set");
+  }
   // The slot is the worker's to write: a value that is no stored state (BEATING is derived)
   // reads as attached, so the worker stays watched and callers only ever see the enum.
   if (info.state != ELASTIC_SLOT_EMPTY && info.state != ELASTIC_SLOT_DETACHED) {
@@ -143,11 +288,26 @@ SlotInfo HeartbeatTable::read(uint32_t slot) const {
   return info;
 }
 
-void HeartbeatTable::reset_slot(uint32_t slot) { clear_slot(slot_ref(slot)); }
+void HeartbeatTable::reset_slot(uint32_t slot) {
+  check_slot(slot);
+  std::lock_guard<std::mutex> g(file_->m);
+  const Slot empty{};
+  pwrite_exact(*file_, &empty, sizeof empty,
+               sizeof(TableHeader) + static_cast<size_t>(slot) * sizeof(Slot));
+}
 
 void HeartbeatTable::reset() {
-  for (uint32_t i = 0; i < capacity_; ++i) clear_slot(*slot_at(header_, i));
-  header_->generation.fetch_add(1, std::memory_order_acq_rel);
+  TableFile& f = *file_;
+  std::lock_guard<std::mutex> g(f.m);
+  f.generation += 1;
+  if (f.owner && !same_file(f)) {
+    // The path was unlinked or now names another file: put a table of ours back at it.
+    ::unlink(f.path.c_str());
+    int fd = create_file(f.path);
+    ::close(f.fd);
+    f.fd = fd;
+  }
+  write_fresh(f);
 }
 
 // ---- Heartbeat ------------------------------------------------------------------------------
@@ -227,6 +387,7 @@ void Heartbeat::beat(uint64_t step) noexcept {
 }
 
 void Heartbeat::set_timeout_ms(uint64_t timeout_ms) noexcept {
+  if (timeout_ms > ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS) timeout_ms = ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS;
   if (slot_ != nullptr) slot_->timeout_ms.store(timeout_ms, std::memory_order_relaxed);
 }
 

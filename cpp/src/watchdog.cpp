@@ -175,12 +175,13 @@ struct Watchdog::Impl {
         try {
           info = w.table->read(static_cast<uint32_t>(w.slot));
         } catch (const std::exception& e) {
-          // Never reached with a validated slot; if it were, it is this worker's failure,
-          // reported once, not an exception that ends the supervisor.
+          // The file is the workers' to break (truncate, overwrite, replace): this worker's
+          // failure, reported once, never an exception or a signal that ends the supervisor.
           if (w.reported_beat == UINT64_MAX) continue;
           w.reported_beat = UINT64_MAX;
-          found.push_back(
-              hung(w, now, 0, who(w) + ": its heartbeat slot cannot be read (" + e.what() + ")"));
+          Event ev = hung(w, now, 0, who(w) + ": its heartbeat cannot be trusted: " + e.what());
+          ev.kind = ELASTIC_EVENT_BAD_HEARTBEAT;
+          found.push_back(std::move(ev));
           continue;
         }
         uint64_t timeout = info.timeout_ms != 0       ? info.timeout_ms

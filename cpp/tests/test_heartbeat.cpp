@@ -13,19 +13,10 @@
 using elastic::Error;
 using elastic::Heartbeat;
 using elastic::HeartbeatTable;
+using elastic_test::error_of;
 using elastic_test::shm_path;
 
 namespace {
-
-std::string error_of(const std::function<void()>& fn, elastic_status* status = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (status) *status = e.status();
-    return e.what();
-  }
-  return "";
-}
 
 bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
 

@@ -14,7 +14,20 @@
 #include <string>
 #include <thread>
 
+#include "elastic/error.hpp"
+
 namespace elastic_test {
+
+/// The message of the elastic::Error `fn` throws ("" if none), its status in `status`.
+inline std::string error_of(const std::function<void()>& fn, elastic_status* status = nullptr) {
+  try {
+    fn();
+  } catch (const elastic::Error& e) {
+    if (status) *status = e.status();
+    return e.what();
+  }
+  return "";
+}
 
 inline std::string shm_path(const std::string& name) {
   static std::atomic<int> counter{0};

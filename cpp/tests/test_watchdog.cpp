@@ -21,6 +21,7 @@ using elastic::HeartbeatTable;
 using elastic::Watchdog;
 using elastic::WatchdogOptions;
 using elastic_test::Child;
+using elastic_test::error_of;
 using elastic_test::shm_path;
 
 namespace {
@@ -332,60 +333,102 @@ TEST(Watchdog, NextEventReturnsWhenStopped) {
   stopper.join();
 }
 
-// A worker maps the table read-write: whatever it writes there (zeros, all ones, random bytes,
-// over the header as well as the slots) must never crash or mislead the supervisor, whose
-// bounds come from its private copy.
-class Scribble : public ::testing::TestWithParam<int> {};
+// A worker maps the table read-write: whatever it does to the file (write zeros, all ones or
+// random bytes over it, cut it, grow it, unlink it, put another file at its path) must never
+// crash the supervisor, which never maps it: the watchdog reports that worker's heartbeat as
+// broken, and reset() gives the next worker a good table at the same path.
+enum Attack { kZeros, kOnes, kRandom, kTruncate, kGrow, kUnlink, kReplace, kFuture, kTimeout };
 
-TEST_P(Scribble, AWorkerOverwritingTheTableNeverCrashesTheSupervisor) {
-  std::string path = shm_path("scribble");
+// Slot 1's last_beat_ns and timeout_ms, at their offsets in the layout.
+constexpr off_t kSlot1 = 64 + 64;
+
+void attack(const std::string& path, int how) {
+  if (how == kFuture || how == kTimeout) {
+    int fd = ::open(path.c_str(), O_RDWR);
+    uint64_t v = how == kFuture ? elastic::now_ns() + 3600ull * 1000000000ull : ~0ull;
+    (void)::pwrite(fd, &v, sizeof v, kSlot1 + (how == kFuture ? 16 : 24));
+    ::close(fd);
+    return;
+  }
+  if (how == kTruncate) {
+    (void)::truncate(path.c_str(), 0);
+    return;
+  }
+  if (how == kGrow) {
+    (void)::truncate(path.c_str(), 1 << 20);
+    return;
+  }
+  if (how == kUnlink || how == kReplace) {
+    ::unlink(path.c_str());
+    if (how == kReplace) {
+      int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      (void)::ftruncate(fd, 4096);
+      ::close(fd);
+    }
+    return;
+  }
+  int fd = ::open(path.c_str(), O_RDWR);
+  std::vector<unsigned char> junk(4096);
+  unsigned seed = 12345;
+  for (auto& b : junk) {
+    seed = seed * 1103515245u + 12345u;
+    b = how == kZeros ? 0x00 : how == kOnes ? 0xff : static_cast<unsigned char>(seed >> 16);
+  }
+  (void)::pwrite(fd, junk.data(), junk.size(), 0);
+  ::close(fd);
+}
+
+class Attacked : public ::testing::TestWithParam<int> {};
+
+TEST_P(Attacked, AWorkerBreakingTheTableIsReportedAndTheSupervisorLives) {
+  std::string path = shm_path("attacked");
   HeartbeatTable table = HeartbeatTable::create(path, 2);
-  const int pattern = GetParam();
+  const int how = GetParam();
   Child child([&] {
     Heartbeat hb = Heartbeat::attach(path, 1);
     hb.beat();
-    int fd = ::open(path.c_str(), O_RDWR);
-    struct stat st {};
-    ::fstat(fd, &st);
-    std::vector<unsigned char> junk(static_cast<size_t>(st.st_size));
-    unsigned seed = 12345;
-    for (auto& b : junk) {
-      seed = seed * 1103515245u + 12345u;
-      b = pattern == 0 ? 0x00 : pattern == 1 ? 0xff : static_cast<unsigned char>(seed >> 16);
-    }
-    for (int i = 0; i < 50; ++i) {
-      ssize_t n = ::pwrite(fd, junk.data(), junk.size(), 0);
-      (void)n;
-      ::usleep(2000);
-    }
+    attack(path, how);
+    for (int i = 0; i < 4000; ++i) ::usleep(5000);  // ended by the test
     ::_exit(3);
   });
   Watchdog wd;
-  wd.watch(1, child.pid(), &table, 1, /*hang_timeout_ms=*/20);
+  wd.watch(1, child.pid(), &table, 1, /*hang_timeout_ms=*/300);
   wd.start();
-  std::optional<elastic::Event> exited;
-  for (int i = 0; i < 20 && !exited; ++i) {
-    auto ev = wd.next_event(10000);
-    ASSERT_TRUE(ev.has_value());
-    if (ev->kind == ELASTIC_EVENT_EXITED) exited = ev;
+  auto ev = wd.next_event(20000);
+  ASSERT_TRUE(ev.has_value());
+  const bool still_readable = how == kUnlink || how == kGrow || how == kReplace;
+  if (still_readable) {  // what the supervisor holds is intact: the silence is a hang
+    EXPECT_EQ(ev->kind, ELASTIC_EVENT_HUNG) << ev->detail;
+    EXPECT_NO_THROW(table.read(1));
+  } else {  // every pattern breaks the header's magic or the size: caught at the next check
+    EXPECT_EQ(ev->kind, ELASTIC_EVENT_BAD_HEARTBEAT) << ev->detail;
+    EXPECT_NE(ev->detail.find("heartbeat cannot be trusted"), std::string::npos) << ev->detail;
+    EXPECT_NE(ev->detail.find(path), std::string::npos) << ev->detail;
+    std::string msg = error_of([&] { table.read(1); });
+    const char* says = how == kTruncate ? "truncated to 0 bytes"
+                       : how == kFuture ? "in the future"
+                       : how == kTimeout ? "longer than the 604800000 ms a worker may set"
+                                         : "overwritten";
+    EXPECT_NE(msg.find(says), std::string::npos) << msg;
   }
-  ASSERT_TRUE(exited.has_value());
-  EXPECT_EQ(exited->exit_code, 3);
-  EXPECT_EQ(table.capacity(), 2u);
-  for (uint32_t slot : {0u, 1u}) {  // in bounds whatever the header says
-    elastic_slot_info info = table.read(slot);
-    EXPECT_GE(info.state, ELASTIC_SLOT_EMPTY);
-    EXPECT_LE(info.state, ELASTIC_SLOT_DETACHED) << "only the enum's values come out";
-    EXPECT_GE(info.pid, 0);
-  }
-  table.reset();        // walks 2 slots, not what the header says
+  ::kill(child.pid(), SIGKILL);
+  table.reset();  // heals: the header, the size, the file at the path
   EXPECT_EQ(table.read(0).state, ELASTIC_SLOT_EMPTY);
+  EXPECT_EQ(table.read(1).state, ELASTIC_SLOT_EMPTY);
+  Heartbeat next = Heartbeat::attach(path, 1);  // the next worker attaches to a good table
+  next.beat(7);
+  EXPECT_EQ(table.read(1).step, 7u);
+  EXPECT_EQ(table.read(1).state, ELASTIC_SLOT_BEATING);
   wd.stop();
 }
 
-INSTANTIATE_TEST_SUITE_P(Patterns, Scribble, ::testing::Values(0, 1, 2),
-                         [](const auto& info) {
-                           return std::string(info.param == 0   ? "Zeros"
-                                              : info.param == 1 ? "Ones"
-                                                                : "Random");
-                         });
+std::string attack_name(const ::testing::TestParamInfo<int>& info) {
+  static const char* const names[] = {"Zeros",   "Ones",    "Random", "Truncate", "Grow",
+                                      "Unlink",  "Replace", "Future", "Timeout"};
+  return names[info.param];
+}
+
+INSTANTIATE_TEST_SUITE_P(Attacks, Attacked,
+                         ::testing::Values(kZeros, kOnes, kRandom, kTruncate, kGrow, kUnlink,
+                                           kReplace, kFuture, kTimeout),
+                         attack_name);

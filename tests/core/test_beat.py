@@ -153,7 +153,7 @@ def test_quiet_sets_a_limit_for_the_phase_and_restores_the_previous_one(shm_path
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         assert lines[0] == "900.0 4", "the phase has its own limit; the step does not move"
-        assert lines[1] == "1000000000.0", "quiet() without seconds: no limit"
+        assert lines[1] == "604800.0", "quiet() without seconds: the longest a worker may set"
         assert lines[2] == "900.0" and lines[3] == "30.0 4", "nested blocks restore in turn"
         assert "quiet(seconds=0): give seconds greater than 0" in lines[4]
         info = table.read(0)
@@ -164,3 +164,29 @@ def test_quiet_is_a_noop_outside_the_launcher():
     result = run("import elastic_core as ec\nwith ec.quiet(5):\n    print(ec.hang_timeout())\n", {})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0.0"
+
+
+def test_a_timeout_longer_than_seven_days_is_refused(shm_path):
+    """The watchdog takes a slot asking for more than 7 days for one the worker's library did
+    not write (a scribble), so the library never writes one."""
+    path = shm_path("long")
+    with ec.HeartbeatTable.create(path, 1) as table:
+        result = run(
+            """
+            import elastic_core as ec
+            ec.beat()
+            for seconds in (604800, 604801, 1e9):
+                try:
+                    ec.set_hang_timeout(seconds)
+                    print("set", seconds)
+                except ValueError as e:
+                    print(e)
+            """,
+            {ec.HEARTBEAT_FILE_ENV: path, ec.HEARTBEAT_SLOT_ENV: "0"},
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == "set 604800"
+        assert lines[1].startswith("seconds=604801.0 is longer than the 604800 s (7 days)")
+        assert "seconds=1000000000.0 is longer" in lines[2]
+        assert table.read(0).timeout_ms == 604_800_000

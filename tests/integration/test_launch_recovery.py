@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from launcher_util import (
-    Run,
+    HERE,
     alive,
     finish,
     kill_all,
@@ -50,35 +50,36 @@ def test_crash_is_restarted_and_the_run_completes(out, how):
     assert wait_gone(list(pids.values())) == []
 
 
-@pytest.mark.parametrize("pattern", ["zeros", "ones", "random"])
-def test_a_worker_that_overwrites_the_heartbeat_table_is_a_failed_worker(out, pattern):
-    # Shared memory a worker can write is read by the launcher's watchdog thread: capacity 0
-    # there once aborted the launcher (std::terminate, rc 134), a huge one gave SIGBUS.
+ATTACK = HERE / "scripts" / "heartbeat_attack.py"
+#: What the launcher reads after the attack is intact (the worker's mapping still reaches it):
+#: nothing to report of rank 0, and rank 1's hang is what ends the attempt.
+UNSEEN = {"grow", "unlink", "replace"}
+
+
+@pytest.mark.parametrize(
+    "attack",
+    ["truncate", "grow", "zeros", "ones", "random", "unlink", "replace", "future", "timeout"],
+)
+def test_a_worker_breaking_its_heartbeat_file_fails_alone_and_hangs_are_still_seen(out, attack):
+    # Rank 0 attacks its own heartbeat file, rank 1 hangs. The launcher must live (a cut file
+    # once gave it SIGBUS, rc 135), name rank 0 with what it did, or (for what leaves the
+    # launcher's view intact) still catch rank 1's hang; then restart with good files.
     proc = start(
-        [
-            *BASE,
-            "--max-restarts",
-            "1",
-            *worker_args(
-                out,
-                "--fail-rank",
-                "1",
-                "--fail-until",
-                "1",
-                "--how",
-                f"scribble-{pattern}",
-                "--sleep",
-                "1",
-            ),
-        ]
+        [*BASE, "--max-restarts", "1", "--hang-timeout", "2", str(ATTACK), "--attack", attack]
     )
     code, _, err = finish(proc, 120)
     assert code == 0, err[-3000:]
-    assert "restarting the workers (restart 1 of 1)" in err
-    assert "exitcode   : 3" in err or "exit code 3" in err, err[-3000:]
-    assert glob.glob(f"/dev/shm/elasticrun-{proc.pid}-*") == [], "the table was removed"
-    result = Run(code, "", err, out)
-    assert wait_gone(list(result.pids().values())) == []
+    assert "restarting the workers (restart 1 of 1)" in err, err[-3000:]
+    first = next(line for line in err.splitlines() if "restarting the workers" in line)
+    if attack in UNSEEN:
+        assert "after: rank 1 hung" in first, first
+    elif attack == "truncate":  # rank 0's own next beat through its mapping: SIGBUS in rank 0
+        assert "after: rank 0 " in first and ("SIGBUS" in first or "truncated" in first), first
+    else:
+        said = {"future": "in the future", "timeout": "longer than the 604800000 ms"}
+        assert "after: rank 0 broke its heartbeat" in first, first
+        assert said.get(attack, "was overwritten") in first, first
+    assert glob.glob(f"/dev/shm/elasticrun-{proc.pid}-*") == [], "the tables were removed"
 
 
 def test_exhausted_restarts_print_the_root_cause(out):

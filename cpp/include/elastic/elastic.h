@@ -91,6 +91,9 @@ ELASTIC_API uint64_t elastic_now_ns(void);
 
 /** Largest number of slots a table may have. */
 #define ELASTIC_HEARTBEAT_MAX_SLOTS 4096
+/** Longest hang timeout a worker may ask for in its slot (7 days); a slot holding a longer one
+ * was not written by the worker's library, and the watchdog reports it as broken. */
+#define ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS 604800000ull
 
 /** State of a slot. */
 typedef enum elastic_slot_state {
@@ -165,7 +168,8 @@ ELASTIC_API void elastic_heartbeat_beat(elastic_heartbeat* hb);
 /** Beat with an explicit step counter. */
 ELASTIC_API void elastic_heartbeat_beat_step(elastic_heartbeat* hb, uint64_t step);
 
-/** Ask the watchdog to use this hang timeout for this worker (0 = the watchdog's own). */
+/** Ask the watchdog to use this hang timeout for this worker (0 = the watchdog's own); longer
+ * than ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS is clamped to it. */
 ELASTIC_API void elastic_heartbeat_set_timeout(elastic_heartbeat* hb, uint64_t timeout_ms);
 
 /** The slot index this handle beats into. */
@@ -300,7 +304,9 @@ ELASTIC_API void elastic_tcp_barrier_destroy(elastic_tcp_barrier* barrier);
 typedef enum elastic_event_kind {
   ELASTIC_EVENT_EXITED = 1,       /**< the process ended; exit_code or signal set when known */
   ELASTIC_EVENT_HUNG = 2,         /**< no beat for longer than the worker's timeout */
-  ELASTIC_EVENT_GPU_UNHEALTHY = 3 /**< a GPU check found a fault (gpu, detail) */
+  ELASTIC_EVENT_GPU_UNHEALTHY = 3, /**< a GPU check found a fault (gpu, detail) */
+  ELASTIC_EVENT_BAD_HEARTBEAT = 4  /**< the worker's heartbeat slot cannot be trusted: its file
+                                        was truncated, replaced or overwritten (detail says how) */
 } elastic_event_kind;
 
 /** One finding of the watchdog. */

@@ -12,8 +12,8 @@
 namespace elastic {
 
 namespace detail {
-struct TableHeader;
 struct Slot;
+struct TableFile;
 class SharedMapping;
 }  // namespace detail
 
@@ -22,6 +22,12 @@ using SlotInfo = elastic_slot_info;
 
 /// The table a supervisor creates before it starts its workers. Move-only; the creating instance
 /// removes the file when destroyed.
+///
+/// The supervisor never maps the file: workers can write it, truncate it, replace it, so every
+/// read goes through pread() on a descriptor it holds and is checked (a short file, a header that
+/// changed, a beat time in the future, a timeout above ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS are
+/// errors naming what was wrong, never a SIGBUS). reset() and reset_slot() rewrite what they
+/// touch, and reset() makes a new file should the path no longer name this table's.
 class HeartbeatTable {
  public:
   /// Create the file at `path` with `slots` empty slots (fails if it exists).
@@ -38,21 +44,17 @@ class HeartbeatTable {
   const std::string& path() const noexcept;
   bool owner() const noexcept;
 
+  /// A snapshot of `slot`; ELASTIC_ERR_BAD_FILE if the file no longer holds a valid one.
   SlotInfo read(uint32_t slot) const;
   void reset_slot(uint32_t slot);
-  /// Empty every slot and bump the generation.
+  /// Rewrite the header, empty every slot and bump the generation.
   void reset();
 
  private:
-  HeartbeatTable(std::unique_ptr<detail::SharedMapping> mapping, uint32_t capacity, bool owner);
-  detail::Slot& slot_ref(uint32_t slot) const;
+  explicit HeartbeatTable(std::unique_ptr<detail::TableFile> file);
+  void check_slot(uint32_t slot) const;
 
-  std::unique_ptr<detail::SharedMapping> mapping_;
-  detail::TableHeader* header_ = nullptr;
-  // Validated once: the header is shared memory a worker can overwrite, so the slot count used
-  // for every bound is this private copy, never re-read.
-  uint32_t capacity_ = 0;
-  bool owner_ = false;
+  std::unique_ptr<detail::TableFile> file_;
 };
 
 /// A worker's handle on its own slot. beat() is a pair of atomic stores: no lock, no system call.

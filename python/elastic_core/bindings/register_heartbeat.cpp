@@ -97,6 +97,18 @@ struct PyHeartbeat {
   }
 };
 
+// A worker's own hang timeout in ms: at most ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS, which the
+// watchdog takes for a broken slot when it reads more.
+uint64_t own_timeout_ms(double seconds, const char* name) {
+  const uint64_t ms = duration_ms(seconds, name);
+  if (ms > ELASTIC_HEARTBEAT_MAX_TIMEOUT_MS) {
+    throw py::value_error(std::string(name) + "=" + py::repr(py::float_(seconds)).cast<std::string>() +
+                          " is longer than the 604800 s (7 days) a worker may ask for: give "
+                          "less, or use elastic_core.quiet() for a phase without a limit");
+  }
+  return ms;
+}
+
 }  // namespace
 
 std::shared_ptr<elastic::HeartbeatTable> table_of(const py::object& obj) {
@@ -193,7 +205,7 @@ void register_handle(py::module_& m) {
       .def(
           "set_timeout",
           [](PyHeartbeat& h, double seconds) {
-            h.get().set_timeout_ms(duration_ms(seconds, "timeout"));
+            h.get().set_timeout_ms(own_timeout_ms(seconds, "timeout"));
           },
           py::arg("seconds"),
           "Ask the watchdog to use this hang timeout (0: the supervisor's).")
@@ -214,7 +226,9 @@ void register_own_slot(py::module_& m) {
       "set_hang_timeout",
       [](double seconds) {
         if (!resolve()) throw py::error_already_set();
-        if (g_heartbeat != nullptr) g_heartbeat->set_timeout_ms(duration_ms(seconds, "seconds"));
+        if (g_heartbeat != nullptr) {
+          g_heartbeat->set_timeout_ms(own_timeout_ms(seconds, "seconds"));
+        }
       },
       py::arg("seconds"),
       "Set this worker's own hang timeout (for example around a long checkpoint); 0 returns to "

@@ -128,6 +128,7 @@ void register_event(py::module_& m) {
       .value("EXITED", ELASTIC_EVENT_EXITED)
       .value("HUNG", ELASTIC_EVENT_HUNG)
       .value("GPU_UNHEALTHY", ELASTIC_EVENT_GPU_UNHEALTHY)
+      .value("BAD_HEARTBEAT", ELASTIC_EVENT_BAD_HEARTBEAT)
       .finalize();
 
   py::class_<elastic::Event>(m, "Event", "One finding of the watchdog.")

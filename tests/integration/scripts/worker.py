@@ -42,11 +42,7 @@ def parse_args() -> argparse.Namespace:
             "exit",
             "sigkill",
             "hang",
-            "scribble-zeros",
-            "scribble-ones",
-            "scribble-random",
         ],
-        help="scribble-*: overwrite the whole heartbeat table, header too, then exit",
     )
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (imports torch)")
@@ -84,24 +80,7 @@ def fail(args: argparse.Namespace, rank: int, restarts: int) -> None:
         sys.exit(args.exit_code)
     if args.how == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if args.how.startswith("scribble-"):
-        scribble(args.how.removeprefix("scribble-"))
-        sys.exit(args.exit_code)
     stuck_in_the_data_loader()
-
-
-def scribble(pattern: str) -> None:
-    """What a buggy or hostile worker can do to the launcher's shared memory: write over all of
-    it, for a while (the launcher reads it meanwhile)."""
-    path = os.environ["ELASTIC_HEARTBEAT_FILE"]
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        for _ in range(20):
-            junk = {"zeros": b"\0" * size, "ones": b"\xff" * size}.get(pattern) or os.urandom(size)
-            f.seek(0)
-            f.write(junk)
-            f.flush()
-            time.sleep(0.01)
 
 
 def torch_parts() -> Any:

@@ -15,7 +15,7 @@ from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import AgentEvent, Events
 from elastic_launch.agent.hang import HangMonitor
-from elastic_launch.agent.watch import Watch
+from elastic_launch.agent.watch import Heartbeats, Watch
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import AgentState, FailureKind, LaunchConfig, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -54,7 +54,6 @@ class Node:
     def __init__(
         self, tmp_path, shm_path, rdzv: FakeRendezvous | None = None, hangs=None, **config
     ) -> None:
-        import elastic_core
 
         config.setdefault("nproc_per_node", 2)
         config.setdefault("shutdown_timeout", 0.2)
@@ -62,12 +61,13 @@ class Node:
         self.config = LaunchConfig(**config)
         self.watchdog = FakeWatchdog()
         self.spawner = FakeSpawner(self.watchdog)
-        self.table = elastic_core.HeartbeatTable.create(shm_path("agent"), 2)
+        self._heartbeats = Heartbeats.create(2, lambda i: shm_path(f"agent{i}"))
+        self.heartbeats = self._heartbeats.__enter__()
         self.layout = LogLayout(str(tmp_path / "logs"), "run")
         context = NodeContext(
             self.config, "run", Entrypoint(Kind.SCRIPT, "train.py"), self.layout, host="node0"
         )
-        self.group = WorkerGroup(context, Watch(self.table, None, self.watchdog), self.spawner)
+        self.group = WorkerGroup(context, Watch(self.heartbeats, None, self.watchdog), self.spawner)
         self.rdzv = rdzv or FakeRendezvous(max_restarts=self.config.max_restarts)
         self.recorder = Recorder()
         self.cancel = CancelToken()
@@ -115,7 +115,7 @@ class Node:
 
     def close(self) -> None:
         self.group.close()
-        self.table.close()
+        self._heartbeats.__exit__(None, None, None)
         self.layout.close()
 
 
@@ -209,7 +209,7 @@ def test_under_auto_a_quiet_node_is_hung_and_the_report_gives_the_evidence(node)
     )
     n = node(max_restarts=0, stack_dump_timeout=0.2, hang_timeout=None, hangs=hangs).play()
     n.running()
-    beats = [elastic_core.Heartbeat.attach(n.table.path, slot) for slot in (0, 1)]
+    beats = [elastic_core.Heartbeat.attach(n.heartbeats.path(i), 0) for i in (0, 1)]
     for b in beats:
         b.beat()
     root = n.finish().root_cause

@@ -109,6 +109,16 @@ ROWS = [
         Decision(Action.RESTART_GROUP, FailureKind.HUNG, reason=FAILURE),
     ),
     (
+        "a worker broke its heartbeat file: the group restarts, the worker named",
+        Snapshot(H.BROKE_HEARTBEAT, LEFT),
+        Decision(Action.RESTART_GROUP, FailureKind.HEARTBEAT, reason=FAILURE),
+    ),
+    (
+        "a loop worker broke its heartbeat file: replaced alone",
+        Snapshot(H.BROKE_HEARTBEAT, LEFT, loop=Loop.RUNNING, node_in_loop=True),
+        Decision(Action.REPLACE_ONE, FailureKind.HEARTBEAT, budget=RestartBudget(2, 3)),
+    ),
+    (
         "a hung worker inside a collective, not in the loop: the group restarts",
         Snapshot(H.HUNG, LEFT, waits_on_peer=True, spare_seconds=60.0),
         Decision(Action.RESTART_GROUP, FailureKind.HUNG, reason=FAILURE),

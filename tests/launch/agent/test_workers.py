@@ -8,7 +8,7 @@ import signal
 import pytest
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Happening
-from elastic_launch.agent.watch import Watch
+from elastic_launch.agent.watch import Heartbeats, Watch
 from elastic_launch.agent.workers import SpawnError, WorkerGroup
 from elastic_launch.api import LaunchConfig, Std, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -31,28 +31,26 @@ INFO = RendezvousInfo(
 
 @pytest.fixture
 def parts(tmp_path, shm_path):
-    import elastic_core
 
     watchdog = FakeWatchdog()
     spawner = FakeSpawner(watchdog)
-    table = elastic_core.HeartbeatTable.create(shm_path("hb"), 3)
     layout = LogLayout(str(tmp_path / "logs"), "run-1")
-    yield watchdog, spawner, table, layout
-    table.close()
+    with Heartbeats.create(3, lambda i: shm_path(f"hb{i}")) as heartbeats:
+        yield watchdog, spawner, heartbeats, layout
     layout.close()
 
 
 def group_of(parts, **config) -> WorkerGroup:
-    watchdog, spawner, table, layout = parts
+    watchdog, spawner, heartbeats, layout = parts
     config.setdefault("nproc_per_node", 3)
     config.setdefault("shutdown_timeout", 0.2)
     ep = Entrypoint(Kind.SCRIPT, "train.py", ["--rank", "${local_rank}"])
     context = NodeContext(LaunchConfig(**config), "run-1", ep, layout, host="node7")
-    return WorkerGroup(context, Watch(table, None, watchdog), spawner)
+    return WorkerGroup(context, Watch(heartbeats, None, watchdog), spawner)
 
 
 def test_start_all_gives_each_worker_torchruns_environment(parts):
-    watchdog, spawner, table, _ = parts
+    watchdog, spawner, heartbeats, _ = parts
     with group_of(parts, max_restarts=5, role="trainer") as group:
         group.start_all(INFO, attempt=7, restarts=2)
         assert [w.rank for w in group.workers] == [3, 4, 5]
@@ -69,7 +67,10 @@ def test_start_all_gives_each_worker_torchruns_environment(parts):
         assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
         assert env["TORCHELASTIC_MAX_RESTARTS"] == "5"
         assert env["TORCHELASTIC_RUN_ID"] == "run-1" and env["ROLE_NAME"] == "trainer"
-        assert env["ELASTIC_HEARTBEAT_FILE"] == table.path and env["ELASTIC_HEARTBEAT_SLOT"] == "1"
+        # one table each: what a worker does to its own file reaches no other's watch
+        assert env["ELASTIC_HEARTBEAT_FILE"] == heartbeats.path(1)
+        assert env["ELASTIC_HEARTBEAT_SLOT"] == "0"
+        assert len({heartbeats.path(i) for i in range(3)}) == 3
         assert env["ELASTICRUN_ATTEMPT"] == "7" and env["ELASTICRUN_ROUND"] == "4"
         assert env["ELASTICRUN_SHUTDOWN_TIMEOUT"] == "0.2", "what a worker has after SIGTERM"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith("attempt_7/1/error.json")
@@ -199,10 +200,10 @@ def test_logs_follow_redirects_and_virtual_local_rank(parts, monkeypatch):
 
 
 def test_function_return_values_by_global_rank(parts, tmp_path):
-    watchdog, spawner, table, layout = parts
+    watchdog, spawner, heartbeats, layout = parts
     ep = Entrypoint(Kind.FUNCTION, print, fn_args=(1,))
     context = NodeContext(LaunchConfig(nproc_per_node=2), "r", ep, layout)
-    group = WorkerGroup(context, Watch(table, None, watchdog), spawner)
+    group = WorkerGroup(context, Watch(heartbeats, None, watchdog), spawner)
     with group:
         group.start_all(INFO, attempt=0, restarts=0)
         request = spawner.spawned[0].request

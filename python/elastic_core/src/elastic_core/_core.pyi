@@ -206,6 +206,7 @@ class EventKind(enum.IntEnum):
     EXITED = 1
     HUNG = 2
     GPU_UNHEALTHY = 3
+    BAD_HEARTBEAT = 4
 
 @final
 class Event:

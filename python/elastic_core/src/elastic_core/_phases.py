@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 from elastic_core._core import beat, current_step, hang_timeout, set_hang_timeout
 
-# What "no limit" is stored as: the largest timeout a worker can set (about 31 years).
-NO_LIMIT = 1e9
+# What "no limit" is stored as: the longest timeout a worker may set (7 days); the watchdog
+# takes a longer one for a slot the worker's library did not write.
+NO_LIMIT = 604800.0
 
 
 @contextlib.contextmanager

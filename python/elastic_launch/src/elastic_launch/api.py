@@ -100,6 +100,7 @@ class FailureKind(str, enum.Enum):
     EXIT_CODE = "exit_code"  # exited with a non-zero status
     SIGNAL = "signal"  # killed by a signal
     HUNG = "hung"  # stopped beating for longer than its hang timeout
+    HEARTBEAT = "heartbeat"  # broke its heartbeat file (cut, overwrote or replaced it)
     GPU = "gpu"  # a GPU it uses became unhealthy
     SPAWN = "spawn"  # could not be started
     STOPPED = "stopped"  # stopped by the launcher after another worker failed

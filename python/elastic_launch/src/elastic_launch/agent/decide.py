@@ -46,12 +46,13 @@ from elastic_launch.rendezvous.api import RestartReason
 
 
 class Happening(str, enum.Enum):
-    """What happened to a worker (the first seven) or to the node."""
+    """What happened to a worker (the first eight) or to the node."""
 
     EXITED_OK = "exited_ok"  # a worker exited with 0
     FAILED = "failed"  # a worker exited with another code, or was killed by a signal
     HUNG = "hung"  # a worker made no progress for longer than its limit
     STILL_STUCK = "still_stuck"  # a spared worker did not beat again within its period
+    BROKE_HEARTBEAT = "broke_heartbeat"  # its heartbeat file was cut, overwritten or replaced
     GPU_FAULT = "gpu_fault"  # the GPU of a running worker became unhealthy
     GPU_UNUSABLE = "gpu_unusable"  # before a start: a GPU a worker would use needs a reset
     SPAWN_FAILED = "spawn_failed"  # a worker could not be started
@@ -169,14 +170,17 @@ _RULES: dict[Happening, Callable[[Snapshot], Decision]] = {
     Happening.FAILED: _worker_failed,
     Happening.HUNG: _worker_failed,
     Happening.STILL_STUCK: _worker_failed,
+    Happening.BROKE_HEARTBEAT: _worker_failed,
 }
 assert set(_RULES) == set(Happening)
 
 
 def _kind(s: Snapshot) -> FailureKind:
-    """How the worker of a FAILED, HUNG or STILL_STUCK snapshot failed."""
+    """How the worker of a FAILED, HUNG, STILL_STUCK or BROKE_HEARTBEAT snapshot failed."""
     if s.happening == Happening.FAILED:
         return FailureKind.SIGNAL if s.signalled else FailureKind.EXIT_CODE
+    if s.happening == Happening.BROKE_HEARTBEAT:
+        return FailureKind.HEARTBEAT
     return FailureKind.HUNG
 
 

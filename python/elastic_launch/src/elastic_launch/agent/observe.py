@@ -26,6 +26,7 @@ NO_STACK = "(no Python stack: the worker did not answer)"
 _SAID = {
     Happening.HUNG: "hung",
     Happening.STILL_STUCK: "hung",
+    Happening.BROKE_HEARTBEAT: "broke its heartbeat",
     Happening.GPU_FAULT: "GPU fault",
     Happening.GPU_UNUSABLE: "GPU fault",
     Happening.SPAWN_FAILED: "could not start",

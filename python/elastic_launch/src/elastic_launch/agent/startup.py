@@ -10,6 +10,7 @@ running workers keep), and it owns what outlives one worker: the tee pump and th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import IO
 
 import elastic_core
@@ -31,13 +32,16 @@ class Startup:
     """Starts the workers of one launch (see the module's docstring)."""
 
     def __init__(
-        self, context: NodeContext, heartbeat_path: str, extra_env: dict[str, str]
+        self,
+        context: NodeContext,
+        heartbeat_path: Callable[[int], str],
+        extra_env: dict[str, str],
     ) -> None:
         self.config = context.config
         self.entrypoint = context.entrypoint
         self.run_id = context.run_id
         self.layout = context.layout
-        self.heartbeat_path = heartbeat_path
+        self.heartbeat_path = heartbeat_path  # by local rank
         self.extra_env = dict(extra_env)
         self.host = context.host
         self.info: RendezvousInfo | None = None
@@ -144,8 +148,8 @@ class Startup:
         )
         env.update(
             {
-                elastic_core.HEARTBEAT_FILE_ENV: self.heartbeat_path,
-                elastic_core.HEARTBEAT_SLOT_ENV: str(w.local_rank),
+                elastic_core.HEARTBEAT_FILE_ENV: self.heartbeat_path(w.local_rank),
+                elastic_core.HEARTBEAT_SLOT_ENV: "0",
                 worker_main.STACK_FILE_ENV: w.stack_file,
                 worker_main.PARENT_ENV: str(os.getpid()),
                 "ELASTICRUN_ATTEMPT": str(self.attempt),

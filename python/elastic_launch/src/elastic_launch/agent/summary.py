@@ -15,6 +15,8 @@ def describe(f: WorkerFailure) -> str:
     """One line: what happened to the worker."""
     if f.kind == FailureKind.HUNG:
         return f"hung: {f.detail}"
+    if f.kind == FailureKind.HEARTBEAT:
+        return f"broke its heartbeat: {f.detail}"
     if f.kind == FailureKind.GPU:
         return f"GPU fault: {f.detail}"
     if f.kind == FailureKind.SPAWN:

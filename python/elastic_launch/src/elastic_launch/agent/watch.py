@@ -1,13 +1,19 @@
-"""What one node's workers are watched with: the heartbeat table in shared memory (a slot per
-worker), NVML's GPU checks, and the watchdog thread that reads both and the workers' pidfds."""
+"""What one node's workers are watched with: a heartbeat table in shared memory per worker,
+NVML's GPU checks, and the watchdog thread that reads both and the workers' pidfds.
+
+A worker can do anything to the file it beats into: cut it, overwrite it, put another at its
+path. One table each keeps that to its own watch; the launcher never maps a table (reads go
+through ``pread`` and are checked), so the watchdog reports that worker's heartbeat as broken
+and every other worker's hang detection goes on."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import elastic_core
 from elastic_core import GpuHealth, HeartbeatTable, Watchdog
 
 from elastic_launch.agent.devices import open_gpu_health
@@ -22,9 +28,45 @@ if TYPE_CHECKING:
 HANG_CHECK_INTERVAL = 0.05
 
 
+class Heartbeats:
+    """One heartbeat table of one slot per local worker, by local rank."""
+
+    def __init__(self, tables: Sequence[HeartbeatTable]) -> None:
+        self.tables = list(tables)
+
+    @classmethod
+    @contextlib.contextmanager
+    def create(cls, workers: int, name: Callable[[int], str]) -> Iterator[Heartbeats]:
+        """`workers` tables, worker i's at ``name(i)``; each file removed when the block ends."""
+        with contextlib.ExitStack() as stack:
+            yield cls(
+                [stack.enter_context(HeartbeatTable.create(name(i), 1)) for i in range(workers)]
+            )
+
+    def table(self, local_rank: int) -> HeartbeatTable:
+        return self.tables[local_rank]
+
+    def path(self, local_rank: int) -> str:
+        return self.tables[local_rank].path
+
+    def read(self, local_rank: int) -> elastic_core.SlotInfo | None:
+        """Worker `local_rank`'s slot; None once the table is closed or the worker broke its
+        file (the watchdog reports that)."""
+        try:
+            return self.tables[local_rank].read(0)
+        except (ValueError, elastic_core.BadFileError, OSError):
+            return None
+
+    def reset(self, local_rank: int | None = None) -> None:
+        """A good, empty table for worker `local_rank` (None: every worker) at its path,
+        whatever the previous worker did to it."""
+        for t in self.tables if local_rank is None else [self.tables[local_rank]]:
+            t.reset()
+
+
 @dataclass(frozen=True)
 class Watch:
-    table: HeartbeatTable
+    heartbeats: Heartbeats
     gpu: GpuHealth | None
     watchdog: Watcher  # elastic_core.Watchdog, or a test double
 
@@ -35,12 +77,13 @@ class Watch:
 
 @contextlib.contextmanager
 def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterator[Watch]:
-    """The table (its file removed by the guardian should the launcher be SIGKILLed), the GPU
-    checks (none without a GPU, or with an interval of 0) and the watchdog, closed in reverse."""
-    path = own_name()
+    """The tables (their files removed by the guardian should the launcher be SIGKILLed), the
+    GPU checks (none without a GPU, or with an interval of 0) and the watchdog, closed in
+    reverse."""
     with contextlib.ExitStack() as stack:
-        table = stack.enter_context(HeartbeatTable.create(path, workers))
-        guardian.remove_path(table.path)
+        heartbeats = stack.enter_context(Heartbeats.create(workers, lambda _: own_name()))
+        for t in heartbeats.tables:
+            guardian.remove_path(t.path)
         gpu = open_gpu_health(gpu_check_interval)
         watchdog = Watchdog(
             default_hang_timeout=0.0,
@@ -49,4 +92,4 @@ def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterat
             gpu_check_interval=gpu_check_interval if gpu is not None else 0.0,
         )
         stack.enter_context(watchdog)
-        yield Watch(table, gpu, watchdog)
+        yield Watch(heartbeats, gpu, watchdog)

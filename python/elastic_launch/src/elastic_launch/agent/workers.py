@@ -12,7 +12,6 @@ deaths, hangs and GPU faults.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -66,14 +65,14 @@ class WorkerGroup:
         self.context = context
         self.config = context.config
         self.entrypoint = context.entrypoint
-        self.table = watch.table
+        self.heartbeats = watch.heartbeats
         self.watchdog = watch.watchdog
         self.gpu = watch.gpu
         self.gpu_count = watch.gpu_count
         self.spawner = spawner
         self.guardian = guardian
         self.host = context.host
-        self.startup = Startup(context, self.table.path, extra_env or {})
+        self.startup = Startup(context, self.heartbeats.path, extra_env or {})
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
         self._hang_timeout = 0.0  # the watchdog's heartbeat limit for every worker (0: off)
@@ -102,8 +101,9 @@ class WorkerGroup:
         """Each live worker's heartbeat slot, by local rank."""
         out = {}
         for w in self.alive():
-            with contextlib.suppress(ValueError):  # the table closed meanwhile
-                out[w.local_rank] = self.table.read(w.local_rank)
+            slot = self.heartbeats.read(w.local_rank)
+            if slot is not None:
+                out[w.local_rank] = slot
         return out
 
     def health(self) -> list[dict[str, Any]]:
@@ -154,7 +154,7 @@ class WorkerGroup:
         self.close()
         self.startup.begin(info, attempt, restarts)
         self._workers, self._retired = {}, []
-        self.table.reset()
+        self.heartbeats.reset()
         for local_rank in range(self.config.nproc_per_node):
             self._start(local_rank, generation=0)
 
@@ -188,7 +188,7 @@ class WorkerGroup:
             )
         self._release(old)
         self._retired.append(old)
-        self.table.reset_slot(local_rank)
+        self.heartbeats.reset(local_rank)
         new = self._start(local_rank, generation=old.generation + 1)
         # Those spared while waiting for a peer get a full period from now, when that peer
         # (if it was this one) is gone and their collective fails.
@@ -231,8 +231,8 @@ class WorkerGroup:
         self.watchdog.watch(
             local_rank,
             w.pid,
-            self.table,
-            slot=local_rank,
+            self.heartbeats.table(local_rank),
+            slot=0,
             hang_timeout=self._hang_timeout,
             gpu=self.gpu_of(local_rank),
         )
@@ -258,6 +258,8 @@ class WorkerGroup:
             what = Happening.HUNG
         elif event.kind == elastic_core.EventKind.GPU_UNHEALTHY:
             what = Happening.GPU_FAULT
+        elif event.kind == elastic_core.EventKind.BAD_HEARTBEAT:
+            what = Happening.BROKE_HEARTBEAT
         else:
             return None
         return Happened(what, w, event.time_ns, event.detail)
