@@ -405,7 +405,8 @@ def test_the_optimizer_step_waits_for_the_copy_but_not_for_what_follows_it(tmp_p
 
     slow_copies(monkeypatch, 0.3)
     before = w.detach().clone()
-    copy = Copy(MemorySlot(tmp_path / "slot", "run"), _payload.plan({"w": w}), 1, send)
+    slot = MemorySlot(tmp_path / "slot", "run")
+    copy = Copy(slot, _payload.plan({"w": w}, slot.identity(1)), 1, send)
     optimizer.step()  # waits for the copy, and returns while what follows it still runs
     assert copy.join_local(0), "the optimizer step did not wait for the copy"
     assert not copy.join(0)

@@ -12,9 +12,12 @@ import torch
 from elastic_sampler import _payload
 from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 
+#: Whose state the payloads of these tests are: rank 0 of 1, step 1, a run's digest.
+ID = _payload.Identity(0, 1, 1, b"r" * 32)
+
 
 def written(state) -> bytearray:
-    plan = _payload.plan(state)
+    plan = _payload.plan(state, ID)
     out = bytearray(plan.size)
     crc = plan.write(memoryview(out))
     assert crc == _payload.checksum(memoryview(out)), "the checksum is of the bytes written"
@@ -41,7 +44,7 @@ def mixed_state() -> dict:
 
 def test_a_state_reads_back_exactly_and_keeps_its_containers():
     state = mixed_state()
-    plan = _payload.plan(state)
+    plan = _payload.plan(state, ID)
     assert len(plan.tensors) == 8, "every tensor is copied, none serialized"
     got = _payload.decode(written(state), "test")
     assert type(got["model"]) is OrderedDict and list(got["model"]) == list(state["model"])
@@ -54,7 +57,7 @@ def test_a_state_reads_back_exactly_and_keeps_its_containers():
 
 
 def test_offsets_are_aligned_and_tensors_do_not_overlap():
-    plan = _payload.plan(mixed_state())
+    plan = _payload.plan(mixed_state(), ID)
     ends = 0
     for t, at in zip(plan.tensors, plan.offsets):
         assert at % _payload.ALIGN == 0 and at >= max(ends, len(plan.head))
@@ -78,8 +81,9 @@ def test_a_state_the_skeleton_cannot_hold_is_saved_whole_by_torch():
     import numpy as np
 
     state = {"w": torch.zeros(100_000), "meta": torch.empty(5, device="meta"), "a": np.arange(3)}
-    plan = _payload.plan(state)
-    assert plan.tensors == [] and not _payload.is_payload(plan.head), "torch.save's bytes"
+    plan = _payload.plan(state, ID)
+    assert plan.tensors == [] and plan.head[:8] == _payload.WHOLE, "torch.save's bytes"
+    assert _payload.identity_of(plan.head) == ID, "with whose they are"
     got = _payload.decode(written(state), "test")
     assert torch.equal(got["w"], state["w"]) and got["meta"].device.type == "meta"
     assert list(got["a"]) == [0, 1, 2]
@@ -99,14 +103,13 @@ def test_a_skeleton_naming_anything_else_is_refused():
     """A payload's skeleton is read by an unpickler that builds its few types and no other: a
     crafted one that names a function is refused, not called."""
     import pickle
-    import struct
 
     class Evil:
         def __reduce__(self):
             return (os.system, ("true",))
 
     body = pickle.dumps({"state": Evil(), "at": []}, protocol=4)
-    data = struct.pack("<8sQ", _payload.MAGIC, len(body)) + body
+    data = ID.head(_payload.MAGIC, len(body)) + body
     with pytest.raises(UnsafeCheckpointError, match=r"names posix\.system, which a skeleton"):
         _payload.decode(data, "the copy")
 
@@ -117,14 +120,13 @@ def test_a_skeleton_of_shared_references_is_refused_before_it_is_walked():
     that is 2^40 visits (this test's time limit ends it). plan() writes every container once,
     so a container met twice is refused at once; states with repeated values still load."""
     import pickle
-    import struct
 
     shared: list = [1]
     for _ in range(40):
         shared = [shared, shared]
     body = pickle.dumps({"state": {"model": shared}, "at": []}, protocol=4)
     assert len(body) < 4096
-    data = struct.pack("<8sQ", _payload.MAGIC, len(body)) + body
+    data = ID.head(_payload.MAGIC, len(body)) + body
     with pytest.raises(CheckpointError, match="holds one container in two places"):
         _payload.decode(data, "the copy")
     same = [0.5, (1, 2)]
@@ -135,11 +137,10 @@ def test_a_skeleton_of_shared_references_is_refused_before_it_is_walked():
 
 def test_a_skeleton_whose_table_lies_is_an_error():
     import pickle
-    import struct
 
     for entry in [(0, "no_such_dtype", (3,), "cpu"), (0, "float32", (-1,), "cpu"), "x"]:
         body = pickle.dumps({"state": [_payload.TensorRef(0)], "at": [entry]}, protocol=4)
-        data = struct.pack("<8sQ", _payload.MAGIC, len(body)) + body + bytes(64)
+        data = ID.head(_payload.MAGIC, len(body)) + body + bytes(64)
         with pytest.raises(CheckpointError, match="the copy"):
             _payload.decode(data, "the copy")
 
@@ -163,7 +164,7 @@ def test_the_checksum_is_of_the_pieces_checksums_whatever_the_tensors_boundaries
         for i in range(0, len(data), _payload.CHUNK)
     ]
     expected = crc32c(struct.pack(f"<{len(pieces)}I", *pieces))
-    plan = _payload.plan(state)
+    plan = _payload.plan(state, ID)
     assert plan.write(memoryview(bytearray(len(data)))) == expected
     got = _payload.decode(data, "test")
     assert all(torch.equal(got[k], v) for k, v in state.items())
@@ -181,7 +182,7 @@ def test_a_copy_out_is_checked_as_it_is_copied():
 
 def test_a_change_in_place_after_planning_is_seen():
     w = torch.zeros(100_000)
-    plan = _payload.plan({"w": w})
+    plan = _payload.plan({"w": w}, ID)
     assert not plan.changed()
     w.add_(1)
     assert plan.changed()
@@ -198,7 +199,7 @@ def test_the_plan_copies_what_training_may_change_before_the_copy_runs():
     """Only the large tensors are read later (the optimizer step waits for that); small
     tensors and plain values are taken when the plan is made."""
     state = {"big": torch.zeros(100_000), "small": torch.zeros(3), "seen": [1, 2]}
-    plan = _payload.plan(state)
+    plan = _payload.plan(state, ID)
     state["small"].add_(5)
     state["seen"].append(3)
     got = _payload.decode(written_plan(plan), "test")

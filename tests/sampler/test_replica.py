@@ -148,6 +148,34 @@ def test_a_received_copy_is_sealed_under_its_senders_rank(tmp_path):
     assert [c.step for c in replica.held()] == [7]
 
 
+def test_a_copy_whose_bytes_name_another_rank_is_refused_with_a_warning(tmp_path):
+    """A replica slot sealed as rank 1's but holding rank 0's bytes (a mix-up on the way, or a
+    descriptor rewritten): its checksum verifies, the owner inside the bytes does not."""
+    sender = MemorySlot(tmp_path / "a", "run", owner=0, world=2)
+    sender.put({"rank": 0, "w": torch.zeros(4)}, 5)
+    sent = sender.last()
+    assert sent is not None
+    replica = MemorySlot(tmp_path / "b", "run", owner=1, world=2)
+    with sender.view(sent) as source:
+        index = replica.receive(sent.size, lambda region: region.__setitem__(slice(None), source))
+    replica.seal(index, 5, sent.size, sent.crc, 1, 2)  # sealed as rank 1's
+    with pytest.warns(
+        UserWarning,
+        match="is sealed as rank 1's state of step 5 in a world of "
+        "2 but holds rank 0's state of step 5 in a world of 2",
+    ):
+        assert replica.load() is None
+    assert replica.held() == [], "listed nowhere: a restore takes the next source"
+    # sealed as the right rank but another step: refused too
+    index = replica.receive(
+        sent.size,
+        lambda region: region.__setitem__(slice(None), bytes(sender.read_copy(sent) or b"")),
+    )
+    replica.seal(index, 6, sent.size, sent.crc, 0, 2)
+    with pytest.warns(UserWarning, match="of step 6 .* but holds rank 0's state of step 5"):
+        assert [c.step for c in replica.held()] == []
+
+
 # ---- the manager -------------------------------------------------------------------------------
 
 
@@ -285,6 +313,42 @@ def test_a_lost_node_costs_no_rank_its_newest_step_and_the_whole_job_the_disks(t
     assert all(f"RESUMED {r} 5 True" in outs[r] for r in range(4)), outs
 
 
+def swap_owners(node: Path, swap: dict[int, int]) -> int:
+    """Rewrite the owner in the descriptors of `node`'s replica slots (what a mix-up of two
+    peers' copies looks like: each checksum still verifies); how many were rewritten."""
+    import struct
+
+    done = 0
+    for path in node.glob("*-replica*"):
+        data = bytearray(path.read_bytes())
+        for at in (64, 192):  # the two descriptors; owner at +28 (seq, step, size, crc, owner)
+            seq, owner = (
+                struct.unpack_from("<Q", data, at)[0],
+                struct.unpack_from("<i", data, at + 28)[0],
+            )
+            if seq and owner in swap:
+                struct.pack_into("<i", data, at + 28, swap[owner])
+                done += 1
+        path.write_bytes(bytes(data))
+    return done
+
+
+@pytest.mark.slow  # four real processes and gloo, twice
+def test_replicas_that_name_another_rank_are_refused_and_the_disk_serves(tmp_path):
+    import shutil
+
+    outs = run_job(tmp_path, "train", ["a", "a", "b", "b"])
+    assert all(f"TRAINED {r}" in outs[r] for r in range(4)), outs
+    # Node b is lost; node a's replicas of ranks 2 and 3 are sealed each as the other's.
+    shutil.rmtree(tmp_path / "nodeb")
+    assert swap_owners(tmp_path / "nodea", {2: 3, 3: 2}) >= 2
+    outs = run_job(tmp_path, "resume", ["c", "c", "a", "a"])
+    # Before: rank 2 resumed from rank 3's state at step 7. Now the copies are refused, ranks 2
+    # and 3 have only the disk's step 5, and every rank takes the step all of them hold.
+    assert all(f"RESUMED {r} 5 True" in outs[r] for r in range(4)), outs
+    assert any("is sealed as rank 3's state of step" in o and "holds rank 2's" in o for o in outs)
+
+
 # ---- failures keep the ring in step, and say so ------------------------------------------------
 
 
@@ -317,7 +381,7 @@ def test_a_copy_that_failed_still_tells_the_peer(tmp_path):
 
     said = []
     slot = MemorySlot(tmp_path / "slot", "run", limit=1)  # no room for anything
-    copy = Copy(slot, _payload.plan({"w": torch.ones(1 << 20)}), 1, said.append)
+    copy = Copy(slot, _payload.plan({"w": torch.ones(1 << 20)}, slot.identity(1)), 1, said.append)
     assert copy.join(30)
     assert said == [False], "the peer hears that nothing new comes"
     assert isinstance(copy.error, CheckpointError)

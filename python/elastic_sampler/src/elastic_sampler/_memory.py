@@ -11,7 +11,8 @@ run id, and whose state it is: the rank that saved it and the world it saved in,
 state every rank shares. A copy of another job, or one whose bytes changed, is never returned;
 a slot returns only its owner's copies (a replica slot, `_replica`, holds a peer's). A copy
 holds a payload (`_payload`): a state laid out so that its tensors are copied in, not
-serialized.
+serialized, that names the same owner, world, step and run inside its checksummed bytes; a
+copy whose bytes name another than its descriptor is refused with a warning, as a torn one is.
 
 Layout (little-endian): ``magic(8) version(4) pad(4) capacity(8)``, then two descriptors of
 ``seq(8) step(8) size(8) crc32c(4) owner(4) world(4) run(32)`` at 64 and 192; buffers at 4096 and
@@ -27,6 +28,7 @@ import hashlib
 import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ MEMORY_DIR_ENV = "ELASTICRUN_MEMORY_DIR"
 MEMORY_LIMIT_ENV = "ELASTICRUN_MEMORY_LIMIT"
 
 MAGIC = b"ERMEMCK1"
-VERSION = 3
+VERSION = 4
 HEADER = 4096
 _HEAD = struct.Struct("<8sI4xQ")  # magic, version, capacity
 _DESC = struct.Struct("<QqQIii32s")  # seq, step, size, crc32c, owner, world, run digest
@@ -115,6 +117,11 @@ class MemorySlot:
         #: Views a failed transfer may still be writing or reading (gloo's thread): the map
         #: is never closed or replaced under them.
         self._pinned: list[memoryview] = []
+        self._refused: set[tuple[int, int]] = set()  # (seq, buffer) of copies warned about
+
+    def identity(self, step: int) -> _payload.Identity:
+        """What this slot's owner's copy of `step` names in its bytes."""
+        return _payload.Identity(self.owner, self.world, step, self.run)
 
     # ---- the file --------------------------------------------------------------------------
 
@@ -208,7 +215,21 @@ class MemorySlot:
 
     def _intact(self, c: _Copy) -> bool:
         with self.view(c) as view:
-            return c.run == self.run and _payload.checksum(view) == c.crc
+            return (
+                c.run == self.run and _payload.checksum(view) == c.crc and self._named(c, view)
+            )
+
+    def _named(self, c: _Copy, data: Any) -> bool:
+        """Whether the bytes of `c` name what its descriptor says (a warning, once, if not)."""
+        expected = _payload.Identity(c.owner, c.world, c.step, c.run)
+        try:
+            _payload.check_identity(data, expected, f"the memory copy in '{self.path}'")
+        except _payload.ForeignCopyError as e:
+            if (c.seq, c.index) not in self._refused:
+                self._refused.add((c.seq, c.index))
+                warnings.warn(str(e), stacklevel=2)
+            return False
+        return True
 
     def newest(self) -> tuple[int, _Copy] | None:
         """(step, copy) of the newest copy of this job that verifies, or None."""
@@ -241,7 +262,9 @@ class MemorySlot:
             return None
         data = bytearray(c.size)
         start = self._base + HEADER + c.index * self._capacity
-        return data if _payload.copy_out(data, start, c.size) == c.crc else None
+        if _payload.copy_out(data, start, c.size) != c.crc or not self._named(c, data):
+            return None
+        return data
 
     def last(self) -> _Copy | None:
         """The owner's newest sealed copy, not checked again (the copy just made: its
@@ -262,7 +285,7 @@ class MemorySlot:
 
     def put(self, state: Any, step: int) -> None:
         """Make `state` the slot's newest copy, as checkpoint `step`."""
-        self.put_plan(_payload.plan(state), step)
+        self.put_plan(_payload.plan(state, self.identity(step)), step)
 
     def put_plan(self, plan: _payload.Plan, step: int) -> bool:
         """Copy a planned state in as checkpoint `step`; False (the previous copy kept) if its
@@ -276,8 +299,11 @@ class MemorySlot:
         return True
 
     def put_bytes(self, data: Any, step: int) -> None:
-        """Make `data` (a payload, or a torch.save file's bytes) the slot's newest copy, as
-        checkpoint `step`."""
+        """Make `data` (a payload, or a torch.save file's bytes: those are this slot's owner's)
+        the slot's newest copy, as checkpoint `step`."""
+        if not _payload.is_payload(data):
+            self.put_plan(_payload.whole_bytes(data, self.identity(step)), step)
+            return
         view = memoryview(data).cast("B")
         index = self._reserve(view.nbytes)
         with self._region(index, view.nbytes) as region:

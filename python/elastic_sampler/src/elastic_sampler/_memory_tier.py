@@ -48,7 +48,7 @@ class MemoryTier:
         if self._restored is not None and step > self._restored:
             self.restores.clear()  # training went on past the restored step
             self._restored = None
-        plan = _payload.plan(state)
+        plan = _payload.plan(state, self.slot.identity(step))
         if self.overlap and plan.apart >= OVERLAP_FROM:
             self.slot.check_room(plan.size)  # a limit is refused here, not at the next save
             self._copy = _overlap.Copy(self.slot, plan, step, then)

@@ -2,8 +2,12 @@
 shared memory, by elastic_core's copy that checksums as it copies (the GIL released), rather
 than through a serializer.
 
-A payload is ``MAGIC(8) skeleton_size(8)``, the skeleton, then (from the next page) each
-tensor's bytes, 64-byte aligned, large tensors on pages of their own. The skeleton is a pickle
+A payload is ``MAGIC(8) skeleton_size(8)`` and whose state it is (`Identity`: the owner rank,
+or -1 for a state every rank shares, the world size, the step, a digest of the run id), the
+skeleton, then (from the next page) each tensor's bytes, 64-byte aligned, large tensors on
+pages of their own. The identity is inside the checksummed bytes: a copy sealed in a slot as
+one rank's step but holding another's state (or step, or job) is refused when it is read
+(`check_identity`), so a restore takes the next source. The skeleton is a pickle
 of ``{"state": ..., "at": [...]}`` holding nothing but builtins, OrderedDicts, torch dtypes and
 devices, and tensor references (`TensorRef`): the state with every tensor replaced by a
 reference to its entry in ``at`` (its offset after the skeleton, dtype name, shape and device).
@@ -11,8 +15,8 @@ It is read back by an unpickler that builds those types and refuses any other, s
 as safe to read as ``weights_only=True``.
 
 A state that holds anything else (a numpy array, an object, a sparse or quantized tensor, a
-tensor subclass) is saved whole by ``torch.save`` instead, at `plan` time: its bytes are the
-payload, read back by ``torch.load``.
+tensor subclass) is saved whole by ``torch.save`` instead, at `plan` time: its bytes follow the
+same head (magic ``WHOLE``), and are read back by ``torch.load``.
 
 Planning (`plan`) runs on the training thread and is cheap: a walk, clones of the small
 tensors (state that changes outside optimizer.step(), such as BatchNorm statistics, is small)
@@ -36,8 +40,13 @@ import torch
 from elastic_sampler._files import load
 from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 
-MAGIC = b"ERPAYLD2"
-_HEAD = struct.Struct("<8sQ")
+
+class ForeignCopyError(CheckpointError):
+    """A memory copy whose bytes name another owner, step or job than its slot says."""
+
+MAGIC = b"ERPAYLD3"
+WHOLE = b"ERWHOLE3"  # the head, then a torch.save file's bytes
+_HEAD = struct.Struct("<8sQiiq32s")  # magic, body size, owner, world, step, run digest
 ALIGN = 64
 #: Tensors smaller than this are cloned when the plan is made (cheap, and small state is what
 #: changes outside optimizer.step()); larger ones are read by the copy.
@@ -55,6 +64,48 @@ PAGE = 4096
 
 def _align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Whose state a payload holds: `owner` rank (-1: one every rank shares) in a world of
+    `world` ranks, at checkpoint `step`, of the job whose run id digests to `run`."""
+
+    owner: int
+    world: int
+    step: int
+    run: bytes
+
+    def head(self, magic: bytes, body: int) -> bytes:
+        return _HEAD.pack(magic, body, self.owner, self.world, self.step, self.run)
+
+    def says(self) -> str:
+        whose = "the ranks' shared state" if self.owner < 0 else f"rank {self.owner}'s state"
+        return f"{whose} of step {self.step} in a world of {self.world}"
+
+
+def identity_of(data: Any) -> Identity | None:
+    """The identity a payload's head names; None if `data` is no payload (a torch.save file's
+    bytes, or bytes of no format)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _HEAD.size or bytes(view[:8]) not in (MAGIC, WHOLE):
+        return None
+    _, _, owner, world, step, run = _HEAD.unpack_from(view, 0)
+    return Identity(owner, world, step, run)
+
+
+def check_identity(data: Any, expected: Identity, where: str) -> None:
+    """A `ForeignCopyError` unless `data` is a payload naming `expected`."""
+    found = identity_of(data)
+    if found == expected:
+        return
+    if found is None:
+        raise ForeignCopyError(f"{where} names no owner: it was not written by this version")
+    if found.run != expected.run:
+        raise ForeignCopyError(f"{where} holds another job's state: it is not restored")
+    raise ForeignCopyError(
+        f"{where} is sealed as {expected.says()} but holds {found.says()}: it is not restored"
+    )
 
 
 class TensorRef:
@@ -161,10 +212,10 @@ def _side_stream(plan: Plan) -> Any:
     return side
 
 
-def plan(state: Any) -> Plan:
-    """Take `state` apart for `Plan.write`: its large tensors are referenced (read later, by
-    the copy), its small ones cloned, its skeleton pickled now. A state the skeleton cannot
-    hold is serialized whole now, by torch.save."""
+def plan(state: Any, identity: Identity) -> Plan:
+    """Take `state` (`identity`'s) apart for `Plan.write`: its large tensors are referenced
+    (read later, by the copy), its small ones cloned, its skeleton pickled now. A state the
+    skeleton cannot hold is serialized whole now, by torch.save."""
     tensors: list[torch.Tensor] = []
     table: list[tuple[int, str, tuple[int, ...], str]] = []
     offset = 0
@@ -202,9 +253,9 @@ def plan(state: Any) -> Plan:
     try:
         skeleton = walk(state)
     except _OpaqueError:
-        return _whole(state)
+        return _whole(state, identity)
     body = pickle.dumps({"state": skeleton, "at": table}, protocol=4)
-    head = _HEAD.pack(MAGIC, len(body)) + body
+    head = identity.head(MAGIC, len(body)) + body
     start = _align(len(head), PAGE)
     events = {}
     for t in tensors:
@@ -222,11 +273,17 @@ def plan(state: Any) -> Plan:
     )
 
 
-def _whole(state: Any) -> Plan:
+def _whole(state: Any, identity: Identity) -> Plan:
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    data = buffer.getvalue()
-    return Plan(head=data, tensors=[], offsets=[], size=len(data))
+    return whole_bytes(buffer.getbuffer(), identity)
+
+
+def whole_bytes(data: Any, identity: Identity) -> Plan:
+    """A plan of a torch.save file's bytes, as `identity`'s."""
+    view = memoryview(data).cast("B")
+    head = identity.head(WHOLE, view.nbytes) + bytes(view)
+    return Plan(head=head, tensors=[], offsets=[], size=len(head))
 
 
 def _core() -> Any:
@@ -262,9 +319,8 @@ def copy_out(dest: Any, src: int, n: int) -> int:
 
 
 def is_payload(data: Any) -> bool:
-    """Whether `data` is a payload with a skeleton (rather than a torch.save file's bytes)."""
-    view = memoryview(data).cast("B")
-    return view.nbytes >= _HEAD.size and bytes(view[:8]) == MAGIC
+    """Whether `data` is a payload (rather than a torch.save file's bytes)."""
+    return identity_of(data) is not None
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
@@ -303,7 +359,7 @@ def _device_for(map_location: Any, original: str, where: str) -> Any:
 def _skeleton(view: memoryview, where: str) -> tuple[dict[str, Any], int]:
     """A payload's skeleton (the state with its tensors as references, and their table), and
     where its tensors' bytes start."""
-    _, skeleton_size = _HEAD.unpack_from(view, 0)
+    skeleton_size = _HEAD.unpack_from(view, 0)[1]
     start = _align(_HEAD.size + skeleton_size, PAGE)
     if _HEAD.size + skeleton_size > view.nbytes:
         raise CheckpointError(f"{where} is cut short: its skeleton ends past its end")
@@ -328,6 +384,8 @@ def decode(data: Any, where: str, map_location: Any = "cpu", weights_only: bool 
     view = memoryview(data).cast("B")
     if not is_payload(view):
         return load(io.BytesIO(view), where, map_location, weights_only)
+    if bytes(view[:8]) == WHOLE:
+        return load(io.BytesIO(view[_HEAD.size :]), where, map_location, weights_only)
     if view.readonly:
         view = memoryview(bytearray(view))
     inner, start = _skeleton(view, where)
