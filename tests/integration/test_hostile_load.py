@@ -33,10 +33,10 @@ def test_the_embedded_service_holds_a_bounded_amount_under_hostile_load():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_watch_that_falls_behind_is_cut_off_and_the_client_watches_again(monkeypatch):
-    from elastic_launch.rendezvous import embedded_server
+    from elastic_launch.rendezvous import embedded_bounds, embedded_server
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-    monkeypatch.setattr(embedded_server, "_STREAM_BYTES", 200_000)
+    monkeypatch.setattr(embedded_bounds, "STREAM_BYTES", 200_000)
     server = embedded_server.EmbeddedServer("127.0.0.1", 0, token=None)
     target = f"127.0.0.1:{server.port}"
     slow = hostile_load._Embedded(server.port)
@@ -53,7 +53,7 @@ def test_a_watch_that_falls_behind_is_cut_off_and_the_client_watches_again(monke
         with pytest.raises(grpc.RpcError, match="fell more than 200000 bytes behind"):
             for _ in watcher:
                 pass
-        assert server.state.queued.bytes >= 0
+        assert server.state.watch_bytes.bytes >= 0
         seen = 0
         deadline = time.monotonic() + 30
         while seen < 200 and time.monotonic() < deadline:

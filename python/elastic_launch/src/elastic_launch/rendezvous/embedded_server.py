@@ -28,6 +28,8 @@ import grpc
 from elastic_launch.cancel import NEVER, CancelToken, join
 from elastic_launch.net import host_port, port_listened
 from elastic_launch.rendezvous import challenge
+from elastic_launch.rendezvous import embedded_bounds as bounds
+from elastic_launch.rendezvous.embedded_bounds import Outbox
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -35,24 +37,6 @@ logger = logging.getLogger(__name__)
 _END_TIMEOUT = 1.0  # seconds the service's tasks get to end once cancelled, at a stop
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
-# What a client can make the service hold is bounded. Past these, the oldest history is
-# compacted (a watch from before it is told so and re-reads, as with etcd), a watch stream
-# that falls behind is cut off (as etcd cancels a slow watcher), and a write or a stream
-# beyond the caps is refused with RESOURCE_EXHAUSTED. A round of 1,024 nodes uses a few
-# thousand keys and well under a MiB.
-_HISTORY = 100_000  # events kept for watches that start in the past
-_HISTORY_BYTES = 16 << 20
-_STREAM_BYTES = 8 << 20  # queued for one watch stream that does not read
-_QUEUED_BYTES = 32 << 20  # queued for all watch streams together
-_MAX_STREAMS = 8192  # watch and keep-alive streams at once
-_WATCHERS_PER_STREAM = 256
-_MAX_KEYS = 100_000
-_MAX_DATA_BYTES = 64 << 20  # keys and values held
-_MAX_REQUEST = 4 << 20  # one request (gRPC's default, said explicitly)
-_EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
-_MAX_TTL = 9_000_000_000  # etcd's longest lease, in seconds
-
-
 VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd by it
 
 
@@ -62,60 +46,14 @@ class _Lease:
     expires: float
     keys: set[bytes] = field(default_factory=set)
     kept: bool = False  # renewed at least once
-
-
-class _Queued:
-    """The bytes of events waiting in every watch stream's queue together."""
-
-    bytes = 0
-
-
-class _Outbox:
-    """A watch stream's queue, which counts the bytes of the events waiting in it: a stream
-    whose client stops reading is cut off at :data:`_STREAM_BYTES`, or when all streams
-    together hold :data:`_QUEUED_BYTES`, instead of growing."""
-
-    def __init__(self, total: _Queued) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.total = total
-        self.bytes = 0
-        self.overflowed = False
-
-    def put(self, item: Any) -> None:
-        self.queue.put_nowait(item)
-
-    def send(self, watch_id: int, events: list[kv_pb2.Event], size: int) -> None:
-        if self.overflowed:
-            return
-        if self.bytes + size > _STREAM_BYTES or self.total.bytes + size > _QUEUED_BYTES:
-            self.overflowed = True
-            self.queue.put_nowait(("overflow", None))
-            return
-        self.bytes += size
-        self.total.bytes += size
-        self.queue.put_nowait((watch_id, (events, size)))
-
-    async def get(self) -> Any:
-        kind, arg = await self.queue.get()
-        if isinstance(kind, int):
-            events, size = arg
-            self.bytes -= size
-            self.total.bytes -= size
-            return kind, events
-        return kind, arg
-
-    def drop(self) -> None:
-        """The stream ended: what it still held is no longer held."""
-        self.total.bytes -= self.bytes
-        self.bytes = 0
-        self.overflowed = True
+    client: str = ""  # the connection that was granted it
 
 
 @dataclass(eq=False)  # identity: found by its id, never by comparing fields
 class _Watcher:
     key: bytes
     end: bytes
-    out: _Outbox  # (watch_id, [events of one revision]) for the stream's sender
+    out: Outbox  # (watch_id, [events of one revision]) for the stream's sender
     watch_id: int
 
     def matches(self, key: bytes) -> bool:
@@ -142,7 +80,9 @@ class _State:
         self.history_bytes = 0
         self.data_bytes = 0  # keys and values held
         self.streams = 0  # watch and keep-alive streams open
-        self.queued = _Queued()
+        self.watch_bytes = bounds.Account(bounds.WATCH_BYTES)  # queued or being sent
+        self.read_bytes = bounds.Account(bounds.READ_BYTES)  # answers being sent
+        self.holders = bounds.Leases()
         self.pending: list[kv_pb2.Event] = []  # the current revision's events
         # Watchers by the range they watch, then by id: many nodes watch the same few ranges
         # (the state, the shared keys), so a commit matches each event against ranges, not
@@ -191,7 +131,8 @@ class _State:
         for event in events:
             size = _size(event)
             while self.history and (
-                len(self.history) >= _HISTORY or self.history_bytes + size > _HISTORY_BYTES
+                len(self.history) >= bounds.HISTORY
+                or self.history_bytes + size > bounds.HISTORY_BYTES
             ):
                 rev, dropped = self.history.popleft()
                 self.compacted = rev
@@ -214,12 +155,11 @@ class _State:
         """Why a put of `key` cannot be held (the caps on keys and bytes), or None."""
         old = self.data.get(key)
         grows = len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
-        if old is None and len(self.data) >= _MAX_KEYS:
-            return f"it holds {_MAX_KEYS} keys already"
-        if self.data_bytes + grows > _MAX_DATA_BYTES:
-            return (
-                f"it holds {self.data_bytes} bytes of keys and values (at most {_MAX_DATA_BYTES})"
-            )
+        if old is None and len(self.data) >= bounds.MAX_KEYS:
+            return f"it holds {bounds.MAX_KEYS} keys already"
+        if self.data_bytes + grows > bounds.MAX_DATA_BYTES:
+            held, most = self.data_bytes, bounds.MAX_DATA_BYTES
+            return f"it holds {held} bytes of keys and values (at most {most})"
         return None
 
     def put(self, key: bytes, value: bytes, lease: int) -> None:
@@ -301,6 +241,8 @@ class _State:
 
     def revoke(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.holders.ended(lease.client)
         if lease is not None and lease.kept:
             self._tell_kept()
         if lease is None or not lease.keys:
@@ -313,7 +255,7 @@ class _State:
 
 
 def _size(event: kv_pb2.Event) -> int:
-    return len(event.kv.key) + len(event.kv.value) + _EVENT_OVERHEAD
+    return len(event.kv.key) + len(event.kv.value) + bounds.EVENT_OVERHEAD
 
 
 class _RefusedError(Exception):
@@ -326,13 +268,20 @@ class _RefusedError(Exception):
 
 
 def _answering(method: Any) -> Any:
-    """A unary handler whose refusals (:class:`_RefusedError`) become the call's status."""
+    """A unary handler whose refusals (:class:`_RefusedError`) become the call's status, and
+    whose answer counts against the bytes of answers being sent until the call ends."""
 
     @functools.wraps(method)
     async def handler(self: _Service, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._check(context)
-            return method(self, request)
+            self._answer_bytes = 0  # the method runs to its end without yielding the loop
+            try:
+                return method(self, request)
+            finally:
+                taken, self._answer_bytes = self._answer_bytes, 0
+                if taken:
+                    context.add_done_callback(lambda _: self.s.read_bytes.give(taken))
         except _RefusedError as e:
             await context.abort(e.code, e.details)
 
@@ -354,6 +303,7 @@ class _Service(
         self.s = state
         self.token = token
         self._watch_ids = iter(range(1, 1 << 62))
+        self._answer_bytes = 0  # of the unary call being answered
 
     def _check(self, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
@@ -366,6 +316,25 @@ class _Service(
                 f"invalid rendezvous token: the request carries {problem}; give every node "
                 "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
             )
+
+    def _charge_answer(self, size: int) -> None:
+        """Count `size` bytes of the answer being built until its call ends (see `_answering`);
+        refused (it may be tried again) while other answers hold the room, or naming the limit
+        if it could never fit. Checked before the answer is built."""
+        if size > bounds.READ_BYTES:
+            raise _RefusedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this answer would be {size} bytes, more than the {bounds.READ_BYTES} the "
+                "embedded rendezvous service sends at once: read fewer keys at a time (a "
+                "limit, or a narrower range)",
+            )
+        if not self.s.read_bytes.take(size):
+            raise _RefusedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the embedded rendezvous service is sending {self.s.read_bytes.bytes} bytes "
+                f"of answers already (at most {bounds.READ_BYTES}): try again",
+            )
+        self._answer_bytes += size
 
     async def Authenticate(  # noqa: N802 - gRPC's name
         self, request: Any, context: grpc.aio.ServicerContext
@@ -390,13 +359,14 @@ class _Service(
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """A stream starts only with the job's token, and while fewer than
-        :data:`_MAX_STREAMS` are open."""
+        :data:`bounds.MAX_STREAMS` are open."""
         try:
             self._check(context)
-            if self.s.streams >= _MAX_STREAMS:
+            if self.s.streams >= bounds.MAX_STREAMS:
                 raise _RefusedError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the embedded rendezvous service has {_MAX_STREAMS} streams open already",
+                    f"the embedded rendezvous service has {bounds.MAX_STREAMS} streams open "
+                    "already",
                 )
         except _RefusedError as e:
             await context.abort(e.code, e.details)
@@ -412,6 +382,7 @@ class _Service(
     def _range(self, r: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         keys = self.s.select(r.key, r.range_end)
         kvs = [self.s.data[k] for k in keys[: r.limit or None]]
+        self._charge_answer(sum(len(kv.key) + len(kv.value) + bounds.EVENT_OVERHEAD for kv in kvs))
         return rpc_pb2.RangeResponse(header=self.s.header(), kvs=kvs, count=len(keys))
 
     @_answering
@@ -490,19 +461,35 @@ class _Service(
 
     # ---- leases --------------------------------------------------------------------------
 
-    @_answering
-    def LeaseGrant(self, request: Any) -> Any:  # noqa: N802
-        ttl = min(max(int(request.TTL), 1), _MAX_TTL)
+    async def LeaseGrant(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            self._check(context)
+            return self._grant(request, context.peer() or "")
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+
+    def _grant(self, request: Any, client: str) -> Any:
+        ttl = min(max(int(request.TTL), 1), bounds.MAX_TTL)
         if request.ID in self.s.leases:  # as etcd: granting it again would make it immortal
             raise _RefusedError(
                 grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists"
             )
         if request.ID < 0:
             raise _RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "lease ID must not be negative")
+        full = self.s.holders.room(client)
+        if full is not None:
+            raise _RefusedError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"etcdserver: too many leases (the embedded service: {full}); revoke the "
+                "leases you no longer use",
+            )
         lease_id = request.ID or int.from_bytes(os.urandom(7), "big") or 1
         while lease_id in self.s.leases:  # a random ID another client asked for by number
             lease_id = int.from_bytes(os.urandom(7), "big") or 1
-        self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl)
+        self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl, client=client)
+        self.s.holders.granted(client)
         return rpc_pb2.LeaseGrantResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
 
     @_answering
@@ -536,7 +523,7 @@ class _Service(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._admit(context)
-        out = _Outbox(self.s.queued)
+        out = Outbox(self.s.watch_bytes)
         context.add_done_callback(lambda _: out.drop())
         mine: dict[int, _Watcher] = {}
         reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
@@ -553,49 +540,72 @@ class _Service(
                     mine.clear()
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"this watch stream fell more than {_STREAM_BYTES} bytes behind and was "
-                        "cut off; watch again from the revision you last saw",
+                        f"this watch stream fell more than {bounds.STREAM_BYTES} bytes behind "
+                        "(or the service's watches hold all they may) and was cut off; watch "
+                        "again from the revision you last saw",
                     )
-                for response in self._watch_step(kind, arg, out, mine):
-                    yield response
+                for response, size in self._watch_step(kind, arg, out, mine):
+                    yield response  # returns once the network has taken it
+                    out.sent(size)
         finally:
             reader.cancel()
 
     def _watch_step(
-        self, kind: Any, arg: Any, out: _Outbox, mine: dict[int, _Watcher]
-    ) -> list[Any]:
-        """The responses to one item of a watch stream's queue: a watcher's events of one
-        revision, a cancel, or a create (its past replayed at once)."""
+        self, kind: Any, arg: Any, out: Outbox, mine: dict[int, _Watcher]
+    ) -> list[tuple[Any, int]]:
+        """The responses to one item of a watch stream's queue, each with the bytes it holds
+        of the stream's account: a watcher's events of one revision, a cancel, or a create
+        (its past replayed at once)."""
         header = self.s.header()
         if isinstance(kind, int):
+            events, size = arg
             if kind not in mine:
+                out.sent(size)
                 return []
-            return [rpc_pb2.WatchResponse(header=header, watch_id=kind, events=arg)]
+            return [(rpc_pb2.WatchResponse(header=header, watch_id=kind, events=events), size)]
         if kind == "cancel":
             gone = mine.pop(arg, None)
             if gone is not None:
                 self.s.remove_watchers([gone])
-            return [rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True)]
-        create = arg
+            return [(rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True), 0)]
+        return self._create(arg, header, out, mine)
+
+    def _create(
+        self, create: Any, header: Any, out: Outbox, mine: dict[int, _Watcher]
+    ) -> list[tuple[Any, int]]:
         w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
-        refused = functools.partial(
-            rpc_pb2.WatchResponse, header=header, watch_id=w.watch_id, created=True, canceled=True
-        )
-        if len(mine) >= _WATCHERS_PER_STREAM:
-            return [refused(cancel_reason=f"at most {_WATCHERS_PER_STREAM} watches on one stream")]
+
+        def refused(**why: Any) -> list[tuple[Any, int]]:
+            reply = rpc_pb2.WatchResponse(
+                header=header, watch_id=w.watch_id, created=True, canceled=True, **why
+            )
+            return [(reply, 0)]
+
+        if len(mine) >= bounds.WATCHERS_PER_STREAM:
+            return refused(
+                cancel_reason=f"at most {bounds.WATCHERS_PER_STREAM} watches on one stream"
+            )
         start = create.start_revision
         if start and start <= self.s.compacted:
             # The events from `start` on are gone: the client must read again.
-            return [refused(compact_revision=self.s.compacted + 1)]
+            return refused(compact_revision=self.s.compacted + 1)
         past = self.s.since(start, w) if start else []
+        size = sum(_size(ev) for _, ev in past)
+        if size > bounds.STREAM_BYTES:
+            return refused(
+                cancel_reason=f"the events since revision {start} are {size} bytes, more than "
+                f"a watch stream may hold ({bounds.STREAM_BYTES}): read the keys, then watch "
+                "from the revision the read gave"
+            )
+        if not out.charge(size):
+            return []  # the stream is cut off: the service's watches hold all they may
         self.s.add_watcher(w)  # what comes after `past` arrives through `out`
         mine[w.watch_id] = w
-        responses = [rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True)]
+        responses = [(rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True), 0)]
         for _, group in itertools.groupby(past, key=lambda p: p[0]):
             events = [ev for _, ev in group]
-            responses.append(
-                rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, events=events)
-            )
+            reply = rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, events=events)
+            responses.append((reply, sum(_size(ev) for ev in events)))
         return responses
 
     @_answering
@@ -678,7 +688,7 @@ class EmbeddedServer:
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", _MAX_REQUEST),
+                ("grpc.max_receive_message_length", bounds.MAX_REQUEST),
             ]
         )
         rpc_pb2_grpc.add_KVServicer_to_server(self._service, server)
@@ -765,7 +775,7 @@ def _server_credentials(ca: str | None, cert: str | None, key: str | None) -> An
     )
 
 
-async def _read_watch_requests(requests: AsyncIterator[Any], out: _Outbox) -> None:
+async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> None:
     """A watch stream's requests into its queue; however the reading ends, the stream ends."""
     try:
         async for request in requests:

@@ -1,0 +1,176 @@
+"""The embedded service is bounded in every dimension: the three attacks a client without a
+token can make on loopback (watch streams that never read, leases without end, concurrent reads
+of the whole store) leave the service holding at most what it stores plus a stated bound.
+
+Each runs against a service alone in its own process (benchmarks/hostile_load.py's), whose
+peak RSS is read from /proc; "held" is that peak less its RSS once the attack's data was
+stored (what the data takes the caps on keys, bytes and history bound): what the attack
+itself makes the service hold."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+import hostile_load
+from elastic_launch.rendezvous import embedded_bounds as bounds
+
+#: What an attack may make the service hold beyond what it stores: the history (16 MiB), the
+#: watches' bytes or the reads' (16 MiB), gRPC's copy of what it is writing, with room.
+BOUND_MB = 64
+MB = 1 << 20
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def service():
+    proc, port = hostile_load.start("embedded")
+    clients: list[Any] = []
+
+    def client() -> Any:
+        import grpc
+        from elastic_launch.rendezvous.etcdpb import rpc_pb2_grpc
+
+        options = [
+            ("grpc.max_receive_message_length", 128 * MB),
+            ("grpc.use_local_subchannel_pool", 1),  # a connection of its own
+        ]
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        clients.append(channel)
+        return (
+            rpc_pb2_grpc.KVStub(channel),
+            rpc_pb2_grpc.LeaseStub(channel),
+            rpc_pb2_grpc.WatchStub(channel),
+        )
+
+    try:
+        yield proc, client
+    finally:
+        for c in clients:
+            c.close()
+        proc.kill()
+        proc.wait(30)
+
+
+def rss_mb(proc: Any) -> float:
+    return hostile_load.memory(proc.pid)["rss_mb"]
+
+
+def held_mb(proc: Any, before: float) -> float:
+    return hostile_load.memory(proc.pid)["peak_mb"] - before
+
+
+def test_watch_streams_that_never_read_are_cut_off_and_hold_a_bounded_amount(service):
+    import threading
+
+    import grpc
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    proc, client = service
+    kv, _, watch = client()
+    value = os.urandom(3 * MB)
+    for i in range(18):  # 54 MiB written: past the history's cap, and churned as below
+        kv.Put(rpc_pb2.PutRequest(key=b"/k%d" % (i % 6), value=value), timeout=30)
+    before = rss_mb(proc)
+    done = threading.Event()
+
+    def creates(start: int) -> Any:
+        create = rpc_pb2.WatchCreateRequest(key=b"/", range_end=b"\0", start_revision=start)
+        for _ in range(100):
+            yield rpc_pb2.WatchRequest(create_request=create)
+        done.wait(120)  # the stream stays open, and is never read
+
+    # 8 streams of 100 watches each, half from the present, half from the past (6 MiB to
+    # replay each), then 18 MiB of events while none reads
+    calls = [watch.Watch(creates(18 if i % 2 else 0), timeout=120) for i in range(8)]
+    for i in range(6):
+        kv.Put(rpc_pb2.PutRequest(key=b"/k%d" % i, value=value), timeout=30)
+    refused = rpc_pb2.WatchRequest(
+        create_request=rpc_pb2.WatchCreateRequest(key=b"/", range_end=b"\0", start_revision=21)
+    )
+    whole = next(watch.Watch(iter([refused]), timeout=60))  # its past could never fit
+    assert whole.canceled and "more than a watch stream may hold" in whole.cancel_reason
+    assert held_mb(proc, before) < BOUND_MB, hostile_load.memory(proc.pid)
+    done.set()
+    ended = []
+    for call in calls:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as e:
+            ended.append(e.details())
+    # Those from the present fell 18 MiB behind; those from the past were cut off at their
+    # second watch, unless the new events had already compacted their start (then refused).
+    assert len([e for e in ended if "was cut off" in e]) >= 4, ended
+
+
+def test_leases_are_capped_per_connection_and_in_all(service):
+    import grpc
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    proc, client = service
+    before = rss_mb(proc)
+    grant = rpc_pb2.LeaseGrantRequest(TTL=9_000_000)
+    _, lease, _ = client()
+    granted, refused = 0, ""
+    for _ in range(bounds.LEASES_PER_CLIENT + 10):
+        try:
+            lease.LeaseGrant(grant, timeout=30)
+            granted += 1
+        except grpc.RpcError as e:
+            refused = e.details()
+    assert granted == bounds.LEASES_PER_CLIENT
+    assert f"this connection holds {bounds.LEASES_PER_CLIENT} leases already" in refused
+    total, refused = granted, ""
+    while not refused and total < bounds.MAX_LEASES + 1000:
+        _, other, _ = client()
+        futures = [other.LeaseGrant.future(grant, timeout=30) for _ in range(200)]
+        for f in futures:
+            try:
+                f.result()
+                total += 1
+            except grpc.RpcError as e:
+                refused = refused or e.details()
+    assert total == bounds.MAX_LEASES, total
+    assert f"it holds {bounds.MAX_LEASES} leases already" in refused
+    assert held_mb(proc, before) < BOUND_MB, hostile_load.memory(proc.pid)
+
+
+def test_concurrent_reads_of_the_whole_store_hold_a_bounded_amount(service):
+    import grpc
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    proc, client = service
+    kv, _, _ = client()
+    value = os.urandom(3 * MB)
+    stored = 0
+    while stored + len(value) < bounds.MAX_DATA_BYTES - MB:
+        kv.Put(rpc_pb2.PutRequest(key=b"/r%03d" % (stored // len(value)), value=value))
+        stored += len(value)
+    before = rss_mb(proc)
+    everything = rpc_pb2.RangeRequest(key=b"\0", range_end=b"\0")
+    some = rpc_pb2.RangeRequest(key=b"\0", range_end=b"\0", limit=4)  # 12 MiB
+    outcomes: list[str] = []
+    readers = [client()[0] for _ in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+
+        def read(stub: Any, request: Any) -> str:
+            try:
+                return f"{len(stub.Range(request, timeout=60).kvs)} keys"
+            except grpc.RpcError as e:
+                return e.details()
+
+        jobs = [pool.submit(read, r, q) for r in readers for q in (everything, some)]
+        outcomes = [j.result() for j in jobs]
+    assert held_mb(proc, before) < BOUND_MB, hostile_load.memory(proc.pid)
+    whole = [o for o in outcomes if "more than the" in o]
+    assert len(whole) == 12 and "read fewer keys at a time" in whole[0], outcomes
+    assert any(o == "4 keys" for o in outcomes), "a read that fits is answered"
