@@ -35,3 +35,36 @@ def test_torch_error_files_read_too(tmp_path):
     assert parsed is not None and parsed.message == "plain" and parsed.timestamp == 12
     path.write_text("not json")
     assert read_error_file(str(path)) is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[1, 2]",
+        '"a string"',
+        '{"message": [1]}',
+        '{"message": {"message": "m", "extraInfo": [1]}}',
+        '{"message": {"extraInfo": {"monotonic_ns": "1e400"}}}',
+        '{"message": {"extraInfo": {"monotonic_ns": "nan"}}}',
+        "[" * 100_000 + "]" * 100_000,
+    ],
+    ids=["list", "string", "list-message", "list-extra", "huge-number", "nan", "deep"],
+)
+def test_an_error_file_of_any_shape_is_read_without_an_exception(tmp_path, content):
+    """The worker writes its error file: the launcher reads whatever is there as data, and
+    what is not of torch's shape is no error file at all (never an exception)."""
+    path = tmp_path / "e.json"
+    path.write_text(content)
+    parsed = read_error_file(str(path))
+    assert parsed is None or (parsed.monotonic_ns is None and isinstance(parsed.message, str))
+
+
+def test_an_error_file_longer_than_the_limit_is_not_read(tmp_path, monkeypatch):
+    from elastic_launch import errors
+
+    monkeypatch.setattr(errors, "ERROR_FILE_LIMIT", 1000)
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"message": "x" * 2000}))
+    assert read_error_file(str(path)) is None, "not read past the limit"
+    path.write_text(json.dumps({"message": "x" * 500}))
+    assert read_error_file(str(path)) is not None

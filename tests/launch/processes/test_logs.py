@@ -84,3 +84,23 @@ def test_a_broken_console_does_not_stop_the_log():
     os.close(w)
     assert pump.wait_drained(5.0)
     assert log.getvalue() == b"a\nb\n"
+
+
+def test_a_line_without_end_is_cut_not_held_whole(monkeypatch):
+    """A worker that writes megabytes without a newline: the pump holds at most one line's
+    limit of it, and copies it all, in lines of the limit."""
+    from elastic_launch.processes import logs
+
+    monkeypatch.setattr(logs, "LINE_LIMIT", 1000)
+    pump = OutputPump()
+    log, console = Sink(), Sink()
+    r, w = os.pipe()
+    pump.add(r, log, console, "[w0]:")
+    for _ in range(50):
+        os.write(w, b"x" * 999)
+    os.write(w, b"end\n")
+    os.close(w)
+    assert pump.wait_drained(5.0)
+    lines = console.getvalue().splitlines()
+    assert all(len(line) <= len(b"[w0]:") + 1000 for line in lines), [len(x) for x in lines][:5]
+    assert b"".join(line.removeprefix(b"[w0]:") for line in lines) == b"x" * 49950 + b"end"

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture
 def service():
     proc, port = hostile_load.start("embedded")
+    proc.port = port  # type: ignore[attr-defined]
     clients: list[Any] = []
 
     def client() -> Any:
@@ -174,3 +175,35 @@ def test_concurrent_reads_of_the_whole_store_hold_a_bounded_amount(service):
     whole = [o for o in outcomes if "more than the" in o]
     assert len(whole) == 12 and "read fewer keys at a time" in whole[0], outcomes
     assert any(o == "4 keys" for o in outcomes), "a read that fits is answered"
+
+
+def test_silent_connections_keep_no_client_out_and_are_closed(service):
+    """200 connections that never say a word: a client still writes and reads at once, and
+    the service closes each once its handshake deadline (5 s) passes; gRPC's default is 120 s."""
+    import select
+    import socket
+    import time
+
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    proc, client = service
+    silent = [socket.create_connection(("127.0.0.1", proc.port), timeout=10) for _ in range(200)]
+    try:
+        kv, _, _ = client()
+        kv.Put(rpc_pb2.PutRequest(key=b"/a", value=b"1"), timeout=10)
+        assert kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=10).kvs[0].value == b"1"
+        # Each is closed by the service: its end of file arrives (bounded wait for the event).
+        open_ = set(silent)
+        deadline = time.monotonic() + bounds.HANDSHAKE_MS / 1000 + 60
+        while open_ and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(open_), [], [], 1.0)
+            for s in ready:
+                try:
+                    if s.recv(4096) == b"":
+                        open_.discard(s)
+                except OSError:
+                    open_.discard(s)
+        assert not open_, f"{len(open_)} silent connections are still open"
+    finally:
+        for s in silent:
+            s.close()

@@ -135,23 +135,35 @@ class ErrorFileData:
     monotonic_ns: int | None
 
 
+#: The most of a worker's error file the launcher reads: the worker writes it, so its size and
+#: shape are the worker's to choose; a longer one is not read at all.
+ERROR_FILE_LIMIT = 4 << 20
+
+
 def read_error_file(path: str) -> ErrorFileData | None:
-    """Read an error file written by us or by torch; None if absent or unreadable."""
+    """Read an error file written by us or by torch; None if absent, unreadable, longer than
+    :data:`ERROR_FILE_LIMIT` or not of the expected shape."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            raw = f.read(ERROR_FILE_LIMIT + 1)
+        data = json.loads(raw) if len(raw) <= ERROR_FILE_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
         return None
     message = data.get("message", "")
     if isinstance(message, str):
         return ErrorFileData(message, "", _number(data.get("timestamp")), None)
-    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    if not isinstance(message, dict):
+        return None
+    extra = message.get("extraInfo", {})
+    extra = extra if isinstance(extra, dict) else {}
     monotonic = _number(extra.get("monotonic_ns"))
     return ErrorFileData(
         message=str(message.get("message", "")),
         traceback=str(extra.get("py_callstack", "")),
         timestamp=_number(extra.get("timestamp")),
-        monotonic_ns=int(monotonic) if monotonic is not None else None,
+        monotonic_ns=int(monotonic) if monotonic is not None and abs(monotonic) < 2**63 else None,
     )
 
 

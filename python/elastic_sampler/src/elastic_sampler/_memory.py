@@ -215,9 +215,7 @@ class MemorySlot:
 
     def _intact(self, c: _Copy) -> bool:
         with self.view(c) as view:
-            return (
-                c.run == self.run and _payload.checksum(view) == c.crc and self._named(c, view)
-            )
+            return c.run == self.run and _payload.checksum(view) == c.crc and self._named(c, view)
 
     def _named(self, c: _Copy, data: Any) -> bool:
         """Whether the bytes of `c` name what its descriptor says (a warning, once, if not)."""

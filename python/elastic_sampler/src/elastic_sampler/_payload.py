@@ -44,6 +44,7 @@ from elastic_sampler.api import CheckpointError, UnsafeCheckpointError
 class ForeignCopyError(CheckpointError):
     """A memory copy whose bytes name another owner, step or job than its slot says."""
 
+
 MAGIC = b"ERPAYLD3"
 WHOLE = b"ERWHOLE3"  # the head, then a torch.save file's bytes
 _HEAD = struct.Struct("<8sQiiq32s")  # magic, body size, owner, world, step, run digest

@@ -454,11 +454,15 @@ def _size(path: str) -> int:
         return 0
 
 
+#: The most of a stack dump read: the worker writes the file, so its size is the worker's.
+STACK_LIMIT = 1 << 20
+
+
 def _read_from(path: str, offset: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            return f.read().decode(errors="replace")
+            return f.read(STACK_LIMIT).decode(errors="replace")
     except OSError:
         return ""
 

@@ -102,6 +102,11 @@ def _unusable(path: str, error: OSError) -> Exception:
     )
 
 
+#: A line a worker writes without ending it is cut into lines of this many bytes: its output
+#: is the worker's to choose, the launcher's memory is not.
+LINE_LIMIT = 64 << 10
+
+
 @dataclass
 class _Stream:
     log: IO[bytes] | None  # the rank's log file (tee)
@@ -210,8 +215,11 @@ class OutputPump:
         if chunk:
             data = s.partial + chunk
             *lines, s.partial = data.split(b"\n")
-            for line in lines:
-                self._emit(s, line + b"\n")
+            cut = len(s.partial) // LINE_LIMIT * LINE_LIMIT
+            ends, s.partial = s.partial[:cut], s.partial[cut:]
+            for line in lines + ([ends] if ends else []):
+                for at in range(0, max(len(line), 1), LINE_LIMIT):
+                    self._emit(s, line[at : at + LINE_LIMIT] + b"\n")
             self._flush(s)
             return
         if s.partial:

@@ -32,6 +32,7 @@ MAX_KEYS = 100_000
 MAX_DATA_BYTES = 64 << 20  # keys and values held
 MAX_REQUEST = 4 << 20  # one request (gRPC's default, said explicitly)
 EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
+HANDSHAKE_MS = 5000  # a connection that has not said it speaks HTTP/2 (or TLS) by then is closed
 MAX_TTL = 9_000_000_000  # etcd's longest lease, in seconds
 MAX_LEASES = 10_000
 LEASES_PER_CLIENT = 256  # a client: one connection (an agent holds one or two)

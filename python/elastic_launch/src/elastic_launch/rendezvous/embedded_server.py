@@ -689,6 +689,7 @@ class EmbeddedServer:
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", bounds.MAX_REQUEST),
+                ("grpc.server_handshake_timeout_ms", bounds.HANDSHAKE_MS),
             ]
         )
         rpc_pb2_grpc.add_KVServicer_to_server(self._service, server)
