@@ -117,7 +117,7 @@ LocalBarrier LocalBarrier::create(const std::string& path, uint32_t parties) {
                 "a barrier needs between 1 and " + std::to_string(detail::kMaxParties) +
                     " parties, got " + std::to_string(parties));
   }
-  auto mapping = detail::SharedMapping::create(path, detail::barrier_size(parties), kWhat);
+  auto mapping = detail::SharedMapping::create_sealed(path, detail::barrier_size(parties), kWhat);
   auto* h = static_cast<BarrierHeader*>(mapping->data());
   h->version = detail::kBarrierVersion;
   h->parties = parties;
@@ -129,7 +129,7 @@ LocalBarrier LocalBarrier::create(const std::string& path, uint32_t parties) {
 }
 
 LocalBarrier LocalBarrier::open(const std::string& path, uint32_t index) {
-  auto mapping = detail::SharedMapping::open(path, sizeof(BarrierHeader), kWhat);
+  auto mapping = detail::SharedMapping::open_sealed(path, sizeof(BarrierHeader), kWhat);
   const uint32_t parties = validate(*mapping);
   auto* h = static_cast<BarrierHeader*>(mapping->data());
   if (index >= parties) {

@@ -16,6 +16,16 @@ class SharedMapping {
   /// Map an existing file whole; `min_size` is the least a valid file can have.
   static std::unique_ptr<SharedMapping> open(const std::string& path, size_t min_size,
                                              const char* what);
+  /// `size` zeroed bytes in a memfd sealed against shrinking and growing (no process can cut
+  /// the pages under another's mapping: a SIGBUS there would kill it), found through a small
+  /// locator file created exclusively at `path` ("elasticrun-sealed PID FD"), which this
+  /// mapping removes when destroyed. The memfd stays open here: others reach it through
+  /// /proc/PID/fd/FD while its creator lives.
+  static std::unique_ptr<SharedMapping> create_sealed(const std::string& path, size_t size,
+                                                      const char* what);
+  /// Map the sealed memfd that the locator at `path` names; refuses one that is not sealed.
+  static std::unique_ptr<SharedMapping> open_sealed(const std::string& path, size_t min_size,
+                                                    const char* what);
 
   ~SharedMapping();
   SharedMapping(const SharedMapping&) = delete;
@@ -28,12 +38,13 @@ class SharedMapping {
   void unlink_on_close() noexcept { unlink_ = true; }
 
  private:
-  SharedMapping(std::string path, void* data, size_t size)
-      : path_(std::move(path)), data_(data), size_(size) {}
+  SharedMapping(std::string path, void* data, size_t size, int fd = -1)
+      : path_(std::move(path)), data_(data), size_(size), fd_(fd) {}
 
   std::string path_;
   void* data_;
   size_t size_;
+  int fd_;  // the sealed memfd its creator keeps open, else -1
   bool unlink_ = false;
 };
 

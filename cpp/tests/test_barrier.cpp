@@ -514,7 +514,7 @@ TEST(LocalBarrier, AParticipantOverwritingTheSegmentNeverCrashesTheCreator) {
     LocalBarrier owner = LocalBarrier::create(path, 2);
     Child scribbler([&] {
       LocalBarrier b = LocalBarrier::open(path, 1);
-      int fd = ::open(path.c_str(), O_RDWR);
+      int fd = ::open(elastic_test::segment_of(path).c_str(), O_RDWR);
       struct stat st {};
       ::fstat(fd, &st);
       std::vector<unsigned char> junk(static_cast<size_t>(st.st_size),
@@ -534,11 +534,41 @@ TEST(LocalBarrier, AParticipantOverwritingTheSegmentNeverCrashesTheCreator) {
   }
 }
 
+TEST(LocalBarrier, NoParticipantCanCutTheMemoryUnderTheOthers) {
+  // The segment is a memfd sealed against shrinking and growing: a participant that tries is
+  // refused by the kernel, so no mapping of it can fault (a cut tmpfs file gave the waiter a
+  // SIGBUS). What a participant can do to the locator file reaches newcomers only.
+  std::string path = shm_path("bar-cut");
+  LocalBarrier owner = LocalBarrier::create(path, 2);
+  LocalBarrier a = LocalBarrier::open(path, 0);
+  Child cutter([&] {
+    LocalBarrier b = LocalBarrier::open(path, 1);
+    const std::string segment = elastic_test::segment_of(path);
+    bool refused = ::truncate(segment.c_str(), 0) != 0 && errno == EPERM &&
+                   ::truncate(segment.c_str(), 1 << 20) != 0 && errno == EPERM;
+    ::unlink(path.c_str());  // and the locator: replaced by junk
+    elastic_test::write_file(path, "junk\n");
+    b.wait(30000);
+    ::_exit(refused ? kOk : kFailed);
+  });
+  a.wait(30000);  // the round completes with both: neither faulted
+  ASSERT_EQ(code_of(cutter), kOk);
+  EXPECT_EQ(owner.rounds(), 1u);
+  std::string msg;
+  try {
+    LocalBarrier::open(path, 1);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("is not an elasticrun barrier"), std::string::npos)
+      << msg << " locator: " << elastic_test::segment_of(path);
+}
+
 TEST(LocalBarrier, AnUnterminatedAbortReasonIsReadWithinItsBuffer) {
   std::string path = shm_path("bar-reason");
   LocalBarrier owner = LocalBarrier::create(path, 2);
   LocalBarrier me = LocalBarrier::open(path, 0);
-  int fd = ::open(path.c_str(), O_RDWR);
+  int fd = ::open(elastic_test::segment_of(path).c_str(), O_RDWR);
   struct stat st {};
   ::fstat(fd, &st);
   std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -27,6 +28,17 @@ inline std::string error_of(const std::function<void()>& fn, elastic_status* sta
     return e.what();
   }
   return "";
+}
+
+/// The sealed memory a barrier's locator file at `path` names ("/proc/PID/fd/FD").
+inline std::string segment_of(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  long pid = 0, fd = -1;
+  if (f != nullptr) {
+    if (std::fscanf(f, "elasticrun-sealed %ld %ld", &pid, &fd) != 2) pid = 0;
+    std::fclose(f);
+  }
+  return "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
 }
 
 inline std::string shm_path(const std::string& name) {
