@@ -274,3 +274,121 @@ def test_a_final_round_without_its_membership_ends_in_a_clear_error_not_a_hot_lo
     assert "give the job a new --rdzv-id" in str(e.value)
     # Two reads (the state, the shard) per look; a hot loop made thousands in the 2 s.
     assert requests is not None and requests <= 2 * (2.0 * STALL_RATE + 10), requests
+
+
+def _handler(embedded, nodes: tuple[int, int] = (1, 1), join_timeout: float = 10.0):
+    import dataclasses
+
+    address, token = embedded
+    run_id = f"impossible-{time.monotonic_ns()}"
+    params = RendezvousParameters("etcd", address, run_id, *nodes, 1, local_addr="127.0.0.1")
+    store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
+    conf = dataclasses.replace(CONF, join_timeout=join_timeout)
+    return ElasticRendezvous(params, store, conf, "127.0.0.1"), store, run_id
+
+
+def test_a_final_round_with_more_members_than_the_maximum_ends_in_a_clear_error(embedded):
+    """Five members in a final round of a job of at most one node: a state no node can go on
+    from. The agent looks at most STALL_RATE times a second and stops at its join timeout
+    with a line that says so."""
+    import dataclasses
+
+    from elastic_launch.rendezvous import round as rnd
+    from elastic_launch.rendezvous.api import RendezvousTimeoutError
+    from elastic_launch.rendezvous.elastic import STALL_RATE
+
+    handler, store, run_id = _handler(embedded, join_timeout=2.0)
+    ghosts = {f"ghost{i}": Member("127.0.0.1", 1, 1, presence=1) for i in range(5)}
+    final = dataclasses.replace(
+        rnd.initial(handler.release),
+        version=3,
+        status=Status.FINAL,
+        size=5,
+        world=5,
+        shards=1,
+        nodes=ghosts,
+        ranks={n: i for i, n in enumerate(ghosts)},
+        offsets={n: i for i, n in enumerate(ghosts)},
+    )
+    store.put(f"/elasticrun/{run_id}/state", final.to_json())
+    store.put(f"/elasticrun/{run_id}/m/3/0", final.shard_values()[0])
+    try:
+        with pytest.raises(RendezvousTimeoutError) as e:
+            handler.next_rendezvous()
+        requests = handler.counters().store_requests
+    finally:
+        handler.shutdown()
+    assert "round 3 is final but cannot be joined or entered" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert requests is not None and requests <= 4 * (2.0 * STALL_RATE + 10), requests
+
+
+def test_a_round_going_backwards_under_a_waiting_node_is_joined_not_looped_on(embedded):
+    """The state rewritten to an older round while a node waits for its peers: the node joins
+    what the store says now, and ends at its join timeout with a clear error (no peer came),
+    looking at most STALL_RATE times a second."""
+    import threading
+
+    from elastic_launch.rendezvous.api import RendezvousTimeoutError
+
+    handler, store, run_id = _handler(embedded, (2, 2), join_timeout=3.0)  # a peer never comes
+    key = f"/elasticrun/{run_id}/state"
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while store.get(key) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        older = RoundState(version=1, status=Status.JOINABLE, release=handler.release)
+        for v in (7, 2):  # forwards, then backwards
+            state = RoundState(version=v, status=Status.JOINABLE, release=handler.release)
+            store.put(key, state.to_json())
+        store.put(key, older.to_json())
+        t.join(30)
+        requests = handler.counters().store_requests
+    finally:
+        handler.shutdown()
+    assert not t.is_alive(), "the node ended"
+    assert len(errors) == 1 and isinstance(errors[0], RendezvousTimeoutError), errors
+    assert requests is not None and requests < 300, "no hot loop: " + str(requests)
+
+
+def test_the_release_changing_under_a_round_is_a_one_line_error(embedded):
+    """Another elasticrun version rewrites the job's state while this node waits: the node
+    stops with one line that names both versions."""
+    import threading
+
+    from elastic_launch.rendezvous.api import RendezvousVersionError
+
+    handler, store, run_id = _handler(embedded, (2, 2), join_timeout=20.0)
+    key = f"/elasticrun/{run_id}/state"
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while store.get(key) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store.put(key, RoundState(version=2, status=Status.JOINABLE, release="9.9.9").to_json())
+        t.join(30)
+    finally:
+        handler.shutdown()
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RendezvousVersionError), errors
+    message = str(errors[0])
+    assert "\n" not in message and "elasticrun 9.9.9" in message and handler.release in message
