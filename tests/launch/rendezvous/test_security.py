@@ -457,3 +457,29 @@ def test_an_agent_that_cannot_host_says_so_at_once_naming_the_port():
     message = str(e.value)
     assert f"cannot host the rendezvous service on 127.0.0.1:{port}" in message
     assert "held by a program that is not a rendezvous service" in message
+
+
+def test_a_service_of_another_job_on_this_agents_port_is_named_as_such():
+    """With a token, the port this agent would host on is served by another process (another
+    job's service, with its own token): the agent says another process serves the port, not
+    only that a proof failed."""
+    port = free_port()
+    server = EmbeddedServer("127.0.0.1", port, token="another-jobs-token")
+    p = RendezvousParameters(
+        "c10d",
+        f"127.0.0.1:{port}",
+        "job",
+        2,
+        2,
+        1,
+        local_addr="127.0.0.1",
+        config={"join_timeout": "5", "token": "this-jobs-token"},
+    )
+    try:
+        with pytest.raises(StoreError) as e:
+            EmbeddedRendezvous(p)  # its first request is the proof
+    finally:
+        server.close()
+    message = str(e.value)
+    assert f"another process that serves 127.0.0.1:{port}" in message, message
+    assert "did not prove that it holds this node's token" in message, message

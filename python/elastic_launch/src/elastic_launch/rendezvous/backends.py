@@ -66,11 +66,15 @@ class EmbeddedRendezvous(ElasticRendezvous):
         conf = parse_conf(params.backend, params.config)
         host, port = _embedded_endpoint(params, conf)
         self.server: EmbeddedServer | None = None
+        self._another_serves = False  # the port of this host was served by another process
         self._serve_if_host(host, port, conf)
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
+        where = host_port(host, port)
         access = StoreAccess(
-            f"the rendezvous service at {host_port(host, port)}",
+            f"another process that serves {where} (this agent would have hosted it)"
+            if self._another_serves
+            else f"the rendezvous service at {where}",
             token=conf.token,
             tls=_tls(conf),
             retry_for=conf.join_timeout,
@@ -131,6 +135,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             holder = who_serves(host, port, _tls(conf))
             if holder == SERVICE:
                 logger.info("another agent of this host serves the rendezvous: %s", error)
+                self._another_serves = True
                 return
             if holder == OTHER or time.monotonic() > give_up:
                 raise RendezvousConnectionError(
