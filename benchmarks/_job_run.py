@@ -81,6 +81,7 @@ class Outcome:
     completed_at_kill: int | None  # the newest step every rank had recorded
     resumed: int | None  # the step the job went on from
     recovery_s: float | None  # the kill to the first step trained after it
+    gone_s: float | None  # the kill to the last worker of its time gone (the loss seen)
     weights: Path
     log: str
 
@@ -119,6 +120,29 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+#: torchrun's spare: steps the job trains after its agent connected, before the fault (its
+#: rendezvous syncs once a second; at 20 steps a second this is about two syncs).
+SPARE_SETTLE_STEPS = 40
+
+
+def _connected_to(pid: int, port: int) -> bool:
+    """Whether `pid` holds an established TCP connection to `port` (on any address)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[2].rsplit(":", 1)[1], 16) == port and f[3] == "01" and f[9] in inodes:
+                    return True
+    return False
 
 
 def _descendants(pid: int) -> list[int]:
@@ -276,7 +300,9 @@ class JobRun:
         """The job, with `fault` at step `kill_at`: "worker" (rank `victim`, the last unless
         given, SIGKILLed once every rank has recorded the step), "hang" (the last rank stops
         making progress after training the step: the example's --hang-at-step), "node" (the
-        last node's launcher and workers SIGKILLed, a new node started), or None."""
+        last node's launcher and workers SIGKILLed, a new node started), "spare" (the same,
+        with a node started before the fault that waits as a spare, and none after), or
+        None."""
         self._deadline = time.monotonic() + timeout
         if fault == "hang":
             self.job = (*self.job, "--hang-at-step", str(kill_at))
@@ -286,13 +312,21 @@ class JobRun:
                 self._until(lambda: _listening(self.port), "the first node hosting", host)
             for _ in range(self.shape.nnodes - 1):
                 self.start_node()
-            last = self.nodes[-1]
-            completed = recovery = resumed = None
+            if fault == "spare":  # once the round runs: a node that joins it is no spare
+                self._until(lambda: (self.completed() or 0) >= 1, "step 1", *self.nodes)
+                spare = self.start_node()
+                self._until(lambda: self._spare_ready(spare), "the spare node waiting", spare)
+                if self.launcher == "torchrun":  # its agent syncs its rendezvous once a second
+                    at = (self.completed() or 0) + SPARE_SETTLE_STEPS
+                    self._until(lambda: (self.completed() or 0) >= at, f"step {at}", spare)
+            last = self.nodes[-2] if fault == "spare" else self.nodes[-1]
+            completed = recovery = resumed = gone = None
             if fault is not None:
                 faulted_at, workers = self._fault(fault, kill_at, victim)
                 completed = self.completed()
                 # The survivors fail on their dead peers; every line after is a new worker's.
                 self._until(lambda: not any(_alive(p) for p in workers), "the old workers gone")
+                gone = time.monotonic() - faulted_at
                 before = self.line_counts()
                 self._until(lambda: self.first_step_after(before) is not None, "a step after")
                 recovery = time.monotonic() - faulted_at
@@ -300,9 +334,9 @@ class JobRun:
             codes = [
                 node.wait(timeout=max(1.0, self._deadline - time.monotonic()))
                 for node in self.nodes
-                if not (node is last and fault == "node")
+                if not (node is last and fault in ("node", "spare"))
             ]
-            return Outcome(codes, completed, resumed, recovery, self.weights, self._log())
+            return Outcome(codes, completed, resumed, recovery, gone, self.weights, self._log())
         finally:
             self.stop()
 
@@ -321,16 +355,30 @@ class JobRun:
             if rank not in workers:
                 raise RuntimeError(f"no worker of rank {rank} to kill: {workers}")
             os.kill(workers[rank], signal.SIGKILL)
-        elif fault == "node":
-            last = self.nodes[-1]
+        elif fault in ("node", "spare"):
+            last = self.nodes[-1 if fault == "node" else -2]  # never the host, nor the spare
             for pid in _descendants(last.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             last.wait(timeout=30)
-            self.start_node()  # the replacement
+            if fault == "node":
+                self.start_node()  # the replacement
         else:
-            raise ValueError(f"fault={fault!r}: give 'worker', 'hang' or 'node'")
+            raise ValueError(f"fault={fault!r}: give 'worker', 'hang', 'node' or 'spare'")
         return killed_at, list(workers.values())
+
+    def _spare_ready(self, node: subprocess.Popen[bytes]) -> bool:
+        """elasticrun: `node` says it waits as a spare, and its zygote is warm (it has forked
+        a warm spare). torchrun: its agent is connected to the rendezvous's store."""
+        if self.launcher == "torchrun":
+            return _connected_to(node.pid, self.port)
+        if "waits as a spare" not in self.logs[self.nodes.index(node)].read_text(errors="replace"):
+            return False
+        for pid in _descendants(node.pid):
+            with contextlib.suppress(OSError):
+                if b"(warm spare)" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+        return False
 
     def _until(self, done: Callable[[], bool], what: str, *alive: subprocess.Popen[bytes]) -> None:
         while not done():

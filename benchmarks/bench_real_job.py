@@ -13,7 +13,9 @@ run with default flags besides the job's shape and --max-restarts 3:
   loop; its figure beside it is its group restart of the same job);
 - a node SIGKILLed (its launcher and workers), two launchers of 1 worker each on the embedded
   c10d rendezvous, a replacement node started at once; with and without
-  CheckpointManager(replicas=1);
+  CheckpointManager(replicas=1); and, instead of a replacement, a third launcher started
+  before the fault that waits as a spare (elasticrun: once it says so and its zygote is warm;
+  torchrun: once its agent is connected to the store and 40 more steps were trained);
 - a worker hung (it stops making progress): elasticrun with --hang-timeout 5; torchrun has
   no hang detection (one run, ended after HANG_WAIT s).
 
@@ -36,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from _job_run import JobRun, Outcome, Shape
@@ -49,7 +51,9 @@ ONE_NODE = Shape(1, 2, ("--max-restarts", "3"), ())
 TWO_NODES = Shape(2, 1, ("--max-restarts", "3"), ())
 HANG = Shape(1, 2, ("--max-restarts", "3"), ("--hang-timeout", "5"))
 EPOCH = ("--epochs", "1")  # 100 steps on 1 x 2 (3200 samples, 16 a batch), 2 x 1 alike
-SCENARIOS = ("worker", "saver", "loop", "node", "node-replicas", "hang")
+SCENARIOS = ("worker", "saver", "loop", "node", "node-replicas", "node-spare", "hang")
+#: A spare node is started once the job trains and must be warm before the fault: a longer job.
+LONG = ("--epochs", "3")
 HANG_WAIT = 60.0  # torchrun's hang: how long a run is watched before it is called lost
 
 
@@ -60,6 +64,7 @@ class Runs:
     recovery_s: list[float]
     lost: list[int]
     failed: int
+    gone_s: list[float] = field(default_factory=list)  # the fault to the old workers gone
 
     @property
     def median_s(self) -> float:
@@ -68,7 +73,8 @@ class Runs:
     def note(self) -> str:
         lost = "no step lost" if not any(self.lost) else f"steps lost per run {self.lost}"
         total = len(self.lost) + self.failed
-        return f"{len(self.recovery_s)}/{total} recovered, {lost}"
+        seen = f", loss seen (old workers gone) at {statistics.median(self.gone_s):.2f} s"
+        return f"{len(self.recovery_s)}/{total} recovered, {lost}" + (seen if self.gone_s else "")
 
 
 def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **how: object) -> Runs:
@@ -90,11 +96,13 @@ def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **h
                 how.get("victim"),  # type: ignore[arg-type]
             )
         except RuntimeError as e:  # reported, not raised: the other runs stand
-            print(f"{launcher}, {fault} at step {kill_at}: no recovery: {str(e)[:300]}")
+            print(f"{launcher}, {fault} at step {kill_at}: no recovery: {str(e)[:3000]}")
             got.failed += 1
             continue
         if outcome.recovery_s is not None:
             got.recovery_s.append(outcome.recovery_s)
+        if outcome.gone_s is not None:
+            got.gone_s.append(outcome.gone_s)
         got.lost.append(outcome.lost if outcome.lost is not None else -1)
         if any(outcome.returncodes):
             print(f"{launcher}, {fault} at step {kill_at}: ended {outcome.returncodes}")
@@ -217,6 +225,12 @@ def scenarios(
 
         return measure
 
+    def spare() -> list[Row]:
+        label = "2 x 1 and a third node waiting as a spare, a node SIGKILLed"
+        ours = job_runs(root, "elasticrun", two_nodes, "spare", runs, job=LONG, seed=seed)
+        theirs = job_runs(root, "torchrun", two_nodes, "spare", runs, job=LONG, seed=seed)
+        return rows_for(label, ours, theirs, "torchrun")
+
     def hang() -> list[Row]:
         ours = job_runs(root, "elasticrun", hung, "hang", runs, seed=seed)
         theirs = job_runs(root, "torchrun", hung, "hang", 1, seed=seed, timeout=HANG_WAIT)
@@ -238,6 +252,7 @@ def scenarios(
         "loop": loop,
         "node": node(False),
         "node-replicas": node(True),
+        "node-spare": spare,
         "hang": hang,
     }
 

@@ -52,7 +52,7 @@ def run(seed: int = 0) -> list[Row]:
                     got[launcher] = job.run(fault, kill_at)
                 except RuntimeError as e:  # reported, not raised: the other figures stand
                     print(f"{launcher} did not recover from the {fault} fault: {e}")
-                    got[launcher] = Outcome([], None, None, None, job.weights, str(e))
+                    got[launcher] = Outcome([], None, None, None, None, job.weights, str(e))
             ours, theirs = got["elasticrun"], got["torchrun"]
             exact = {k: same_weights(reference.weights, v.weights) for k, v in got.items()}
             what = "a worker SIGKILLed" if fault == "worker" else "a node SIGKILLed and replaced"

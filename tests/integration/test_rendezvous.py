@@ -193,6 +193,8 @@ def test_a_spare_takes_a_lost_nodes_place(nodes):
     for proc, _out in (a, spare):
         code, _, err = finish(proc)
         assert code == 0, err[-3000:]
+        if proc is spare[0]:
+            assert "this node waits as a spare" in err, "it says so (at once)"
     assert worlds(spare[1]) == [2]
     a_ranks = [int(e["GROUP_RANK"]) for e in envs(a[1])]
     assert a_ranks[0] == a_ranks[-1], "the survivor kept its rank"

@@ -481,5 +481,6 @@ def test_a_service_of_another_job_on_this_agents_port_is_named_as_such():
     finally:
         server.close()
     message = str(e.value)
-    assert f"another process that serves 127.0.0.1:{port}" in message, message
+    assert message.startswith(f"another process serves 127.0.0.1:{port}, where this agent"), message
     assert "did not prove that it holds this node's token" in message, message
+    assert "give this job another --rdzv-endpoint port if it is another job's" in message

@@ -38,7 +38,7 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.store import Store, StoreAccess
+from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError
 
 if TYPE_CHECKING:
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -72,9 +72,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
         where = host_port(host, port)
         access = StoreAccess(
-            f"another process that serves {where} (this agent would have hosted it)"
-            if self._another_serves
-            else f"the rendezvous service at {where}",
+            f"the rendezvous service at {where}",
             token=conf.token,
             tls=_tls(conf),
             retry_for=conf.join_timeout,
@@ -87,6 +85,18 @@ class EmbeddedRendezvous(ElasticRendezvous):
             super().__init__(params, store, conf, host)
             if self.server is None:
                 self.first_contact = HOST_WAIT
+        except StoreError as e:
+            store.close()
+            self._stop_serving()
+            if self._another_serves and str(e).startswith("invalid rendezvous token"):
+                # Not this job's service, most likely: say so before the token's own advice.
+                raise StoreError(
+                    f"another process serves {where}, where this agent would have hosted the "
+                    f"job's rendezvous (another job's service, or a node of this job with "
+                    f"another token): {e}; give this job another --rdzv-endpoint port if it "
+                    "is another job's"
+                ) from None
+            raise
         except BaseException:
             store.close()
             self._stop_serving()

@@ -344,6 +344,7 @@ class RoundWaits:
                 "with no time limit"
             ),
             logger.warning,
+            after=0.0,  # at once: a node should say it is a spare, not seem stuck
         )
         with self.session.watching([job.keys.state, join], revision) as inbox:
             while state.version == v and state.status in (Status.FROZEN, Status.FINAL):
