@@ -144,18 +144,6 @@ void write_fresh(const TableFile& f) {
   pwrite_exact(f, bytes.data(), bytes.size(), 0);
 }
 
-int create_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd >= 0) return fd;
-  int err = errno;
-  if (err == EEXIST) {
-    throw Error(ELASTIC_ERR_STATE, "cannot create heartbeat table '" + path +
-                                       "': the file exists; remove it if no job uses it, or "
-                                       "choose another path");
-  }
-  throw system_error(err, "cannot create heartbeat table '" + path + "'");
-}
-
 // The header as the reader expects it; any other is a table a worker overwrote.
 void check_header(const TableFile& f, const TableHeader& h) {
   if (h.magic.load(std::memory_order_relaxed) != detail::kTableMagic ||
@@ -203,7 +191,7 @@ HeartbeatTable HeartbeatTable::create(const std::string& path, uint32_t slots) {
   auto f = std::make_unique<TableFile>();
   f->path = path;
   f->capacity = slots;
-  f->fd = create_file(path);
+  f->fd = detail::create_exclusive(path, O_RDWR, kWhat);
   f->owner = true;  // from here the file is removed on every exit path
   write_fresh(*f);
   return HeartbeatTable(std::move(f));
@@ -303,7 +291,7 @@ void HeartbeatTable::reset() {
   if (f.owner && !same_file(f)) {
     // The path was unlinked or now names another file: put a table of ours back at it.
     ::unlink(f.path.c_str());
-    int fd = create_file(f.path);
+    int fd = detail::create_exclusive(f.path, O_RDWR, kWhat);
     ::close(f.fd);
     f.fd = fd;
   }

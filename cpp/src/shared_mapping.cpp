@@ -25,19 +25,38 @@ void check_path(const std::string& path, const char* what) {
   }
 }
 
+int create_exclusive(const std::string& path, int flags, const char* what) {
+  int fd = ::open(path.c_str(), flags | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd >= 0) return fd;
+  int err = errno;
+  if (err == EEXIST) {
+    throw Error(ELASTIC_ERR_STATE, std::string("cannot create ") + what + " '" + path +
+                                       "': the file exists; remove it if no job uses it, or "
+                                       "choose another path");
+  }
+  throw system_error(err, std::string("cannot create ") + what + " '" + path + "'");
+}
+
+int open_existing(const std::string& path, int flags, const char* what) {
+  int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd >= 0) return fd;
+  int err = errno;
+  if (err == ENOENT) {
+    throw Error(ELASTIC_ERR_BAD_FILE, std::string("no ") + what + " at '" + path +
+                                          "': the file does not exist (has its creator made it, "
+                                          "or already exited?)");
+  }
+  if (err == EISDIR) {
+    throw Error(ELASTIC_ERR_BAD_FILE,
+                std::string("'") + path + "' is a directory, not a regular file, so not a " + what);
+  }
+  throw system_error(err, std::string("cannot open ") + what + " '" + path + "'");
+}
+
 std::unique_ptr<SharedMapping> SharedMapping::create(const std::string& path, size_t size,
                                                      const char* what) {
   check_path(path, what);
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    int err = errno;
-    if (err == EEXIST) {
-      throw Error(ELASTIC_ERR_STATE, std::string("cannot create ") + what + " '" + path +
-                                         "': the file exists; remove it if no job uses it, or "
-                                         "choose another path");
-    }
-    throw system_error(err, std::string("cannot create ") + what + " '" + path + "'");
-  }
+  int fd = create_exclusive(path, O_RDWR, what);
   if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     int err = errno;
     ::close(fd);
@@ -60,20 +79,7 @@ std::unique_ptr<SharedMapping> SharedMapping::create(const std::string& path, si
 std::unique_ptr<SharedMapping> SharedMapping::open(const std::string& path, size_t min_size,
                                                    const char* what) {
   check_path(path, what);
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) {
-      throw Error(ELASTIC_ERR_BAD_FILE, std::string("no ") + what + " at '" + path +
-                                            "': the file does not exist (has its supervisor "
-                                            "created it, or already exited?)");
-    }
-    if (err == EISDIR) {
-      throw Error(ELASTIC_ERR_BAD_FILE,
-                  std::string("'") + path + "' is a directory, not a regular file, so not a " + what);
-    }
-    throw system_error(err, std::string("cannot open ") + what + " '" + path + "'");
-  }
+  int fd = open_existing(path, O_RDWR, what);
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     int err = errno;
@@ -112,16 +118,7 @@ std::string locator_line(int fd) {
 }
 
 void write_locator(const std::string& path, int memfd, const char* what) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    int err = errno;
-    if (err == EEXIST) {
-      throw Error(ELASTIC_ERR_STATE, std::string("cannot create ") + what + " '" + path +
-                                         "': the file exists; remove it if no job uses it, or "
-                                         "choose another path");
-    }
-    throw system_error(err, std::string("cannot create ") + what + " '" + path + "'");
-  }
+  int fd = create_exclusive(path, O_WRONLY | O_NOFOLLOW, what);
   const std::string line = locator_line(memfd);
   ssize_t n = ::write(fd, line.data(), line.size());
   int err = errno;
@@ -134,16 +131,7 @@ void write_locator(const std::string& path, int memfd, const char* what) {
 
 // The "/proc/PID/fd/FD" the locator at `path` names.
 std::string read_locator(const std::string& path, const char* what) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) {
-      throw Error(ELASTIC_ERR_BAD_FILE, std::string("no ") + what + " at '" + path +
-                                            "': the file does not exist (has its creator made "
-                                            "it, or already exited?)");
-    }
-    throw system_error(err, std::string("cannot open ") + what + " '" + path + "'");
-  }
+  int fd = open_existing(path, O_RDONLY | O_NOFOLLOW, what);
   char buf[64] = {};
   ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
   ::close(fd);

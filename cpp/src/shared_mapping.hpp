@@ -51,4 +51,11 @@ class SharedMapping {
 /// Reject paths that cannot name a shared-memory file before touching the file system.
 void check_path(const std::string& path, const char* what);
 
+/// open(path, O_CREAT | O_EXCL | `flags`, 0600); an error that says "the file exists" (and what
+/// to do) or why else it failed.
+int create_exclusive(const std::string& path, int flags, const char* what);
+
+/// open(path, `flags`) of a file that must exist; an error that says it does not, or why else.
+int open_existing(const std::string& path, int flags, const char* what);
+
 }  // namespace elastic::detail

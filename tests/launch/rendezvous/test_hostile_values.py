@@ -6,7 +6,9 @@ store values."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import threading
 import time
 
 import pytest
@@ -36,6 +38,21 @@ BAD_STATES = [
 ]
 
 
+def _join_in_background(handler: ElasticRendezvous) -> tuple[threading.Thread, list]:
+    """`handler.next_rendezvous()` on a thread of its own; what it raised goes to the list."""
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    return t, errors
+
+
 @pytest.mark.parametrize(("value", "problem"), BAD_STATES, ids=lambda v: str(v)[:30])
 def test_a_bad_state_key_is_a_clear_error_naming_it(embedded, value, problem):
     address, token = embedded
@@ -62,18 +79,7 @@ def test_a_bad_join_key_is_a_clear_error_naming_it(embedded):
     store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
     handler = ElasticRendezvous(params, store, CONF, "127.0.0.1")
     outsider = EtcdV3Store(address, StoreAccess("outsider", token=token, retry_for=5))
-    import threading
-
-    errors: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            handler.next_rendezvous()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=join)
-    t.start()
+    t, errors = _join_in_background(handler)
     try:
         deadline = time.monotonic() + 10
         joins: list = []
@@ -243,42 +249,7 @@ def test_text_from_the_store_cannot_forge_a_log_line():
     assert text_value(b"node\nelasticrun: x", "k") == "node\\x0aelasticrun: x"
 
 
-def test_a_final_round_without_its_membership_ends_in_a_clear_error_not_a_hot_loop(embedded):
-    """A well-typed but impossible state: round 3 final, its members shard missing. Nothing
-    will change it, so the agent looks again at most STALL_RATE times a second and stops at
-    the join timeout with an error that says what is wrong (it polled etcd 508 times a
-    second, past its join timeout)."""
-    import dataclasses
-
-    from elastic_launch.rendezvous import round as rnd
-    from elastic_launch.rendezvous.api import RendezvousTimeoutError
-    from elastic_launch.rendezvous.elastic import STALL_RATE
-
-    address, token = embedded
-    run_id = f"stalled-{time.monotonic_ns()}"
-    params = RendezvousParameters("etcd", address, run_id, 1, 1, 1, local_addr="127.0.0.1")
-    store = EtcdV3Store(address, StoreAccess("test store", token=token, retry_for=5))
-    conf = dataclasses.replace(CONF, join_timeout=2.0)
-    handler = ElasticRendezvous(params, store, conf, "127.0.0.1")
-    final = dataclasses.replace(
-        rnd.initial(handler.release), version=3, status=Status.FINAL, size=1, world=1, shards=1
-    )
-    store.put(f"/elasticrun/{run_id}/state", final.to_json())
-    try:
-        with pytest.raises(RendezvousTimeoutError) as e:
-            handler.next_rendezvous()
-        requests = handler.counters().store_requests
-    finally:
-        handler.shutdown()
-    assert "round 3 is final but cannot be joined or entered" in str(e.value)
-    assert "give the job a new --rdzv-id" in str(e.value)
-    # Two reads (the state, the shard) per look; a hot loop made thousands in the 2 s.
-    assert requests is not None and requests <= 2 * (2.0 * STALL_RATE + 10), requests
-
-
 def _handler(embedded, nodes: tuple[int, int] = (1, 1), join_timeout: float = 10.0):
-    import dataclasses
-
     address, token = embedded
     run_id = f"impossible-{time.monotonic_ns()}"
     params = RendezvousParameters("etcd", address, run_id, *nodes, 1, local_addr="127.0.0.1")
@@ -287,31 +258,32 @@ def _handler(embedded, nodes: tuple[int, int] = (1, 1), join_timeout: float = 10
     return ElasticRendezvous(params, store, conf, "127.0.0.1"), store, run_id
 
 
-def test_a_final_round_with_more_members_than_the_maximum_ends_in_a_clear_error(embedded):
-    """Five members in a final round of a job of at most one node: a state no node can go on
-    from. The agent looks at most STALL_RATE times a second and stops at its join timeout
-    with a line that says so."""
-    import dataclasses
-
+@pytest.mark.parametrize("members", [0, 5], ids=["no-members", "beyond-the-maximum"])
+def test_an_impossible_final_round_ends_in_a_clear_error_not_a_hot_loop(embedded, members):
+    """Well-typed but impossible states: round 3 final with its members shard missing, or with
+    five members in a job of at most one node. Nothing will change them, so the agent looks
+    again at most STALL_RATE times a second and stops at the join timeout with one line that
+    says what is wrong (the first polled etcd 508 times a second, past its join timeout)."""
     from elastic_launch.rendezvous import round as rnd
     from elastic_launch.rendezvous.api import RendezvousTimeoutError
     from elastic_launch.rendezvous.elastic import STALL_RATE
 
     handler, store, run_id = _handler(embedded, join_timeout=2.0)
-    ghosts = {f"ghost{i}": Member("127.0.0.1", 1, 1, presence=1) for i in range(5)}
+    ghosts = {f"ghost{i}": Member("127.0.0.1", 1, 1, presence=1) for i in range(members)}
     final = dataclasses.replace(
         rnd.initial(handler.release),
         version=3,
         status=Status.FINAL,
-        size=5,
-        world=5,
+        size=max(members, 1),
+        world=max(members, 1),
         shards=1,
         nodes=ghosts,
         ranks={n: i for i, n in enumerate(ghosts)},
         offsets={n: i for i, n in enumerate(ghosts)},
     )
     store.put(f"/elasticrun/{run_id}/state", final.to_json())
-    store.put(f"/elasticrun/{run_id}/m/3/0", final.shard_values()[0])
+    if members:
+        store.put(f"/elasticrun/{run_id}/m/3/0", final.shard_values()[0])
     try:
         with pytest.raises(RendezvousTimeoutError) as e:
             handler.next_rendezvous()
@@ -319,76 +291,53 @@ def test_a_final_round_with_more_members_than_the_maximum_ends_in_a_clear_error(
     finally:
         handler.shutdown()
     assert "round 3 is final but cannot be joined or entered" in str(e.value)
-    assert "\n" not in str(e.value)
+    assert "give the job a new --rdzv-id" in str(e.value) and "\n" not in str(e.value)
+    # Two reads (the state, the shard) per look, a few more as a spare; a hot loop made
+    # thousands in the 2 s.
     assert requests is not None and requests <= 4 * (2.0 * STALL_RATE + 10), requests
 
 
-def test_a_round_going_backwards_under_a_waiting_node_is_joined_not_looped_on(embedded):
-    """The state rewritten to an older round while a node waits for its peers: the node joins
-    what the store says now, and ends at its join timeout with a clear error (no peer came),
-    looking at most STALL_RATE times a second."""
-    import threading
-
-    from elastic_launch.rendezvous.api import RendezvousTimeoutError
-
-    handler, store, run_id = _handler(embedded, (2, 2), join_timeout=3.0)  # a peer never comes
+def _rewritten_under_a_waiting_node(embedded, join_timeout: float, states: list[RoundState]):
+    """A node that waits for a peer that never comes while the job's state is written as
+    `states`, in turn: (what its next_rendezvous raised, its store requests)."""
+    handler, store, run_id = _handler(embedded, (2, 2), join_timeout=join_timeout)
     key = f"/elasticrun/{run_id}/state"
-    errors: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            handler.next_rendezvous()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=join, daemon=True)
-    t.start()
+    t, errors = _join_in_background(handler)
     try:
         deadline = time.monotonic() + 10
         while store.get(key) is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        older = RoundState(version=1, status=Status.JOINABLE, release=handler.release)
-        for v in (7, 2):  # forwards, then backwards
-            state = RoundState(version=v, status=Status.JOINABLE, release=handler.release)
-            store.put(key, state.to_json())
-        store.put(key, older.to_json())
+        for state in states:
+            store.put(
+                key, dataclasses.replace(state, release=state.release or handler.release).to_json()
+            )
         t.join(30)
         requests = handler.counters().store_requests
     finally:
         handler.shutdown()
     assert not t.is_alive(), "the node ended"
-    assert len(errors) == 1 and isinstance(errors[0], RendezvousTimeoutError), errors
+    assert len(errors) == 1, errors
+    return errors[0], requests, handler.release
+
+
+def test_a_round_going_backwards_under_a_waiting_node_is_joined_not_looped_on(embedded):
+    """The state rewritten to a later round, then to older ones, while a node waits for its
+    peers: the node joins what the store says now, and ends at its join timeout with a clear
+    error (no peer came), looking at most STALL_RATE times a second."""
+    from elastic_launch.rendezvous.api import RendezvousTimeoutError
+
+    states = [RoundState(version=v, status=Status.JOINABLE) for v in (7, 2, 1)]
+    error, requests, _ = _rewritten_under_a_waiting_node(embedded, 3.0, states)
+    assert isinstance(error, RendezvousTimeoutError), error
     assert requests is not None and requests < 300, "no hot loop: " + str(requests)
 
 
 def test_the_release_changing_under_a_round_is_a_one_line_error(embedded):
     """Another elasticrun version rewrites the job's state while this node waits: the node
     stops with one line that names both versions."""
-    import threading
-
     from elastic_launch.rendezvous.api import RendezvousVersionError
 
-    handler, store, run_id = _handler(embedded, (2, 2), join_timeout=20.0)
-    key = f"/elasticrun/{run_id}/state"
-    errors: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            handler.next_rendezvous()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=join, daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 10
-        while store.get(key) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        store.put(key, RoundState(version=2, status=Status.JOINABLE, release="9.9.9").to_json())
-        t.join(30)
-    finally:
-        handler.shutdown()
-    assert not t.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], RendezvousVersionError), errors
-    message = str(errors[0])
-    assert "\n" not in message and "elasticrun 9.9.9" in message and handler.release in message
+    states = [RoundState(version=2, status=Status.JOINABLE, release="9.9.9")]
+    error, _, release = _rewritten_under_a_waiting_node(embedded, 20.0, states)
+    assert isinstance(error, RendezvousVersionError), error
+    assert "\n" not in str(error) and "elasticrun 9.9.9" in str(error) and release in str(error)
