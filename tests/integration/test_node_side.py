@@ -269,9 +269,10 @@ def test_what_a_launcher_killed_with_everything_it_started_left_the_next_one_rem
     launched, tmp_path
 ):
     """A cgroup's kill (Slurm's, a container's) or the OOM killer takes the guardian too (a
-    kill of the launcher's process group alone spares it: its own session): the table and the
-    memory-tier directory stay in shared memory until the next launcher of this user starts
-    and removes them. (In a directory of the test's own: other tests' launchers sweep too.)"""
+    kill of the launcher's process group alone spares it: its own session): the heartbeat
+    tables (one per worker) and the memory-tier directory stay in shared memory until the next
+    launcher of this user starts and removes them. (In a directory of the test's own: other
+    tests' launchers sweep too.)"""
     out, shared = tmp_path / "first", tmp_path / "shm"
     out.mkdir()
     shared.mkdir()
@@ -287,13 +288,13 @@ def test_what_a_launcher_killed_with_everything_it_started_left_the_next_one_rem
         proc.wait(timeout=10)
         assert wait_for(lambda: not any(alive(p) for p in pids), 30), "its processes ended"
         left = glob.glob(f"{shared}/elasticrun-{proc.pid}-*")
-        assert len(left) == 2, f"the table and the memory tier stay behind: {left}"
+        assert len(left) == 3, f"two tables and the memory tier stay behind: {left}"
         quick = tmp_path / "quick.py"
         quick.write_text("print('done')\n")
         code, _, err = finish(start(["--standalone", str(quick)], env=env))
         assert code == 0, err[-2000:]
         assert os.listdir(shared) == [], "the first's removed, the second's own at its end"
-        assert f"removed 2 leftover(s) of elasticrun launchers that are gone from {shared}" in err
+        assert f"removed 3 leftover(s) of elasticrun launchers that are gone from {shared}" in err
     finally:
         kill_all(pids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,15 @@ def test_training_recovers_and_finishes(out, tmp_path, fault):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restarting the workers (restart 1 of 2)" in result.stderr
     # The last disk checkpoint is step 8; the memory tier holds step 10, where the fault
-    # struck: no completed step is lost.
-    assert "attempt 1: resumed from epoch 1, step 10" in result.stdout
+    # struck, once the saving rank has called save() for it, else step 9 (its copy is sealed
+    # before step 10's optimizer step ends): which one depends on how far rank 0 got before
+    # it was stopped, and no completed step is lost either way.
+    found = re.search(r"attempt 1: resumed from epoch 1, step (\d+)", result.stdout)
+    assert found is not None, result.stdout[-2000:]
+    step = int(found[1])
+    assert step in (9, 10), result.stdout[-2000:]
     assert "done: 16 steps, 2 epochs" in result.stdout
-    # The progress bar (tqdm) of the resumed run starts at step 10 with its own clock at zero,
-    # so its rate counts the resumed run's steps over the resumed run's time.
+    # The progress bar (tqdm) of the resumed run starts at that step with its own clock at
+    # zero, so its rate counts the resumed run's steps over the resumed run's time.
     resumed = result.stdout.split("attempt 1: resumed from", 1)[1]
-    assert "10/16 [00:00<" in resumed, resumed[:2000]
+    assert f"{step}/16 [00:00<" in resumed, resumed[:2000]
