@@ -283,12 +283,12 @@ def as_nobody(code: str, ready: str) -> Iterator[None]:
     import subprocess
     import sys
 
+    # setpriv changes the user after the exec: Popen(user=...) would fork this process, whose
+    # gRPC threads' fork handlers then run in the child (it died before printing, once).
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
     other = subprocess.Popen(
-        [shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        text=True,
-        user=65534,  # nobody
-        cwd="/",
+        [*nobody, python, "-c", code], stdout=subprocess.PIPE, text=True, cwd="/"
     )
     try:
         assert other.stdout is not None and other.stdout.readline().strip() == ready
