@@ -89,3 +89,29 @@ def test_healthz_answers_with_300_idle_connections_open_on_one_thread():
         for s in idle:
             s.close()
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_past_longer_than_a_stream_holds_flows_to_a_client_that_reads(monkeypatch):
+    """A watch from a revision whose events are more than a stream may hold (a client that
+    fell behind and watches again from where it was): each revision is counted as it is sent,
+    so a client that reads gets them all."""
+    from elastic_launch.rendezvous import embedded_bounds, embedded_server
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    monkeypatch.setattr(embedded_bounds, "STREAM_BYTES", 200_000)
+    server = embedded_server.EmbeddedServer("127.0.0.1", 0, token=None)
+    store = EtcdV3Store(f"127.0.0.1:{server.port}", StoreAccess("the service", retry_for=10))
+    try:
+        for i in range(10):  # 500 KB of past: 2.5 times the stream's share
+            store.put(f"/k{i}", b"v" * 50_000)
+        watch = store.watch("/", 1)
+        seen, deadline = 0, time.monotonic() + 30
+        while seen < 10 and time.monotonic() < deadline:
+            seen += len(watch.next(5) or [])
+        watch.close()
+        assert seen == 10, seen
+    finally:
+        store.close()
+        server.close()

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -552,7 +552,7 @@ class _Service(
 
     def _watch_step(
         self, kind: Any, arg: Any, out: Outbox, mine: dict[int, _Watcher]
-    ) -> list[tuple[Any, int]]:
+    ) -> Iterable[tuple[Any, int]]:
         """The responses to one item of a watch stream's queue, each with the bytes it holds
         of the stream's account: a watcher's events of one revision, a cancel, or a create
         (its past replayed at once)."""
@@ -572,7 +572,7 @@ class _Service(
 
     def _create(
         self, create: Any, header: Any, out: Outbox, mine: dict[int, _Watcher]
-    ) -> list[tuple[Any, int]]:
+    ) -> Iterable[tuple[Any, int]]:
         w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
 
         def refused(**why: Any) -> list[tuple[Any, int]]:
@@ -590,23 +590,26 @@ class _Service(
             # The events from `start` on are gone: the client must read again.
             return refused(compact_revision=self.s.compacted + 1)
         past = self.s.since(start, w) if start else []
-        size = sum(_size(ev) for _, ev in past)
-        if size > bounds.STREAM_BYTES:
-            return refused(
-                cancel_reason=f"the events since revision {start} are {size} bytes, more than "
-                f"a watch stream may hold ({bounds.STREAM_BYTES}): read the keys, then watch "
-                "from the revision the read gave"
-            )
-        if not out.charge(size):
-            return []  # the stream is cut off: the service's watches hold all they may
         self.s.add_watcher(w)  # what comes after `past` arrives through `out`
         mine[w.watch_id] = w
-        responses = [(rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True), 0)]
+        return itertools.chain(
+            [(rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, created=True), 0)],
+            self._replay(past, w.watch_id, header, out),
+        )
+
+    @staticmethod
+    def _replay(
+        past: list[tuple[int, kv_pb2.Event]], watch_id: int, header: Any, out: Outbox
+    ) -> Iterator[tuple[Any, int]]:
+        """A watch's past, one revision's answer at a time, each counted on the stream's
+        account before it is built: a past of any length flows to a client that reads, and
+        a stream that does not read is cut off at its share."""
         for _, group in itertools.groupby(past, key=lambda p: p[0]):
             events = [ev for _, ev in group]
-            reply = rpc_pb2.WatchResponse(header=header, watch_id=w.watch_id, events=events)
-            responses.append((reply, sum(_size(ev) for ev in events)))
-        return responses
+            size = sum(_size(ev) for ev in events)
+            if not out.charge(size):
+                return  # cut off: the loop finds the overflow next
+            yield rpc_pb2.WatchResponse(header=header, watch_id=watch_id, events=events), size
 
     @_answering
     def Status(self, request: Any) -> Any:  # noqa: N802
