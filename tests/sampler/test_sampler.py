@@ -202,8 +202,13 @@ def test_takes_torchs_arguments_in_torchs_order():
     assert [(p.name, p.default, p.kind) for p in ours[: len(theirs)]] == [
         (p.name, p.default, p.kind) for p in theirs
     ]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
-    assert {p.name for p in ours[len(theirs) :]} == {"start_index", "permutation"}
+    from elastic_sampler.sampler import SamplerOptions
+
+    # Ours beyond torch's six are keywords only (**options), exactly these two.
+    assert [p.kind for p in ours[len(theirs) :]] == [inspect.Parameter.VAR_KEYWORD]
+    assert set(SamplerOptions.__annotations__) == {"start_index", "permutation"}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'start'"):
+        ElasticDistributedSampler(Data(4), 1, 0, start=2)
     data = Data(23)
     args = (data, 3, 2, True, 7, True)  # all six positionally
     theirs_sampler, ours_sampler = DistributedSampler(*args), ElasticDistributedSampler(*args)

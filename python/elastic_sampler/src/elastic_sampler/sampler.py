@@ -13,16 +13,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from elastic_sampler.api import SamplerStateError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 from elastic_sampler.permutation import PERMUTATIONS, make_permutation
 
 _CHUNK = 1 << 14  # indices computed at a time: bounds memory, amortises torch calls
+
+
+class SamplerOptions(TypedDict, total=False):
+    """The keywords of ours beyond torch's six (`ElasticDistributedSampler` documents each):
+    `start_index` (default 0) and `permutation` ("torch", the default, or "feistel")."""
+
+    start_index: int
+    permutation: str
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):
@@ -44,7 +55,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
       ``"feistel"`` is a constant-memory permutation for very large datasets.
     """
 
-    def __init__(  # noqa: PLR0913 - torch's DistributedSampler's six, and two keywords of ours
+    def __init__(
         self,
         dataset: Dataset[Any],
         num_replicas: int | None = None,
@@ -52,10 +63,16 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        *,
-        start_index: int = 0,
-        permutation: str = "torch",
+        **options: Unpack[SamplerOptions],
     ) -> None:
+        unknown = sorted(set(options) - set(SamplerOptions.__annotations__))
+        if unknown:
+            raise TypeError(
+                f"ElasticDistributedSampler() got an unexpected keyword argument {unknown[0]!r}: "
+                f"its own keywords are {', '.join(SamplerOptions.__annotations__)}"
+            )
+        start_index = options.get("start_index", 0)
+        permutation = options.get("permutation", "torch")
         if isinstance(shuffle, int) and not isinstance(shuffle, bool):
             raise TypeError(
                 f"shuffle={shuffle!r}: give True or False. The fourth positional argument is "
