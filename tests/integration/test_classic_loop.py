@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from launcher_util import HERE, finish, free_port, kill_all, start, wait_for
+
+from common import step_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -365,21 +369,10 @@ DDP_LOOP = HERE / "scripts" / "ddp_loop.py"
 KILLS = 10
 
 
-def _steps_of(out: Path) -> list[tuple[int, int, int, int, int]]:
-    """(t_ns, step, world, rank, pid) of every step recorded so far."""
-    rows = []
-    for path in out.glob("*.steps"):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 5:
-                rows.append(tuple(int(x) for x in parts))
-    return rows  # type: ignore[return-value]
-
-
 def _world_since(out: Path, since_ns: int) -> dict[int, int] | None:
     """{rank: pid} of a world of 3 whose ranks have all stepped after `since_ns` (so the victim
     of an earlier kill, which stepped before it, is never among them), or None."""
-    by_rank = {r[3]: r[4] for r in sorted(_steps_of(out)) if r[2] == 3 and r[0] > since_ns}
+    by_rank = {r[3]: r[4] for r in sorted(step_records(out)) if r[2] == 3 and r[0] > since_ns}
     return by_rank if len(by_rank) == 3 and len(set(by_rank.values())) == 3 else None
 
 
@@ -387,7 +380,7 @@ def _resumed(out: Path, survivors: set[int], kill_ns: int) -> int | None:
     """When the survivors stepped in a group formed after the kill: the earliest of their
     second steps after it (a first one may have been in flight), once each has two."""
     times: dict[int, list[int]] = {}
-    for r in sorted(_steps_of(out)):
+    for r in sorted(step_records(out)):
         if r[4] in survivors and r[0] > kill_ns:
             times.setdefault(r[4], []).append(r[0])
     if set(times) != survivors or any(len(t) < 2 for t in times.values()):
