@@ -12,12 +12,21 @@ import textwrap
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 #: Fixtures that start real servers: a test that uses one is an integration test.
-_SLOW_FIXTURES = {"etcd", "etcd_v2", "etcd_tls", "etcd_v6"}
+_SLOW_FIXTURES = {
+    "etcd",
+    "etcd_v2",
+    "etcd_tls",
+    "etcd_v6",
+    "etcd_shared",
+    "etcd_cluster",
+    "etcd_clusters",
+}
 #: Parameters for fixtures that pick a store by name (`request.getfixturevalue`).
 ETCD_PARAMS = [
     pytest.param("etcd", marks=pytest.mark.slow),
@@ -153,8 +162,23 @@ class _PortTakenError(AssertionError):
     """etcd could not bind a port that was free when it was picked."""
 
 
+def _post(url: str, body: dict[str, object], timeout: float = 5, token: str | None = None) -> dict:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **({"Authorization": token} if token else {})},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 class EtcdServer:
-    """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir."""
+    """A real etcd (Debian's etcd-server) on 127.0.0.1, free ports, a temporary data dir: alone,
+    or a member `name` of a cluster (:class:`EtcdCluster` sets `cluster`)."""
 
     def __init__(
         self,
@@ -162,11 +186,20 @@ class EtcdServer:
         enable_v2: bool,
         tls: dict[str, Path] | None = None,
         host: str = "127.0.0.1",
+        name: str = "test",
+        peer_host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+        flags: list[str] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
         self.tls = tls  # {"cert", "key", "ca"}: serve clients over https
         self.host = host
+        self.name = name
+        self.peer_host = peer_host
+        self.prefix = prefix or []  # runs it elsewhere (ip netns exec NAME)
+        self.flags = flags or []  # more of etcd's flags
+        self.cluster = ""  # --initial-cluster; empty: a cluster of this member alone
         self.proc: subprocess.Popen[bytes] | None = None
         self._started = False
         self._pick_ports()
@@ -174,11 +207,15 @@ class EtcdServer:
     def _pick_ports(self) -> None:
         from elastic_launch.net import free_port
 
-        # clients on `host`, peers on 127.0.0.1; below the ephemeral range (see free_port)
-        self.port, self.peer_port = free_port(self.host), free_port("127.0.0.1")
+        # clients on `host`, peers on `peer_host`; below the ephemeral range (see free_port)
+        self.port, self.peer_port = free_port(self.host), free_port(self.peer_host)
         host = self.host
         self.endpoint = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         self.log = self.data_dir.parent / f"etcd-{self.port}.log"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.peer_host}:{self.peer_port}"
 
     def start(self, timeout: float = 30.0) -> None:
         """Start etcd and wait until it is healthy. A port picked free can be taken before etcd
@@ -186,7 +223,8 @@ class EtcdServer:
         ports, up to 3 times; a restart keeps its ports, as the tests' clients know them."""
         for attempt in range(3):
             try:
-                self._start(timeout)
+                self.launch()
+                self.wait_healthy(timeout)
                 self._started = True
                 return
             except _PortTakenError:
@@ -195,18 +233,15 @@ class EtcdServer:
                 shutil.rmtree(self.data_dir, ignore_errors=True)  # nothing of the failed start
                 self._pick_ports()
 
-    def _start(self, timeout: float) -> None:
-        import ssl
-        import time
-        import urllib.request
-
+    def launch(self) -> None:
+        """Start the process (a cluster's members must all run before any is healthy)."""
         binary = shutil.which("etcd")
         assert binary, "etcd is not installed: `make test` installs Debian's etcd-server"
         scheme = "https" if self.tls else "http"
         args = [
             binary,
             "--name",
-            "test",
+            self.name,
             "--data-dir",
             str(self.data_dir),
             "--listen-client-urls",
@@ -214,19 +249,30 @@ class EtcdServer:
             "--advertise-client-urls",
             f"{scheme}://{self.endpoint}",
             "--listen-peer-urls",
-            f"http://127.0.0.1:{self.peer_port}",
+            self.peer_url,
             "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{self.peer_port}",
+            self.peer_url,
             "--initial-cluster",
-            f"test=http://127.0.0.1:{self.peer_port}",
+            self.cluster or f"{self.name}={self.peer_url}",
         ]
         if self.enable_v2:
             args.append("--enable-v2")
+        args += self.flags
         if self.tls:
             args += ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"])]
-        context = ssl.create_default_context(cafile=str(self.tls["ca"])) if self.tls else None
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [*self.prefix, *args], stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait_healthy(self, timeout: float) -> None:
+        import ssl
+        import time
+        import urllib.request
+
+        assert self.proc is not None
+        scheme = "https" if self.tls else "http"
+        context = ssl.create_default_context(cafile=str(self.tls["ca"])) if self.tls else None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -246,6 +292,7 @@ class EtcdServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a member a test stopped ends too
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
@@ -254,26 +301,102 @@ class EtcdServer:
                 self.proc.wait(timeout=10)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL, as a machine's loss would end it."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
     def restart(self) -> None:
         self.stop()
         self.start()
 
+    def status(self) -> dict:
+        """etcd's own status of this member (its id, the leader's, the revision)."""
+        return _post(f"http://{self.endpoint}/v3/maintenance/status", {}, timeout=2)
+
     def gateway(self, path: str, body: dict[str, object], token: str | None = None) -> dict:
         """A call to etcd's v3 JSON gateway (used to set up users and auth)."""
-        import json
-        import urllib.request
+        return _post(f"http://{self.endpoint}/v3/{path}", body, token=token)
 
-        request = urllib.request.Request(
-            f"http://{self.endpoint}/v3/{path}",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                **({"Authorization": token} if token else {}),
-            },
-        )
-        with urllib.request.urlopen(request, timeout=5) as r:
-            return json.loads(r.read())
+
+class EtcdCluster:
+    """A real etcd cluster of `size` members on loopback, as etcd is deployed: distinct client
+    and peer ports, one --initial-cluster. `endpoint` names every member, first to last."""
+
+    def __init__(
+        self,
+        root: Path,
+        size: int = 3,
+        enable_v2: bool = False,
+        where: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
+        """`where`: EtcdServer's host, peer_host and prefix of some members (by index)."""
+        self.members = [
+            EtcdServer(root / f"m{i}" / "data", enable_v2, name=f"m{i}", **(where or {}).get(i, {}))
+            for i in range(size)
+        ]
+        for m in self.members:
+            m.data_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 60.0) -> None:
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.cluster = cluster
+            m.launch()
+        for m in self.members:
+            m.wait_healthy(timeout)
+            m._started = True
+        self.leader()  # elected
+
+    def leader(self, timeout: float = 30.0) -> int:
+        """The index of the member that leads now (waits for an election)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i, m in enumerate(self.members):
+                if m.proc is None:
+                    continue
+                try:
+                    status = m.status()
+                except OSError:
+                    continue
+                if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                    return i
+            time.sleep(0.05)
+        raise AssertionError(f"no etcd member led within {timeout} s")
+
+    def lead(self, i: int) -> None:
+        """Make member `i` the leader (etcd's leadership transfer, asked of the leader)."""
+        import time
+
+        leader = self.leader()
+        if leader == i:
+            return
+        target = self.members[i].status()["header"]["member_id"]
+        self.members[leader].gateway("maintenance/transfer-leadership", {"targetID": target})
+        deadline = time.monotonic() + 30
+        while self.leader() != i:
+            assert time.monotonic() < deadline, f"member {i} did not take the lead"
+            time.sleep(0.05)
+
+    def compact(self, via: int) -> int:
+        """Compact the cluster's history up to the current revision, asking member `via`:
+        the revision."""
+        member = self.members[via]
+        revision = int(member.status()["header"]["revision"])
+        member.gateway("kv/compaction", {"revision": revision, "physical": True})
+        return revision
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
 
 
 @pytest.fixture
@@ -317,40 +440,72 @@ def etcd_class() -> type[EtcdServer]:
     return EtcdServer
 
 
+def _etcd(where: Path, **kw: object) -> Iterator[EtcdServer]:
+    """The one way the fixtures start an etcd: started here, stopped after the test (each in
+    a data directory of its own, should a test use two)."""
+    data = where / f"etcd-data-{uuid.uuid4().hex[:8]}"
+    server = EtcdServer(data, **kw)  # type: ignore[arg-type]
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def etcd_v6(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd with both APIs serving clients on the IPv6 loopback, [::1]."""
-    server = EtcdServer(tmp_path / "etcd-data", enable_v2=True, host="::1")
-    server.start()
-    yield server
-    server.stop()
+    yield from _etcd(tmp_path, enable_v2=True, host="::1")
 
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd (v3 API only, like etcd 3.6) for one test."""
-    server = EtcdServer(tmp_path / "etcd-data", enable_v2=False)
-    server.start()
-    yield server
-    server.stop()
+    yield from _etcd(tmp_path, enable_v2=False)
 
 
 @pytest.fixture(scope="module")
 def etcd_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd (both APIs) for a module whose tests each take their own run ids."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data", enable_v2=True)
-    server.start()
-    yield server
-    server.stop()
+    yield from _etcd(tmp_path_factory.mktemp("etcd"), enable_v2=True)
+
+
+@pytest.fixture
+def etcd_small(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd (v3) whose database may hold 1 MiB (--quota-backend-bytes): its NOSPACE
+    alarm is a few writes away."""
+    yield from _etcd(tmp_path, enable_v2=False, flags=["--quota-backend-bytes", "1048576"])
 
 
 @pytest.fixture
 def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd serving the v2 API too (--enable-v2)."""
-    server = EtcdServer(tmp_path / "etcd-v2-data", enable_v2=True)
-    server.start()
-    yield server
-    server.stop()
+    yield from _etcd(tmp_path, enable_v2=True)
+
+
+@pytest.fixture
+def etcd_clusters(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
+    """make(size=3, where=None): fresh etcd clusters serving the v2 API too (see
+    :class:`EtcdCluster`), started, and stopped after the test."""
+    made: list[EtcdCluster] = []
+
+    def make(size: int = 3, where: dict[int, dict[str, Any]] | None = None) -> EtcdCluster:
+        cluster = EtcdCluster(tmp_path / f"etcd-cluster-{len(made)}", size, True, where)
+        made.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.stop()
+
+
+@pytest.fixture
+def etcd_cluster(etcd_clusters: Callable[..., EtcdCluster]) -> EtcdCluster:
+    """A fresh 3-member etcd cluster on loopback, serving the v2 API too."""
+    return etcd_clusters()
 
 
 @pytest.fixture(scope="session")
@@ -417,8 +572,4 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture
 def etcd_tls(tmp_path: Path, tls_files: dict[str, Path]) -> Iterator[EtcdServer]:
     """etcd serving clients over TLS, with a certificate from a throwaway CA."""
-    tls = tls_files
-    server = EtcdServer(tmp_path / "etcd-tls-data", enable_v2=False, tls=tls)
-    server.start()
-    yield server
-    server.stop()
+    yield from _etcd(tmp_path, enable_v2=False, tls=tls_files)

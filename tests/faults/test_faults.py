@@ -9,7 +9,6 @@ trained), not for a time.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -17,120 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from elastic_sampler import CheckpointManager
-from launcher_util import ELASTICRUN, finish, free_port, listening, start, wait_for, wait_gone
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
-# 2 epochs of 16 steps of 16 samples per rank on 2 ranks; a checkpoint every 5 steps; each
-# step takes 0.1 s, so a fault lands mid-run.
-JOB = [
-    "--samples",
-    "512",
-    "--image-size",
-    "16",
-    "--classes",
-    "10",
-    "--epochs",
-    "2",
-    "--batch-size",
-    "16",
-    "--checkpoint-every",
-    "5",
-    "--step-time",
-    "0.1",
-]
-TOTAL_STEPS = 32
-FAST = ["--monitor-interval", "0.05"]
-
-
-class Job:
-    """One training job's files: checkpoints, the samples of each step, the final weights."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        self.checkpoints = root / f"{name}-ckpt"
-        self.samples = root / f"{name}-samples"
-        self.weights = root / f"{name}.pt"
-
-    def args(self) -> list[str]:
-        return [
-            str(EXAMPLE),
-            *JOB,
-            "--checkpoint-dir",
-            str(self.checkpoints),
-            "--record-samples",
-            str(self.samples),
-            "--final-weights",
-            str(self.weights),
-        ]
-
-    def step(self) -> int:
-        """The newest step any rank has trained."""
-        newest = 0
-        for f in self.samples.glob("attempt*-rank*.txt"):
-            for line in f.read_text().splitlines():
-                with contextlib.suppress(ValueError, IndexError):
-                    newest = max(newest, int(line.split(" ")[1]))
-        return newest
-
-    def wait_step(self, step: int, *procs: subprocess.Popen[str], timeout: float = 90) -> None:
-        def reached() -> bool:
-            for p in procs:
-                assert p.poll() is None, f"the job ended before step {step}: {p.returncode}"
-            return self.step() >= step
-
-        assert wait_for(reached, timeout), f"the job did not reach step {step} in {timeout} s"
-
-    def workers(self) -> dict[int, int]:
-        """{rank: pid} of this job's running workers (their command line names its files)."""
-        found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if str(self.samples) not in cmdline or "worker_main" not in cmdline:
-                continue
-            for var in environ:
-                if var.startswith(b"RANK="):
-                    found[int(var[5:])] = int(entry.name)
-        return found
-
-    def assert_same_weights(self, reference: Path) -> None:
-        expected, got = torch.load(reference), torch.load(self.weights)
-        assert expected.keys() == got.keys()
-        for name, tensor in expected.items():
-            assert torch.equal(tensor, got[name]), f"{name} differs from the fault-free run"
-
-    def assert_recovered(self, reference: Path, met: list[int]) -> None:
-        """The job ended as the fault-free run did, with its last checkpoint intact and none
-        of the workers the fault `met` (nor any other of its workers) still running."""
-        self.assert_same_weights(reference)
-        self.assert_checkpoint_intact(TOTAL_STEPS)
-        assert wait_gone(met) == [], "a worker outlived its job"
-        assert self.workers() == {}
-
-    def assert_checkpoint_intact(self, at_least: int = 5) -> int:
-        assert not [p for p in self.checkpoints.iterdir() if ".tmp-" in p.name], "half-written"
-        latest = CheckpointManager(self.checkpoints).load_latest()
-        assert latest is not None, "no checkpoint survived"
-        assert latest[1] >= at_least
-        return latest[1]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault-free run's final weights."""
-    root = tmp_path_factory.mktemp("reference")
-    job = Job(root, "clean")
-    code, _, err = finish(
-        start(["--standalone", "--nproc-per-node", "2", *FAST, *job.args()]), timeout=150
-    )
-    assert code == 0, err[-3000:]
-    return job.weights
+from jobs import FAST, ONE_THREAD, TOTAL_STEPS, Job, finish_quietly, node_args
+from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
 
 
 def _signal_one_worker(job: Job, sig: int, *flags: str) -> tuple[int, str, list[int]]:
@@ -166,27 +53,6 @@ def test_a_worker_stopped_mid_run_is_found_hung_and_replaced(tmp_path, reference
     job.assert_recovered(reference, victims)
 
 
-def _two_node_args(job: Job, endpoint: str, run_id: str, *extra: str) -> list[str]:
-    """One node of a two-node job of one worker per node on the embedded rendezvous."""
-    return [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
-        "--max-restarts",
-        "3",
-        *extra,
-        *FAST,
-        *job.args(),
-    ]
-
-
 @pytest.mark.timeout(240)
 def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, reference):
     # Two "nodes" (agents) of one worker each; the embedded rendezvous is hosted by the
@@ -194,15 +60,12 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
     # would, a new agent is started in its place, and the job goes on from the checkpoint.
     job = Job(tmp_path, "agent")
     endpoint = f"127.0.0.1:{free_port()}"
-    node = _two_node_args(job, endpoint, f"faults-{os.getpid()}")
-    # One worker per node: elasticrun (as torchrun) leaves OMP_NUM_THREADS alone, and torch's
-    # kernels would sum in another order than the reference's (2 workers: 1 thread each).
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    host = start(node, one_thread)
+    node = node_args(job, endpoint, f"faults-{os.getpid()}")
+    host = start(node, ONE_THREAD)
     procs = [host]
     try:
         assert wait_for(lambda: listening(endpoint), 30), "the first agent did not host"
-        other = start(node, one_thread)
+        other = start(node, ONE_THREAD)
         procs.append(other)
         job.wait_step(12, host, other)
         victims = job.workers()
@@ -210,7 +73,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
         os.kill(other.pid, signal.SIGKILL)  # the agent only: its worker must die with it
         other.wait(timeout=30)
         assert wait_for(lambda: len(job.workers()) < 2, 30), "the dead agent's worker lives"
-        again = start(node, one_thread)
+        again = start(node, ONE_THREAD)
         procs.append(again)
         results = [finish(p, timeout=180) for p in (host, again)]
     finally:
@@ -260,72 +123,6 @@ def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
     assert job.workers() == {}
 
 
-class Hosts:
-    """Two network namespaces joined by a veth pair: two hosts on one machine (root only)."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.names = [f"elx{tag}a", f"elx{tag}b"]
-        self.links = [f"elx{tag}va", f"elx{tag}vb"]
-        self.addrs = ["10.231.0.1", "10.231.0.2"]
-
-    def setup(self) -> str:
-        """Create them; returns why they cannot be made here ("" when made)."""
-        for name in self.names:
-            if (problem := _ip("netns", "add", name)) is not None:
-                return problem
-        a, b = self.links
-        steps = [("link", "add", a, "type", "veth", "peer", "name", b)]
-        for name, link, addr in zip(self.names, self.links, self.addrs, strict=True):
-            steps += [
-                ("link", "set", link, "netns", name),
-                ("-n", name, "addr", "add", f"{addr}/24", "dev", link),
-                ("-n", name, "link", "set", link, "up"),
-                ("-n", name, "link", "set", "lo", "up"),
-            ]
-        for step in steps:
-            if (problem := _ip(*step)) is not None:
-                return problem
-        return ""
-
-    def cut(self, up: bool = False) -> None:
-        """Take the link down (both ends lose their carrier), or bring it up again."""
-        for name, link in zip(self.names, self.links, strict=True):
-            assert _ip("-n", name, "link", "set", link, "up" if up else "down") is None
-
-    def launcher(self, host: int) -> list[str]:
-        return ["ip", "netns", "exec", self.names[host], *ELASTICRUN]
-
-    def remove(self) -> None:
-        for name in self.names:  # the veth pair goes with its namespaces
-            _ip("netns", "delete", name)
-
-
-def _ip(*args: str) -> str | None:
-    """Run `ip ARGS`: None when it succeeds, else what it said."""
-    try:
-        done = subprocess.run(
-            ["ip", *args], check=False, capture_output=True, text=True, timeout=30
-        )
-    except FileNotFoundError:
-        return "`ip` (iproute2) is not installed"
-    if done.returncode != 0:
-        return f"`ip {' '.join(args)}` failed: {done.stderr.strip()}"
-    return None
-
-
-@pytest.fixture
-def two_hosts():
-    hosts = Hosts()
-    try:
-        problem = hosts.setup()
-        if problem:
-            pytest.skip(f"cannot make two network namespaces here ({problem}): needs root")
-        yield hosts
-    finally:
-        hosts.remove()
-
-
 @pytest.mark.timeout(240)
 def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, two_hosts):
     # Two hosts (network namespaces) of one worker each; the first hosts the embedded
@@ -339,7 +136,7 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
     procs = []
 
     def node(host: int) -> subprocess.Popen[str]:
-        args = _two_node_args(
+        args = node_args(
             job,
             endpoint,
             f"partition-{os.getpid()}",
@@ -405,11 +202,3 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_last_good_o
     step = job.assert_checkpoint_intact(at_least=5)
     assert step < TOTAL_STEPS
     assert job.workers() == {}
-
-
-def finish_quietly(proc: subprocess.Popen[str]) -> None:
-    """End a launcher a test left running (after a failed assertion): its whole group."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)

@@ -400,10 +400,10 @@ def test_the_run_id_of_a_finished_job_is_refused(tmp_path, etcd_backend):
             kvs, _ = store.range(f"/elasticrun/{rid}/")
             assert [kv.key for kv in kvs] == [f"/elasticrun/{rid}/state"]
             reply = store.client.call(
-                store.client.kv.Range, rpc_pb2.RangeRequest(key=f"/elasticrun/{rid}/state".encode())
+                "kv.Range", rpc_pb2.RangeRequest(key=f"/elasticrun/{rid}/state".encode())
             )
             ttl = store.client.call(
-                store.client.lease.LeaseTimeToLive,
+                "lease.LeaseTimeToLive",
                 rpc_pb2.LeaseTimeToLiveRequest(ID=reply.kvs[0].lease),
             ).TTL
             assert 0 < ttl <= 600

@@ -59,10 +59,12 @@ class CountingStore(EtcdV3Store):
 SLOW = pytest.mark.slow  # a real etcd server
 
 
-@pytest.fixture(params=["embedded", pytest.param("etcd", marks=SLOW)])
+@pytest.fixture(
+    params=["embedded", pytest.param("etcd", marks=SLOW), pytest.param("etcd-cluster", marks=SLOW)]
+)
 def endpoint(request):
-    if request.param == "etcd":
-        return request.getfixturevalue("etcd").endpoint, None
+    if request.param != "embedded":
+        return request.getfixturevalue(request.param.replace("-", "_")).endpoint, None
     return request.getfixturevalue("embedded")
 
 
@@ -373,7 +375,7 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
             late.next_rendezvous()
         assert "new --rdzv-id" in str(info.value) and "succeeded" in str(info.value)
         ttl = late.store.client.call(
-            late.store.client.lease.LeaseTimeToLive,
+            "lease.LeaseTimeToLive",
             __import__(
                 "elastic_launch.rendezvous.etcdpb.rpc_pb2", fromlist=["x"]
             ).LeaseTimeToLiveRequest(ID=_state_lease(late)),
@@ -386,9 +388,7 @@ def test_a_finished_jobs_run_id_is_refused_and_its_keys_expire(endpoint, request
 def _state_lease(h: ElasticRendezvous) -> int:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
-    reply = h.store.client.call(
-        h.store.client.kv.Range, rpc_pb2.RangeRequest(key=h.job.keys.state.encode())
-    )
+    reply = h.store.client.call("kv.Range", rpc_pb2.RangeRequest(key=h.job.keys.state.encode()))
     return int(reply.kvs[0].lease)
 
 
@@ -419,9 +419,7 @@ def test_a_node_cut_off_longer_than_its_lease_is_in_the_next_round_at_once(endpo
         from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
         lease = cut.store.lease.id
-        cut.store.client.call(
-            cut.store.client.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=lease)
-        )
+        cut.store.client.call("lease.LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease))
         wait_for(leader.membership_changed, "the leader never saw it go")
         wait_for(cut.membership_changed, "it never saw its key go")
         waiting = pool.submit(leader.next_rendezvous, RestartReason.MEMBERSHIP)

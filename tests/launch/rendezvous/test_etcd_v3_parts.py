@@ -37,11 +37,11 @@ def client(embedded):
 
 def put(c: Client, key: str, value: bytes, lease: int = 0) -> int:
     request = rpc_pb2.PutRequest(key=key.encode(), value=value, lease=lease)
-    return int(c.call(c.kv.Put, request).header.revision)
+    return int(c.call("kv.Put", request).header.revision)
 
 
 def get(c: Client, key: str) -> list:
-    return list(c.call(c.kv.Range, rpc_pb2.RangeRequest(key=key.encode())).kvs)
+    return list(c.call("kv.Range", rpc_pb2.RangeRequest(key=key.encode())).kvs)
 
 
 def test_a_client_logs_in_calls_and_counts_its_requests(client):
@@ -81,7 +81,7 @@ def test_a_lease_found_expired_is_replaced_and_the_loss_told(client):
     lease.start(5.0, lost.set)
     try:
         old = lease.id
-        client.call(client.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=old))
+        client.call("lease.LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=old))
         lease.replace(old)
         assert lost.is_set() and lease.id not in (0, old)
         lease.replace(old)  # a second finder of the same expiry changes nothing

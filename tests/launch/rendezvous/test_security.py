@@ -16,7 +16,7 @@ import pytest
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.api import RendezvousConfigError, RendezvousParameters
-from elastic_launch.rendezvous.backends import EmbeddedRendezvous, _etcd_endpoint
+from elastic_launch.rendezvous.backends import EmbeddedRendezvous, _etcd_members
 from elastic_launch.rendezvous.conf import parse_conf
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
@@ -249,7 +249,7 @@ def etcd(endpoint: str, backend: str = "etcd", **conf: str) -> RendezvousParamet
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_any_tls_option_means_tls(backend, tls_files):
     p = etcd("etcd0:2379", backend, cacert=str(tls_files["ca"]))
-    assert _etcd_endpoint(p, parse_conf(backend, p.config))[0] == "https"
+    assert _etcd_members(p, parse_conf(backend, p.config))[0] == "https"
     p = etcd("http://etcd0:2379", backend, cacert=str(tls_files["ca"]))
     with pytest.raises(RendezvousConfigError, match="says http, but TLS options"):
         check_parameters(p)

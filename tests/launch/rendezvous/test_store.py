@@ -14,7 +14,12 @@ SLOW = pytest.mark.slow  # a real etcd server
 
 
 @pytest.fixture(
-    params=["embedded", pytest.param("etcd", marks=SLOW), pytest.param("etcd-v2", marks=SLOW)]
+    params=[
+        "embedded",
+        pytest.param("etcd", marks=SLOW),
+        pytest.param("etcd-cluster", marks=SLOW),
+        pytest.param("etcd-v2", marks=SLOW),
+    ]
 )
 def store(request):
     if request.param == "embedded":
@@ -22,17 +27,16 @@ def store(request):
 
         endpoint, token = request.getfixturevalue("embedded")
         s: Store = EtcdV3Store(endpoint, StoreAccess("embedded", token=token, retry_for=5))
-    elif request.param == "etcd":
+    elif request.param in ("etcd", "etcd-cluster"):
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-        etcd = request.getfixturevalue("etcd")
+        etcd = request.getfixturevalue(request.param.replace("-", "_"))
         s = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     else:
         from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
 
         etcd = request.getfixturevalue("etcd_v2")
-        host, port = etcd.endpoint.split(":")
-        s = EtcdV2Store(host, int(port), StoreAccess("etcd", retry_for=5))
+        s = EtcdV2Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     yield s
     s.close()
 
@@ -250,9 +254,7 @@ def test_a_write_that_finds_its_lease_expired_takes_a_new_one_and_says_so(store)
     lost = []
     store.start_liveness(30.0, lambda: lost.append(1))  # the keeper will not tick meanwhile
     old = store.lease.id
-    store.client.call(
-        store.client.lease.LeaseRevoke, rpc_pb2.LeaseRevokeRequest(ID=old)
-    )  # as expiry does
+    store.client.call("lease.LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=old))  # as expiry does
     assert store.create("/gone/a", b"1", ephemeral=True)
     assert lost == [1] and store.lease.id != old
     store.put("/gone/b", b"2", ephemeral=True)
@@ -313,7 +315,7 @@ def _ttl(store, lease: int) -> int:
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
     request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease)
-    return store.client.call(store.client.lease.LeaseTimeToLive, request).TTL
+    return store.client.call("lease.LeaseTimeToLive", request).TTL
 
 
 def test_a_lease_asked_for_early_is_the_one_used(embedded):
@@ -417,7 +419,7 @@ def test_a_v2_write_etcd_could_not_commit_in_time_is_retried():
     import etcd
     from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
 
-    store = EtcdV2Store("127.0.0.1", free_port(), StoreAccess("etcd at nowhere", retry_for=5))
+    store = EtcdV2Store(f"127.0.0.1:{free_port()}", StoreAccess("etcd at nowhere", retry_for=5))
     answers = [etcd.EtcdException("Raft Internal Error : etcdserver: request timed out"), "done"]
 
     def request(client):

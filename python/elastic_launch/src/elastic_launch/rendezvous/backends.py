@@ -30,6 +30,7 @@ from elastic_launch.net import (
     parse_endpoint,
     resolve_error,
 )
+from elastic_launch.rendezvous import endpoints
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -38,7 +39,8 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError
+from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError, Tls
 
 if TYPE_CHECKING:
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -250,7 +252,7 @@ def check_parameters(params: RendezvousParameters) -> None:
     conf = parse_conf(params.backend, params.config)
     _check_files(conf)
     if params.backend in ("etcd", "etcd-v2"):
-        _etcd_endpoint(params, conf)
+        _etcd_members(params, conf)
     elif params.backend in ("embedded", "c10d"):
         if params.max_nodes > 1:
             _embedded_endpoint(params, conf, warn=False)
@@ -326,18 +328,28 @@ def _refuse_another_users(host: str, port: int, conf: RendezvousConf) -> None:
     )
 
 
-def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, str, int]:
-    text = params.endpoint.split(",")[0].strip()
-    if not text:
+def _etcd_members(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, list[Member]]:
+    """The scheme and every member of the etcd cluster that ``--rdzv-endpoint`` names."""
+    if not params.endpoint.strip():
         raise RendezvousConfigError(
             f"--rdzv-backend {params.backend} needs --rdzv-endpoint HOST:PORT of etcd "
-            "(for example etcd0:2379)"
+            "(for example etcd0:2379, or every member: etcd0:2379,etcd1:2379,etcd2:2379)"
         )
-    protocol = conf.protocol
-    for scheme in ("http://", "https://"):
-        if text.startswith(scheme):
-            protocol = scheme[:-3]
-            text = text[len(scheme) :]
+    schemes = set()
+    items = []
+    for written in params.endpoint.split(","):
+        text = written.strip()
+        for scheme in ("http://", "https://"):
+            if text.startswith(scheme):
+                schemes.add(scheme[:-3])
+                text = text[len(scheme) :]
+        items.append(text.rstrip("/"))
+    if len(schemes) > 1:
+        raise RendezvousConfigError(
+            f"--rdzv-endpoint {params.endpoint} mixes http:// and https://: every member of a "
+            "cluster is reached the same way; write one scheme (or none)"
+        )
+    protocol = schemes.pop() if schemes else conf.protocol
     if protocol == "http" and conf.tls:
         raise RendezvousConfigError(
             f"--rdzv-endpoint {params.endpoint} says http, but TLS options (cacert, cert, key) "
@@ -350,8 +362,19 @@ def _etcd_endpoint(params: RendezvousParameters, conf: RendezvousConf) -> tuple[
             "so the password would cross the network in clear; give cacert=PATH (and https), "
             "or, on a network you trust, allow_insecure_auth=true"
         )
-    host, port = parse_endpoint(text, "--rdzv-endpoint", DEFAULT_ETCD_PORT)
-    return protocol, host, port
+    listed = endpoints.split(",".join(items), "--rdzv-endpoint", DEFAULT_ETCD_PORT)
+    return protocol, endpoints.resolve(listed)
+
+
+def _etcd_access(conf: RendezvousConf, members: list[Member], tls: Tls | None) -> StoreAccess:
+    return StoreAccess(
+        f"etcd at {endpoints.written(members)}",
+        user=conf.user,
+        password=conf.password,
+        tls=tls,
+        retry_for=conf.join_timeout,
+        read_timeout=conf.read_timeout,
+    )
 
 
 def _over(
@@ -379,35 +402,19 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
     from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
     conf = parse_conf(params.backend, params.config)
-    protocol, host, port = _etcd_endpoint(params, conf)
+    protocol, members = _etcd_members(params, conf)
     _check_files(conf)
     tls = (conf.cacert, conf.cert, conf.key) if protocol == "https" else None
-    access = StoreAccess(
-        f"etcd at {host_port(host, port)}",
-        user=conf.user,
-        password=conf.password,
-        tls=tls,
-        retry_for=conf.join_timeout,
-        read_timeout=conf.read_timeout,
-    )
-    store = EtcdV3Store(host_port(host, port), access)
-    return _over(params, store, conf, host)
+    store = EtcdV3Store(members, _etcd_access(conf, members, tls))
+    return _over(params, store, conf, members[0].host)
 
 
 def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
     from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
 
     conf = parse_conf(params.backend, params.config)
-    protocol, host, port = _etcd_endpoint(params, conf)
+    protocol, members = _etcd_members(params, conf)
     _check_files(conf)
-    access = StoreAccess(
-        f"etcd at {host_port(host, port)}",
-        user=conf.user,
-        password=conf.password,
-        tls=(conf.cacert, conf.cert, conf.key),
-        retry_for=conf.join_timeout,
-        read_timeout=conf.read_timeout,
-    )
-    # python-etcd puts the host in a URL as it is.
-    store = EtcdV2Store(f"[{host}]" if ":" in host else host, port, access, protocol)
-    return _over(params, store, conf, host)
+    access = _etcd_access(conf, members, (conf.cacert, conf.cert, conf.key))
+    store = EtcdV2Store(members, access, protocol)
+    return _over(params, store, conf, members[0].host)

@@ -47,7 +47,7 @@ from elastic_launch.rendezvous.follower import Follower
 from elastic_launch.rendezvous.job import Job, JobKeys
 from elastic_launch.rendezvous.round import Member, RoundState, Status
 from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import Store, StoreError
+from elastic_launch.rendezvous.store import HistoryLostError, Store, StoreError
 from elastic_launch.rendezvous.waits import RoundWaits
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,11 @@ class ElasticRendezvous(RendezvousHandler):
             state, version = self._open_state()
             if state is None:
                 continue  # another node created it first: read theirs
-            final = self._wait(state, version, deadline)
+            try:
+                final = self._wait(state, version, deadline)
+            except HistoryLostError as e:  # its watch cannot go on: read again, watch again
+                logger.warning("rendezvous: %s; reading the round again", e)
+                continue
             if final is not None:
                 return self._enter(final)
             self._no_progress(state, version, stalled, deadline, cancel)

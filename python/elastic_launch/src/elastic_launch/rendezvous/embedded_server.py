@@ -67,6 +67,9 @@ class _State:
 
     def __init__(self) -> None:
         self.revision = 1
+        # Which service this is, in every answer's header: a client given two services of two
+        # jobs as one store's members tells them apart by it, as it would two etcd clusters.
+        self.cluster_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
         self.keys: list[bytes] = []  # sorted
         # Each key's current version, as the message ranges and events copy (built once, when
         # written: three times cheaper than one per read, and a node's shard is 64 of them).
@@ -112,7 +115,9 @@ class _State:
         return past
 
     def header(self) -> rpc_pb2.ResponseHeader:
-        return rpc_pb2.ResponseHeader(cluster_id=1, member_id=1, revision=self.revision)
+        return rpc_pb2.ResponseHeader(
+            cluster_id=self.cluster_id, member_id=1, revision=self.revision
+        )
 
     def select(self, key: bytes, end: bytes) -> list[bytes]:
         if not end:

@@ -10,11 +10,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, join
+from elastic_launch.rendezvous.endpoints import Member, members_of, written
 from elastic_launch.rendezvous.store import (
     Change,
     Inbox,
@@ -24,6 +25,7 @@ from elastic_launch.rendezvous.store import (
     StoreError,
     Unanswered,
     Watch,
+    nospace,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,24 +57,47 @@ def _import_etcd() -> Any:
     return etcd
 
 
+class Members:
+    """The members of the store: one python-etcd client per member for one user (the store's
+    requests, the TTL refresher, each watch: each has its own connections, so that a long poll
+    holds none of the others'), and the member in use, which all of them share: a member one
+    of them found failed is left by all."""
+
+    def __init__(self, store: EtcdV2Store) -> None:
+        self._store = store
+        self._clients: dict[int, Any] = {}
+
+    def client(self) -> tuple[int, Any]:
+        """The member in use and this user's client of it."""
+        i = self._store.pinned
+        if i not in self._clients:
+            self._clients[i] = self._store.client_of(i)
+        return i, self._clients[i]
+
+    def clear(self) -> None:
+        """Let go of every connection (a long poll under way ends when it returns)."""
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                client.http.clear()
+
+
 class EtcdV2Store(Store):
-    """etcd's v2 API at `host`:`port` over `protocol` (http or https), reached as `access`
-    says (a user and password; TLS: the CA, and a certificate with its key)."""
+    """etcd's v2 API at `members` (or one ``host:port``) over `protocol` (http or https),
+    reached as `access` says (a user and password; TLS: the CA, and a certificate with its
+    key). Requests go to one member and move to the next when it cannot be reached."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        members: str | Sequence[Member],
         access: StoreAccess,
         protocol: str = "http",
         cancel: CancelToken = NEVER,
     ) -> None:
         super().__init__(access, cancel)
         self.etcd = _import_etcd()
+        self.members = members_of(members)
         ca, cert, key = access.tls or (None, None, None)
         self._args = {
-            "host": host,
-            "port": port,
             "protocol": protocol,
             "username": access.user,
             "password": access.password,
@@ -80,31 +105,83 @@ class EtcdV2Store(Store):
             "cert": (cert, key) if cert and key else None,
             "read_timeout": self.read_timeout,
         }
-        self.client = self._client()
+        self.pinned = 0  # the member in use, shared by every user's clients
+        self._pin_lock = threading.Lock()
+        self._cluster: tuple[str, Member] | None = None  # the first cluster id seen, where
+        self._own = Members(self)
         self._ttl = 0
         self._ephemeral: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
 
-    def _client(self) -> Any:
-        return self.etcd.Client(**{k: v for k, v in self._args.items() if v is not None})
+    @property
+    def client(self) -> Any:
+        """This store's client of the member in use."""
+        return self._own.client()[1]
 
-    def _call(self, fn: Any, client: Any = None, stop: threading.Event | None = None) -> Any:
-        """One request, retried while etcd is unreachable (a restart), up to retry_for; given
-        `stop` (a closed watch), no longer once it is set (Cancelled)."""
+    def client_of(self, i: int) -> Any:
+        """A new client of member `i` (python-etcd puts the host in a URL as it is)."""
+        host, port = self.members[i].host, self.members[i].port
+        args = {"host": f"[{host}]" if ":" in host else host, "port": port, **self._args}
+        return self.etcd.Client(**{k: v for k, v in args.items() if v is not None})
+
+    def fail_over(self, i: int, why: str) -> bool:
+        """Leave member `i` for the next (if it is still the one in use); False when there is
+        no other member."""
+        if len(self.members) == 1:
+            return False
+        with self._pin_lock:
+            if self.pinned != i:
+                return True
+            self.pinned = (i + 1) % len(self.members)
+        logger.warning(
+            "%s: member %s failed (%s); going on with %s",
+            self.name,
+            self.members[i].written,
+            why,
+            self.members[self.pinned].written,
+        )
+        return True
+
+    def _check_cluster(self, i: int, client: Any) -> None:
+        """Every member must belong to one cluster (python-etcd records the id it saw)."""
+        cluster = getattr(client, "expected_cluster_id", None)
+        if not cluster:
+            return
+        with self._pin_lock:
+            if self._cluster is None:
+                self._cluster = (cluster, self.members[i])
+                return
+            first, where = self._cluster
+        if cluster != first:
+            raise StoreError(
+                f"--rdzv-endpoint {written(self.members)}: {where.written} and "
+                f"{self.members[i].written} belong to two different clusters (cluster ids "
+                f"{first} and {cluster}); give the members of one cluster only"
+            )
+
+    def _call(self, fn: Any, members: Members | None = None, stop: Any = None) -> Any:
+        """One request, on the member in use, moving to the next when it cannot be reached
+        and retried while none can (a restart), up to retry_for; given `stop` (a closed
+        watch), no longer once it is set (Cancelled)."""
         e = self.etcd
+        members = members or self._own
         until = time.monotonic() + self.retry_for
         delay = 0.05
         unanswered = Unanswered(self.name, until)
+        failed = 0
         while True:
             self.cancel.check()
             if stop is not None and stop.is_set():
                 raise Cancelled()
             unanswered.check()
             self._count()
+            i, client = members.client()
             try:
-                return fn(client or self.client)
+                result = fn(client)
+                self._check_cluster(i, client)
+                return result
             except e.EtcdWatchTimedOut:
                 raise  # a quiet long poll, not a failure (it subclasses EtcdConnectionFailed)
             except e.EtcdConnectionFailed as error:
@@ -114,33 +191,41 @@ class EtcdV2Store(Store):
                         "--rdzv-endpoint is right"
                     ) from None
                 unanswered.failed(str(error))
-            except e.EtcdInsufficientPermissions as error:
-                raise StoreError(
-                    f"{self.name} refused the request: {error}; check the "
-                    "user and password in --rdzv-conf"
-                ) from None
-            except (
-                e.EtcdKeyNotFound,
-                e.EtcdAlreadyExist,
-                e.EtcdCompareFailed,
-                e.EtcdEventIndexCleared,
-            ):
-                raise
+                failed += 1
+                if self.fail_over(i, str(error)) and failed % len(self.members):
+                    continue  # the next member at once; a pause once all were tried
             except e.EtcdException as error:
-                if "404 page not found" in str(getattr(error, "payload", "") or error):
-                    raise StoreError(f"{self.name} {_NOT_V2}") from None
-                if "Unauthorized" in str(error) or "401" in str(error):
-                    raise StoreError(
-                        f"{self.name} refused the request: {error}; check the "
-                        "user and password in --rdzv-conf"
-                    ) from None
-                # Its raft did not commit in time: busy, not down; retried as unreachable is.
-                if _OVERLOADED not in str(error) or time.monotonic() + delay > until:
-                    raise StoreError(f"{self.name}: {error}") from None
+                self._refused(error, until - delay)
                 unanswered.failed(str(error))
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
+
+    def _refused(self, error: Any, last_try: float) -> None:
+        """Raise what an error etcd answered means, unless it is worth trying again (a busy
+        cluster's "request timed out", before `last_try`)."""
+        e = self.etcd
+        if isinstance(
+            error,
+            (e.EtcdKeyNotFound, e.EtcdAlreadyExist, e.EtcdCompareFailed, e.EtcdEventIndexCleared),
+        ):
+            raise error
+        if (
+            isinstance(error, e.EtcdInsufficientPermissions)
+            or "Unauthorized" in str(error)
+            or ("401" in str(error))
+        ):
+            raise StoreError(
+                f"{self.name} refused the request: {error}; check the "
+                "user and password in --rdzv-conf"
+            ) from None
+        if "404 page not found" in str(getattr(error, "payload", "") or error):
+            raise StoreError(f"{self.name} {_NOT_V2}") from None
+        if "database space exceeded" in str(error):
+            raise StoreError(nospace(self.name, str(error))) from None
+        # Its raft did not commit in time: busy, not down; retried as unreachable is.
+        if _OVERLOADED not in str(error) or time.monotonic() > last_try:
+            raise StoreError(f"{self.name}: {error}") from None
 
     @staticmethod
     def _kv(node: Any) -> KeyValue:
@@ -232,13 +317,13 @@ class EtcdV2Store(Store):
         self._refresher.start()
 
     def _refresh(self) -> None:
-        client = self._client()
+        members = Members(self)
         while not self._stop.wait(max(self._ttl / 3.0, 0.2)):
             with self._lock:
                 keys = list(self._ephemeral)
             for key in keys:
                 try:
-                    self._call(lambda c, k=key: c.refresh(k, self._ttl), client)
+                    self._call(lambda c, k=key: c.refresh(k, self._ttl), members)
                 except self.etcd.EtcdKeyNotFound:
                     with self._lock:
                         if key not in self._ephemeral:
@@ -273,13 +358,12 @@ class _V2Watch(Watch):
         self._seen: set[str] = set()  # keys this watch saw written and not deleted since
         super().__init__(inbox)
         self._closed = threading.Event()
-        self._client = store._client()  # its own connection, so close() can cut a long poll
+        self._members = Members(store)  # its own connections, so close() can cut a long poll
         self._thread = threading.Thread(target=self._run, name="elasticrun-v2watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         e = self._store.etcd
-        client = self._client
         base = self._prefix.rstrip("/") or "/"
         while not self._closed.is_set():
             try:
@@ -291,7 +375,7 @@ class _V2Watch(Watch):
                         waitIndex=self._index,
                         timeout=_POLL_SECONDS,
                     ),
-                    client,
+                    self._members,
                     self._closed,
                 )
             except (e.EtcdWatchTimedOut, e.EtcdKeyNotFound):
@@ -353,5 +437,4 @@ class _V2Watch(Watch):
         # The thread ends when its pending long poll returns (within _POLL_SECONDS; urllib3
         # cannot cut a request in flight), quietly and without retrying; waiting for it would
         # delay every caller by that much.
-        with contextlib.suppress(Exception):
-            self._client.http.clear()
+        self._members.clear()

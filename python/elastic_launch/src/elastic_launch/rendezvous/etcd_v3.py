@@ -10,10 +10,11 @@ is renewed in the background; watches reconnect from the last revision they deli
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.rendezvous.endpoints import Member
 from elastic_launch.rendezvous.etcd_v3_client import Client, LeaseGoneError, channel
 from elastic_launch.rendezvous.etcd_v3_lease import Lease
 from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch, key_text, prefix_end
@@ -37,21 +38,21 @@ def _kv(kv: kv_pb2.KeyValue) -> KeyValue:
 
 
 class EtcdV3Store(Store):
-    """The store at `target` (host:port), reached as `access` says (a token for the embedded
-    service, a user and password for etcd, TLS); `cancel` abandons calls and retries.
+    """The store at `target` (host:port, or a store's members), reached as `access` says (a
+    token for the embedded service, a user and password for etcd, TLS); `cancel` abandons
+    calls and retries.
     `watch_from_now`: see :class:`~.etcd_v3_watch.EtcdWatch` (etcd needs it; the embedded
     service replays its history at once, and cannot read past revisions); None asks the server
     which it is, once."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[Member],
         access: StoreAccess,
         cancel: CancelToken = NEVER,
         watch_from_now: bool | None = None,
     ) -> None:
         super().__init__(access, cancel)
-        self.target = target
         self._watch_from_now = watch_from_now
         # The read timeout with its default filled in (by Store).
         resolved = dataclasses.replace(access, read_timeout=self.read_timeout)
@@ -61,20 +62,18 @@ class EtcdV3Store(Store):
     # ---- key-value ---------------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
-        reply = self.client.call(self.client.kv.Range, rpc_pb2.RangeRequest(key=key.encode()))
+        reply = self.client.call("kv.Range", rpc_pb2.RangeRequest(key=key.encode()))
         return _kv(reply.kvs[0]) if reply.kvs else None
 
     def range(self, prefix: str) -> tuple[list[KeyValue], int]:
         p = prefix.encode()
-        reply = self.client.call(
-            self.client.kv.Range, rpc_pb2.RangeRequest(key=p, range_end=prefix_end(p))
-        )
+        reply = self.client.call("kv.Range", rpc_pb2.RangeRequest(key=p, range_end=prefix_end(p)))
         return [_kv(kv) for kv in reply.kvs], reply.header.revision
 
     def put(self, key: str, value: bytes, ephemeral: bool = False) -> int:
         def put(lease: int) -> int:
             request = rpc_pb2.PutRequest(key=key.encode(), value=value, lease=lease)
-            return int(self.client.call(self.client.kv.Put, request).header.revision)
+            return int(self.client.call("kv.Put", request).header.revision)
 
         return self._with_lease(ephemeral, put)
 
@@ -87,7 +86,7 @@ class EtcdV3Store(Store):
             request = rpc_pb2.TxnRequest(
                 success=[rpc_pb2.RequestOp(request_put=put), rpc_pb2.RequestOp(request_range=get)]
             )
-            return self.client.call(self.client.kv.Txn, request)
+            return self.client.call("kv.Txn", request)
 
         found = self._with_lease(ephemeral, put_get).responses[1].response_range.kvs
         return _kv(found[0]) if found else None
@@ -117,7 +116,7 @@ class EtcdV3Store(Store):
         request = rpc_pb2.TxnRequest(
             compare=[compare], success=[rpc_pb2.RequestOp(request_put=p) for p in puts]
         )
-        response = self.client.call(self.client.kv.Txn, request)
+        response = self.client.call("kv.Txn", request)
         return int(response.header.revision) if response.succeeded else 0
 
     def create(self, key: str, value: bytes, ephemeral: bool = False) -> int:
@@ -137,7 +136,7 @@ class EtcdV3Store(Store):
                 ],
                 failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=k))],
             )
-            response = self.client.call(self.client.kv.Txn, request)
+            response = self.client.call("kv.Txn", request)
             if response.succeeded:
                 return int(response.header.revision)
             found = response.responses[0].response_range.kvs if response.responses else []
@@ -169,16 +168,14 @@ class EtcdV3Store(Store):
         compare = self._unchanged(k, version)
         lease = 0
         if ttl is not None:  # a lease of its own, never renewed: the key goes when it expires
-            reply = self.client.call(
-                self.client.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(ttl))
-            )
+            reply = self.client.call("lease.LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=round(ttl)))
             lease = reply.ID
         return self._txn(compare, rpc_pb2.PutRequest(key=k, value=value, lease=lease))
 
     def delete(self, key: str, prefix: bool = False) -> None:
         k = key.encode()
         request = rpc_pb2.DeleteRangeRequest(key=k, range_end=prefix_end(k) if prefix else b"")
-        self.client.call(self.client.kv.DeleteRange, request)
+        self.client.call("kv.DeleteRange", request)
 
     @property
     def retry_for(self) -> float:
@@ -213,8 +210,7 @@ class EtcdV3Store(Store):
         if self._watch_from_now is None:
             from elastic_launch.rendezvous.embedded_server import VERSION
 
-            c = self.client
-            reply = c.call(c.maintenance.Status, rpc_pb2.StatusRequest())
+            reply = self.client.call("maintenance.Status", rpc_pb2.StatusRequest())
             self._watch_from_now = reply.version != VERSION
         return self._watch_from_now
 

@@ -19,7 +19,7 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import Client
+from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, STREAM_METADATA, Client, Connection
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
 from elastic_launch.rendezvous.store import StoreError
 
@@ -64,12 +64,16 @@ class Lease:
         """Ask for a lease now without waiting for the answer; `start` then uses it."""
         if self._early is None and not self.id:
             c = self.client
-            c.log_in_once()
+            conn = c.current
+            try:
+                c.log_in(conn)
+            except grpc.RpcError:
+                return  # unreachable now: `start` asks, with retries and their notices
             c.count()
-            grant = c.lease.LeaseGrant.future(
+            grant = conn.lease.LeaseGrant.future(
                 rpc_pb2.LeaseGrantRequest(TTL=round(ttl)),
                 timeout=c.read_timeout,
-                metadata=c.metadata,
+                metadata=conn.metadata,
             )
             self._early = (round(ttl), time.monotonic(), grant)
 
@@ -104,13 +108,14 @@ class Lease:
             self._revoke(future.result().ID)
 
     def _revoke(self, lease: int) -> None:
-        c = self.client
-        c.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=2.0, metadata=c.metadata)
+        conn = self.client.current
+        request = rpc_pb2.LeaseRevokeRequest(ID=lease)
+        conn.lease.LeaseRevoke(request, timeout=2.0, metadata=conn.metadata)
 
     def _grant(self) -> None:
         c = self.client
         reply = self._early_reply() or c.call(
-            c.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl))
+            "lease.LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl))
         )
         if reply.error:
             raise StoreError(f"{c.name} refused a lease: {reply.error}")
@@ -119,7 +124,7 @@ class Lease:
     def ensure(self) -> None:
         """Grant a new lease if this one expired."""
         c = self.client
-        if c.call(c.lease.LeaseTimeToLive, rpc_pb2.LeaseTimeToLiveRequest(ID=self.id)).TTL <= 0:
+        if c.call("lease.LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=self.id)).TTL <= 0:
             self._grant()
 
     def replace(self, expired: int) -> None:
@@ -134,35 +139,48 @@ class Lease:
 
     def _keep_alive(self) -> None:
         """Renew the lease on one long-lived stream: a request every TTL/3, the answers read
-        here. A stream that breaks, or that has not answered for most of the TTL, is replaced
-        at once, so that a slow store or a busy process loses the lease only when a whole TTL
-        passed without an answer, never after two slow ticks, and a renewal costs the store
-        one message, not a new stream."""
+        here. A stream that breaks, or whose answers stop coming, is replaced at once (on the
+        store's next member, when it has several), so that a slow store or a busy process
+        loses the lease only when a whole TTL passed without an answer, never after two slow
+        ticks, and a renewal costs the store one message, not a new stream."""
         interval = max(self.ttl / 3.0, 0.2)
-        # Answers late by most of the TTL: the stream is stuck (a busy process reads them
-        # late too, and a new stream would only cost it more). A broken one errors at once.
-        stale = max(self.ttl * 0.8, 2 * interval)
         delay = 0.05
         while not self._stop.is_set():
+            conn = self.client.current
             last = [time.monotonic()]  # the last answer (or the stream's start)
             call: list[Any] = []
             try:
-                if self._stream(self._requests(last, call, interval, stale), last, call):
+                if self._stream(conn, self._requests(conn, last, call, interval), last, call):
                     delay = 0.05
-            except ValueError:
-                return  # the channel was closed: the store is closing
+            except ValueError:  # "Channel closed": the store is closing, or left this member
+                if self.client.closed.is_set():
+                    return
             if call:
                 call[0].cancel()
+            if self.client.current is not conn:
+                continue  # on the next member at once
             if self._stop.wait(delay):
                 return
             delay = min(delay * 2, 0.5)  # again soon: the TTL has what is left, no more
 
-    def _stream(self, requests: Iterator[Any], last: list[float], call: list[Any]) -> bool:
-        """One keep-alive stream, until it ends; whether it was answered."""
+    def _stale_after(self, interval: float) -> float:
+        """Seconds without an answer after which a keep-alive stream is stuck. With one
+        member, most of the TTL: a busy process reads answers late too, and a new stream would
+        only cost it more. With several, two ticks: a member that hangs (stopped, cut off)
+        is left with a third of the TTL to spare, and leaving a slow one costs little."""
+        if len(self.client.connections) > 1:
+            return 2 * interval
+        return max(self.ttl * 0.8, 2 * interval)
+
+    def _stream(
+        self, conn: Connection, requests: Iterator[Any], last: list[float], call: list[Any]
+    ) -> bool:
+        """One keep-alive stream on member `conn`, until it ends; whether it was answered."""
         c = self.client
         answered = False
         try:
-            stream = c.lease.LeaseKeepAlive(requests, metadata=c.metadata)
+            c.log_in(conn)
+            stream = conn.lease.LeaseKeepAlive(requests, metadata=conn.metadata + STREAM_METADATA)
             call.append(stream)
             self._keep_call = stream
             if self._stop.is_set():
@@ -170,27 +188,43 @@ class Lease:
             for reply in stream:
                 last[0] = time.monotonic()
                 answered = True
+                c.check_cluster(conn, reply)
                 if reply.TTL <= 0 and not self._stop.is_set():
                     with contextlib.suppress(StoreError, Cancelled):
                         self.replace(reply.ID)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED and c.logs_in:
-                with contextlib.suppress(StoreError, Cancelled):
-                    c.authenticate()
+            if self._stop.is_set():
+                return answered
+            unauthenticated = e.code() == grpc.StatusCode.UNAUTHENTICATED
+            if unauthenticated and c.logs_in and c.relog(conn):
+                return answered
+            if e.code() in RETRYABLE or unauthenticated:
+                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}")
+        except StoreError as e:  # a member of another cluster: said, and tried again later
+            logger.warning("the rendezvous lease keep-alive: %s", e)
+            return False
         return answered
 
     def _requests(
-        self, last: list[float], call: list[Any], interval: float, stale: float
+        self, conn: Connection, last: list[float], call: list[Any], interval: float
     ) -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
         """The keep-alive stream's requests, in gRPC's own thread for the stream: one per
-        tick; the stream is cancelled when its answers stop coming (`last`: the last one)."""
+        tick; when its answers stop coming (`last`: the last one), the member is left and
+        the stream ends."""
+        stale = self._stale_after(interval)
+        due = time.monotonic()
         while True:
-            self.client.count()
-            yield rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
-            if self._stop.wait(interval):
+            if time.monotonic() >= due:
+                self.client.count()
+                yield rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
+                due = time.monotonic() + interval
+            wake = min(due, last[0] + stale) - time.monotonic()
+            if self._stop.wait(max(wake, 0.01)):
                 return
             if time.monotonic() - last[0] > stale and call:
-                call[0].cancel()
+                why = f"its lease keep-alive went unanswered for {stale:.1f} s"
+                if not self.client.fail_over(conn, why):
+                    call[0].cancel()
                 return
 
     def close(self) -> None:

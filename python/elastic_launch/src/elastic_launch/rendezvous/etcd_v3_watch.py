@@ -14,9 +14,9 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, Client
+from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, STREAM_METADATA, Client, Connection
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
-from elastic_launch.rendezvous.store import Change, Inbox, StoreError, Watch
+from elastic_launch.rendezvous.store import Change, HistoryLostError, Inbox, StoreError, Watch
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -36,15 +36,19 @@ def key_text(key: bytes) -> str:
 
 
 class EtcdWatch(Watch):
-    """One watch stream (and reader thread) for one or more prefixes; reconnects from the last
-    revision delivered for each.
+    """One watch stream (and reader thread) for one or more prefixes; reconnects (on the
+    store's next member, when it has several) from the revision after the last one delivered
+    for each, so that no change is lost or seen twice. A history compacted away under it
+    ends the watch with :class:`~.store.HistoryLostError`: the watcher reads again.
 
     etcd serves a watch whose start revision has already passed from its history, by a loop
     that runs every 100 ms: such a watch hears nothing, not even new changes, for up to 100 ms
     (measured: 83 ms median on etcd 3.4). A rendezvous that reads, then watches from the
     read, meets that whenever anyone writes in between. So each stream starts at the server's
     current revision, and the changes between the caller's revision and it (a gap that is
-    usually empty) come from two reads: the keys then and now."""
+    usually empty) come from two reads: the keys then and now. A stream opened again after one
+    broke starts from the revision after the last one delivered: the changes since come one by
+    one, as they were made."""
 
     def __init__(
         self,
@@ -58,7 +62,7 @@ class EtcdWatch(Watch):
         self._keys = [p.encode() for p in prefixes]
         self._next = dict.fromkeys(self._keys, after_revision + 1)  # per prefix
         self._created = 0  # `created` replies on the current stream: they come in order
-        self._from_now = from_now
+        self._from_now = from_now  # the first stream's start: see the class's docstring
         super().__init__(inbox)
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
@@ -101,16 +105,19 @@ class EtcdWatch(Watch):
         """One watch stream, until it ends: None when the watch is over (an error delivered,
         cancelled, closed), else whether to open the next one at once (True) or after the
         retry delay (False)."""
-        self._client.count()
+        client = self._client
+        conn = client.current
+        client.count()
         try:
-            self._client.log_in_once()
-            self._call = self._client.watch.Watch(
-                self._request_stream(self._requests), metadata=self._client.metadata
+            client.log_in(conn)
+            self._call = conn.watch.Watch(
+                self._request_stream(self._requests), metadata=conn.metadata + STREAM_METADATA
             )
             if self._closed.is_set():  # closed before the call existed to be cancelled
                 self._call.cancel()
             for reply in self._call:
                 retry.reset()
+                client.check_cluster(conn, reply)
                 if not self._take(reply):
                     return None
             return False
@@ -119,22 +126,32 @@ class EtcdWatch(Watch):
                 self.inbox.put(error)
         except Cancelled:
             pass  # the session's waits are woken by the cancellation itself
-        except ValueError:  # "Channel closed": the store was closed under this watch
-            if not self._closed.is_set():
-                self.inbox.put(StoreError(f"{self._client.name}: the connection was closed"))
+        except ValueError:  # "Channel closed": the store closed, or this member was left
+            if not self._closed.is_set() and client.closed.is_set():
+                self.inbox.put(StoreError(f"{client.name}: the connection was closed"))
+            elif not self._closed.is_set():
+                return True
         except grpc.RpcError as e:
-            return self._again(e, retry)
+            return self._again(e, retry, conn)
+        finally:
+            self._from_now = False  # from now on, every stream goes on where the last ended
         return None
 
     def _take(self, reply: Any) -> bool:
         """Deliver one reply of the stream; False when the watch is over (canceled)."""
         if reply.canceled:
-            reason = reply.cancel_reason or (
-                f"revision {min(self._next.values())} was compacted"
-                if reply.compact_revision
-                else "canceled by the server"
-            )
-            self.inbox.put(StoreError(f"{self._client.name}: watch lost: {reason}"))
+            where = self._client.name
+            if reply.compact_revision:
+                start = min(self._next.values())
+                self.inbox.put(
+                    HistoryLostError(
+                        f"{where}: the changes from revision {start} on were compacted "
+                        f"(it keeps them from {reply.compact_revision} on)"
+                    )
+                )
+            else:
+                reason = reply.cancel_reason or "canceled by the server"
+                self.inbox.put(StoreError(f"{where}: watch lost: {reason}"))
             return False
         if reply.created:
             key = self._keys[min(self._created, len(self._keys) - 1)]
@@ -153,27 +170,31 @@ class EtcdWatch(Watch):
             self.inbox.put(batch)
         return True
 
-    def _again(self, e: grpc.RpcError, retry: _Retry) -> bool | None:
-        """After a failed stream: None to give up (the error is delivered), True to open a
-        new stream at once (after logging in again: etcd's simple tokens expire), False to
-        open one after the retry delay."""
+    def _again(self, e: grpc.RpcError, retry: _Retry, conn: Connection) -> bool | None:
+        """After a failed stream on member `conn`: None to give up (the error is delivered),
+        True to open a new stream at once (after logging in again: etcd's simple tokens
+        expire; or on the store's next member), False to open one after the retry delay."""
         if self._closed.is_set():
             return None
         code = e.code()
-        if code == grpc.StatusCode.UNAUTHENTICATED and self._client.logs_in and not retry.relogged:
+        client = self._client
+        if code == grpc.StatusCode.UNAUTHENTICATED and client.logs_in and not retry.relogged:
             retry.relogged = True
             try:
-                self._client.authenticate()
+                if client.relog(conn):
+                    return True
             except StoreError as error:
                 self.inbox.put(error)
                 return None
-            return True
         now = time.monotonic()
         retry.failing_since = retry.failing_since or now
         cut_off = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut off" in (e.details() or "")
-        if (code in RETRYABLE or cut_off) and now - retry.failing_since <= self._client.retry_for:
+        if (code in RETRYABLE or cut_off) and now - retry.failing_since <= client.retry_for:
+            if code in RETRYABLE and client.fail_over(conn, f"watch: {code.name}: {e.details()}"):
+                retry.tried += 1
+                return retry.tried % len(client.connections) != 0  # a pause once all were tried
             return False  # a stream the service cut off (it fell behind) is watched again
-        self.inbox.put(self._client.error(e))
+        self.inbox.put(client.error(e))
         return None
 
     def _fill_gap(self, key: bytes, current: int) -> None:
@@ -197,7 +218,7 @@ class EtcdWatch(Watch):
 
     def _read(self, key: bytes, revision: int) -> list[Any]:
         request = rpc_pb2.RangeRequest(key=key, range_end=prefix_end(key), revision=revision)
-        return list(self._client.call(self._client.kv.Range, request).kvs)
+        return list(self._client.call("kv.Range", request).kvs)
 
     def close(self) -> None:
         self._closed.set()
@@ -210,12 +231,14 @@ class EtcdWatch(Watch):
 
 @dataclass
 class _Retry:
-    """A watch's reconnection: the next delay, since when it fails, whether it logged in again."""
+    """A watch's reconnection: the next delay, since when it fails, whether it logged in again,
+    how many members it tried in a row."""
 
     delay: float = 0.05
     failing_since: float | None = None
     relogged: bool = False
+    tried: int = 0  # members tried in a row
 
     def reset(self) -> None:
         """The stream works: the next failure starts afresh."""
-        self.delay, self.failing_since, self.relogged = 0.05, None, False
+        self.delay, self.failing_since, self.relogged, self.tried = 0.05, None, False, 0

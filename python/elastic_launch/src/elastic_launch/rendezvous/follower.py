@@ -20,7 +20,7 @@ from elastic_launch.rendezvous.api import RestartReason
 from elastic_launch.rendezvous.job import Job
 from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import Change, Inbox, StoreError
+from elastic_launch.rendezvous.store import Change, HistoryLostError, Inbox, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,13 @@ class Follower:
     def _run(self) -> None:
         try:
             everything = self.round.leader == self.job.node
-            while not self._follow(everything):
-                everything = True  # the leader finished and went: follow all from now on
+            while True:
+                try:
+                    if self._follow(everything):
+                        return
+                    everything = True  # the leader finished and went: follow all from now on
+                except HistoryLostError as e:  # its watch cannot go on: read again, watch again
+                    logger.warning("rendezvous: %s; reading the round again", e)
         except Exception as e:  # any failure: the agent must hear of it, not a dead thread
             if not self._stop.is_set():
                 if not isinstance(e, Cancelled):

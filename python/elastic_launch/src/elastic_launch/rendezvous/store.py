@@ -63,6 +63,12 @@ class StoreError(RendezvousConnectionError):
     """The store failed or cannot be reached; the message says which and what to check."""
 
 
+class HistoryLostError(StoreError):
+    """A watch could not go on from the revision after the last one it delivered: the store
+    compacted that history away (etcd's "required revision has been compacted"), or its new
+    host does not have it. The watcher reads the keys again and watches from that read."""
+
+
 class Inbox:
     """Where watches deliver batches of changes, and where anything else that should end a wait
     (a cancellation, a lost lease, a closed watch) puts a wake-up: one queue a waiter reads,
@@ -258,3 +264,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Revoke the lease (ephemeral keys go at once) and disconnect; idempotent."""
+
+
+def nospace(name: str, details: str) -> str:
+    """etcd's NOSPACE alarm, in words that say what to run."""
+    return (
+        f"{name} raised its NOSPACE alarm ({details}): its database reached its quota "
+        "(--quota-backend-bytes), and it refuses every write until space is freed and the "
+        "alarm is disarmed; run `etcdctl compact REVISION` (the revision `etcdctl endpoint "
+        "status -w json` shows), `etcdctl defrag` and `etcdctl alarm disarm`, or give etcd a "
+        "larger --quota-backend-bytes"
+    )

@@ -1,0 +1,261 @@
+"""The store loses a member while a real job trains: a 3-member etcd cluster (as etcd is
+deployed), two launchers of one worker each, and every member named in --rdzv-endpoint. A
+member is killed, stopped, cut off or restarted, then a worker crashes, so that the job needs a
+new round through the members that are left: it must complete with the weights of a fault-free
+run, and spend one restart on the crash and none on the store.
+
+Each waits for the job's own record of its progress, never for a time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args
+from launcher_util import finish, start, wait_for
+
+
+class TwoNodes:
+    """A two-node job (one worker each) on the etcd at `endpoint`; node b may list the members
+    in another order (`endpoint_b`: each node names the members as it likes)."""
+
+    def __init__(
+        self, job: Job, backend: str, endpoint: str, *extra: str, endpoint_b: str = ""
+    ) -> None:
+        run_id = f"store-{os.getpid()}-{os.urandom(2).hex()}"
+        self.job = job
+        self.args = [
+            node_args(job, e, run_id, *extra, backend=backend)
+            for e in (endpoint, endpoint_b or endpoint)
+        ]
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *nodes: int) -> None:
+        """Start nodes `nodes` (every node when none is named)."""
+        for i in nodes or (0, 1):
+            self.procs.append(start(self.args[i], ONE_THREAD))
+
+    def crash_a_worker(self) -> None:
+        """SIGKILL the worker of rank 1 (as a worker's fault would end it)."""
+        workers = self.job.workers()
+        assert 1 in workers, f"no worker of rank 1 runs: {workers}"
+        os.kill(workers[1], signal.SIGKILL)
+
+    def finish(self) -> list[tuple[int, str, str]]:
+        """Every node's (exit code, stdout, stderr); each must have succeeded."""
+        results = [finish(p, timeout=180) for p in self.procs]
+        said = "\n".join(
+            f"node {i} exited {code}:\n{err[-3000:]}" for i, (code, _, err) in enumerate(results)
+        )
+        assert all(code == 0 for code, _, _ in results), said
+        return results
+
+    def end(self) -> None:
+        for p in self.procs:
+            finish_quietly(p)
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[Callable[..., TwoNodes]]:
+    made: list[TwoNodes] = []
+
+    def make(backend: str, endpoint: str, *extra: str, endpoint_b: str = "") -> TwoNodes:
+        made.append(
+            TwoNodes(Job(tmp_path, "store"), backend, endpoint, *extra, endpoint_b=endpoint_b)
+        )
+        return made[-1]
+
+    yield make
+    for nodes in made:
+        nodes.end()
+
+
+def spent(results: list[tuple[int, str, str]], restarts: int) -> None:
+    """The job restarted `restarts` times, no more: the store's fault cost none. (The node
+    whose worker failed spends the restart and says so; the others restart for it.)"""
+    logs = "\n".join(err for _, _, err in results)
+    if restarts:
+        assert f"restart {restarts} of 3" in logs, logs[-4000:]
+    assert f"restart {restarts + 1} of 3" not in logs, logs[-4000:]
+
+
+def moved(results: list[tuple[int, str, str]]) -> None:
+    """Some node left a failed member for the next."""
+    assert any("failed" in err and "going on with" in err for _, _, err in results), [
+        err[-2000:] for _, _, err in results
+    ]
+
+
+def a_store_fault_then_a_crash(nodes: TwoNodes, fault: Callable[[], None], reference: Path):
+    """The job trains; `fault` hits the store at step 8; a worker crashes at step 16 (a new
+    round through what is left of the store); the job completes as a fault-free run did."""
+    nodes.start()
+    nodes.job.wait_step(8, *nodes.procs)
+    fault()
+    nodes.job.wait_step(16, *nodes.procs)  # training goes on without the member
+    victims = list(nodes.job.workers().values())
+    nodes.crash_a_worker()
+    results = nodes.finish()
+    spent(results, 1)
+    nodes.job.assert_recovered(reference, victims)
+    return results
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_the_member_named_first_killed(two_nodes, etcd_cluster, reference, backend):
+    nodes = two_nodes(backend, etcd_cluster.endpoint)
+    results = a_store_fault_then_a_crash(nodes, etcd_cluster.members[0].kill, reference)
+    moved(results)
+
+
+@pytest.mark.timeout(240)
+def test_the_leader_killed(two_nodes, etcd_cluster, reference):
+    etcd_cluster.lead(1)  # not the member the nodes use: they see only the election
+    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    a_store_fault_then_a_crash(nodes, etcd_cluster.members[1].kill, reference)
+
+
+@pytest.mark.timeout(240)
+def test_a_member_stopped(two_nodes, etcd_cluster, reference):
+    # SIGSTOP: the member keeps its connections open and answers nothing (a hung VM).
+    stopped = etcd_cluster.members[0]
+    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    try:
+        assert stopped.proc is not None
+        results = a_store_fault_then_a_crash(
+            nodes, lambda: stopped.proc.send_signal(signal.SIGSTOP), reference
+        )
+    finally:
+        if stopped.proc is not None:
+            stopped.proc.send_signal(signal.SIGCONT)
+    moved(results)
+
+
+@pytest.fixture
+def cut_off(etcd_clusters) -> Iterator[tuple[Any, Netns]]:
+    """A 3-member cluster whose first member runs in a network namespace of its own, joined
+    to this one by a veth pair: (the cluster, the namespace)."""
+    net = Netns("e", names=1)
+    cluster = None
+    try:
+        problem = net.setup()
+        if problem:
+            pytest.skip(f"cannot make a network namespace here ({problem}): needs root")
+        inside, outside = net.addrs[0], net.addrs[1]
+        here = {"peer_host": outside}  # the others' peers: reachable from the namespace
+        where = {
+            0: {"host": inside, "peer_host": inside, "prefix": net.prefix(0)},
+            1: here,
+            2: here,
+        }
+        cluster = etcd_clusters(3, where)
+        yield cluster, net
+    finally:
+        if cluster is not None:
+            cluster.members[0].kill()  # cut off, it would wait for its peers to stop
+        net.remove()
+
+
+@pytest.mark.timeout(240)
+def test_a_member_cut_off_by_the_network(two_nodes, cut_off, reference):
+    cluster, net = cut_off
+    nodes = two_nodes("etcd", cluster.endpoint)
+    results = a_store_fault_then_a_crash(nodes, net.cut, reference)
+    moved(results)
+
+
+@pytest.mark.timeout(300)
+def test_a_rolling_restart_of_every_member_with_a_crash_after_each(
+    two_nodes, etcd_cluster, reference
+):
+    # As etcd is upgraded: one member at a time is stopped and started again; a worker
+    # crashes after each, so that every new round goes through a cluster missing a member
+    # a moment before.
+    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    nodes.start()
+    victims: set[int] = set()
+    for attempt, member in enumerate(etcd_cluster.members):
+        nodes.job.wait_step(6, *nodes.procs, attempt=attempt)
+        member.restart()
+        victims |= set(nodes.job.workers().values())
+        nodes.crash_a_worker()
+    results = nodes.finish()
+    spent(results, 3)
+    nodes.job.assert_recovered(reference, list(victims))
+
+
+@pytest.mark.timeout(240)
+def test_a_watched_history_compacted_under_a_waiting_node(two_nodes, etcd_cluster, reference):
+    # Node a waits for node b, watching the job from the revision after its last read, on
+    # member 0. The cluster moves on (writes elsewhere) and compacts its history up to now:
+    # a's watch, in sync on member 0, hears nothing of it. Member 0 is killed: a's watch
+    # goes on from its revision on member 1, finds that history compacted (etcd's "required
+    # revision has been compacted"), reads the round again and watches from that read. Node
+    # b then joins, and the job forms and completes.
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store import StoreAccess
+
+    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    nodes.start(0)
+    other = EtcdV3Store(etcd_cluster.members[1].endpoint, StoreAccess("etcd", retry_for=10))
+
+    def joined() -> bool:
+        return any("/join/" in kv.key for kv in other.range("/elasticrun/")[0])
+
+    try:
+        assert wait_for(joined, 60), "node a did not join"
+        for i in range(5):
+            other.put(f"/elsewhere/{i}", b"x")
+        etcd_cluster.compact(via=1)
+        etcd_cluster.members[0].kill()
+    finally:
+        other.close()
+    nodes.start(1)
+    results = nodes.finish()
+    assert "compacted" in results[0][2] and "reading the round again" in results[0][2]
+    spent(results, 0)
+    nodes.job.assert_same_weights(reference)
+
+
+def fill(endpoint: str) -> None:
+    """Write to the etcd at `endpoint` until it raises its NOSPACE alarm."""
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store import StoreAccess, StoreError
+
+    filler = EtcdV3Store(endpoint, StoreAccess("etcd", retry_for=10))
+    try:
+        for i in range(1000):
+            try:
+                filler.put(f"/filler/{i}", b"x" * 100_000)
+            except StoreError as e:
+                full = e
+                break
+        else:
+            raise AssertionError("etcd never said NOSPACE")
+        assert "NOSPACE" in str(full), full
+    finally:
+        filler.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_full_etcd_is_a_clear_error_naming_its_alarm(two_nodes, etcd_small):
+    # The job trains; etcd's database reaches its quota (its NOSPACE alarm: every write is
+    # refused); a worker crashes and the job needs a new round, which it cannot write.
+    nodes = two_nodes("etcd", etcd_small.endpoint)
+    nodes.start()
+    nodes.job.wait_step(8, *nodes.procs)
+    fill(etcd_small.endpoint)
+    nodes.crash_a_worker()
+    results = [finish(p, timeout=180) for p in nodes.procs]
+    assert all(code != 0 for code, _, _ in results)
+    said = "\n".join(err for _, _, err in results)
+    assert "raised its NOSPACE alarm" in said and "etcdctl alarm disarm" in said, said[-3000:]
+    assert "Traceback (most recent call last)" not in said.split("[rank")[-1]
+    nodes.job.assert_checkpoint_intact(at_least=5)
+    assert nodes.job.workers() == {}
