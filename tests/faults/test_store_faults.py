@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args
-from launcher_util import finish, start, wait_for
+from launcher_util import finish, free_port, listening, start, wait_for
 
 
 class TwoNodes:
@@ -259,3 +259,25 @@ def test_a_full_etcd_is_a_clear_error_naming_its_alarm(two_nodes, etcd_small):
     assert "Traceback (most recent call last)" not in said.split("[rank")[-1]
     nodes.job.assert_checkpoint_intact(at_least=5)
     assert nodes.job.workers() == {}
+
+
+@pytest.mark.timeout(240)
+def test_the_node_hosting_the_embedded_rendezvous_killed_and_started_again(two_nodes, reference):
+    # Two nodes, each serving one of the two endpoints: node a hosts, node b stands by. Node
+    # a's launcher is SIGKILLed (its worker dies with it) and started again with the same
+    # command: node b's service has taken over with the job's state, node a's new service
+    # follows it, and the job goes on from its checkpoint to the fault-free weights.
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    nodes = two_nodes("c10d", f"{first},{second}")
+    nodes.start(0)
+    assert wait_for(lambda: listening(first), 30), "node a did not serve the first endpoint"
+    nodes.start(1)
+    nodes.job.wait_step(8, *nodes.procs)
+    victims = list(nodes.job.workers().values())
+    host = nodes.procs.pop(0)
+    host.kill()
+    host.communicate(timeout=30)
+    nodes.start(0)  # the same command, on the same host
+    results = nodes.finish()
+    assert "hosts the job now" in results[0][2], results[0][2][-3000:]
+    nodes.job.assert_recovered(reference, victims)

@@ -62,17 +62,19 @@ HOST_WAIT = 60.0
 
 
 class EmbeddedRendezvous(ElasticRendezvous):
-    """The elastic rendezvous over the embedded service; the hosting agent also runs it."""
+    """The elastic rendezvous over the embedded service; the agents that serve it run it too.
+    With several endpoints, each node that can serve one does (the first it can bind), one of
+    them hosts and the others stand by to take over (:mod:`.embedded_roles`)."""
 
     def __init__(self, params: RendezvousParameters) -> None:
         conf = parse_conf(params.backend, params.config)
-        host, port = _embedded_endpoint(params, conf)
+        members = _embedded_members(params, conf)
         self.server: EmbeddedServer | None = None
-        self._another_serves = False  # the port of this host was served by another process
-        self._serve_if_host(host, port, conf)
+        self._another_serves = False  # a port of this host was served by another process
+        self._serve_one(members, conf)
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-        where = host_port(host, port)
+        where = endpoints.written(members)
         access = StoreAccess(
             f"the rendezvous service at {where}",
             token=conf.token,
@@ -81,11 +83,11 @@ class EmbeddedRendezvous(ElasticRendezvous):
             read_timeout=conf.read_timeout,
         )
         # It replays a watch's past at once (etcd: every 100 ms).
-        store = EtcdV3Store(host_port(host, port), access, watch_from_now=False)
+        store = EtcdV3Store(members, access, watch_from_now=False)
         self._v3: EtcdV3Store = store  # its leases tell the host who is still here
         try:
-            super().__init__(params, store, conf, host)
-            if self.server is None:
+            super().__init__(params, store, conf, members[0].host)
+            if self.server is None or not self.server.hosting:
                 self.first_contact = HOST_WAIT
         except StoreError as e:
             store.close()
@@ -104,41 +106,43 @@ class EmbeddedRendezvous(ElasticRendezvous):
             self._stop_serving()
             raise
 
-    def _serve_if_host(self, host: str, port: int, conf: RendezvousConf) -> None:
-        """Host the service when this node is its host: ``is_host`` says so, or the endpoint
-        is this host and this agent is the first on it to bind the port. The port is bound
-        exclusively (no SO_REUSEPORT): it is the lock that picks one host among the agents of
-        this host, and no other user can hold it for us. A port held by anything but another
-        agent's service is an error at once, on every agent of this host: no one waits for a
-        service that will not come."""
-        wants_host = conf.is_host if conf.is_host is not None else is_local_host(host)
-        if not wants_host:
-            if is_loopback(host):
-                _refuse_another_users(host, port, conf)
+    def _serve_one(self, members: list[Member], conf: RendezvousConf) -> None:
+        """Serve the first endpoint this agent can: one of this host (or any, with
+        ``is_host=true``; none with ``is_host=false``) that no other agent serves."""
+        if conf.is_host is False:
+            for m in members:
+                if is_loopback(m.host):
+                    _refuse_another_users(m.host, m.port, conf)
             return
+        mine = [i for i, m in enumerate(members) if conf.is_host or is_local_host(m.host)]
+        for i in mine:
+            if self._serve_if_free(members, i, conf):
+                return
+        if conf.is_host and len(members) > 1:
+            raise RendezvousConfigError(
+                f"--rdzv-endpoint {endpoints.written(members)}: cannot host the rendezvous: "
+                "other agents serve every endpoint; leave is_host out"
+            )
+
+    def _serve_if_free(self, members: list[Member], i: int, conf: RendezvousConf) -> bool:
+        """Serve endpoint `i` if this agent is the first on its host to bind its port (bound
+        exclusively, no SO_REUSEPORT: the lock that picks one agent among those of a host,
+        which no other user can hold for us); False if another agent of this host serves it.
+        A port held by anything but another agent's service is an error at once, on every
+        agent of this host: no one waits for a service that will not come."""
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
-        low, high = ephemeral_range()
-        if low <= port <= high:
-            logger.warning(
-                "--rdzv-endpoint port %d is in this host's ephemeral range (%d-%d): the kernel "
-                "may give it to any outgoing connection before the service binds it; choose a "
-                "port below %d (the default is %d)",
-                port,
-                low,
-                high,
-                low,
-                DEFAULT_EMBEDDED_PORT,
-            )
+        host, port = members[i].host, members[i].port
+        _warn_if_ephemeral(port)
         give_up = time.monotonic() + HOST_BIND_GRACE
         while True:
             try:
-                self.server = EmbeddedServer(host, port, conf.token, _tls(conf))
-                logger.info("hosting the rendezvous service on %s", host_port(host, port))
-                return
+                self.server = EmbeddedServer(host, port, conf.token, _tls(conf), members, i)
+                logger.info("serving the rendezvous service on %s", host_port(host, port))
+                return True
             except OSError as e:
                 error = e
-            if conf.is_host:
+            if conf.is_host and len(members) == 1:
                 raise RendezvousConfigError(
                     f"--rdzv-endpoint {host_port(host, port)}: cannot host the rendezvous "
                     f"({error}); free the port, or leave is_host out"
@@ -148,7 +152,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             if holder == SERVICE:
                 logger.info("another agent of this host serves the rendezvous: %s", error)
                 self._another_serves = True
-                return
+                return False
             if holder == OTHER or time.monotonic() > give_up:
                 raise RendezvousConnectionError(
                     f"cannot host the rendezvous service on {host_port(host, port)} ({error}): "
@@ -164,7 +168,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
     @property
     def hosting(self) -> bool:
-        return self.server is not None
+        """Whether this agent's service hosts the job now."""
+        return self.server is not None and self.server.hosting
 
     def _stop_serving(self, grace: float = 1.0) -> None:
         if self.server is not None:
@@ -172,7 +177,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
             self.server = None
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
-        if self.server is not None and not cancel.cancelled and self.ended_here():
+        server = self.server
+        if server is not None and server.hosting and not cancel.cancelled and self.ended_here():
             # The others' last requests (done, closing the job, reading how it ended) go
             # through this service: keep it up until they have left (their leases ended), as
             # torchrun's exit barrier does. A stopped launcher does not wait.
@@ -181,7 +187,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 "rendezvous service)",
                 HOST_LINGER_S,
             )
-            if not self.server.wait_for_clients(self._v3.leases, HOST_LINGER_S, cancel):
+            if not server.wait_for_clients(self._v3.leases, HOST_LINGER_S, cancel):
                 logger.warning(
                     "other nodes still hold the rendezvous service after %.0f s: stopping it",
                     HOST_LINGER_S,
@@ -255,7 +261,7 @@ def check_parameters(params: RendezvousParameters) -> None:
         _etcd_members(params, conf)
     elif params.backend in ("embedded", "c10d"):
         if params.max_nodes > 1:
-            _embedded_endpoint(params, conf, warn=False)
+            _embedded_members(params, conf, warn=False)
         elif params.endpoint:
             parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
 
@@ -264,16 +270,18 @@ def _tls(conf: RendezvousConf) -> tuple[str | None, str | None, str | None] | No
     return (conf.cacert, conf.cert, conf.key) if conf.tls else None
 
 
-def _embedded_endpoint(
+def _embedded_members(
     params: RendezvousParameters, conf: RendezvousConf, warn: bool = True
-) -> tuple[str, int]:
-    """Where the embedded service is (required, the same on every node). Beyond loopback it
-    never runs open: every node refuses to start without a token, unless told it may."""
-    if not params.endpoint:
+) -> list[Member]:
+    """Where the embedded service is (required, the same on every node): its endpoints, the
+    first listed hosting first. Beyond loopback it never runs open: every node refuses to
+    start without a token, unless told it may."""
+    if not params.endpoint.strip():
         raise RendezvousConfigError(
             f"--rdzv-backend {params.backend} with --nnodes {params.min_nodes}:"
             f"{params.max_nodes} needs --rdzv-endpoint HOST:PORT, the address of the node "
-            "that hosts the rendezvous (the same on every node)"
+            "that hosts the rendezvous (the same on every node; several, comma-separated, "
+            "let another take over when the host is lost)"
         )
     if warn and params.max_nodes > EMBEDDED_MAX_NODES:
         logger.warning(
@@ -285,7 +293,15 @@ def _embedded_endpoint(
             params.backend,
             EMBEDDED_MAX_NODES,
         )
-    host, port = parse_endpoint(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+    listed = endpoints.split(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
+    members = [Member(host, port) for host, port in listed]  # a name is one node's
+    for m in members:
+        _open_only_on_loopback(m, conf)
+    return members
+
+
+def _open_only_on_loopback(member: Member, conf: RendezvousConf) -> None:
+    host, port = member.host, member.port
     if conf.token is None and not conf.allow_unauthenticated and not is_loopback(host):
         unresolved = resolve_error(host)
         if unresolved is not None:
@@ -300,7 +316,21 @@ def _embedded_endpoint(
             "-hex 16), or --rdzv-conf token_file=PATH), or, on a network you trust, "
             "--rdzv-conf allow_unauthenticated=true (docs/security.md)"
         )
-    return host, port
+
+
+def _warn_if_ephemeral(port: int) -> None:
+    low, high = ephemeral_range()
+    if low <= port <= high:
+        logger.warning(
+            "--rdzv-endpoint port %d is in this host's ephemeral range (%d-%d): the kernel "
+            "may give it to any outgoing connection before the service binds it; choose a "
+            "port below %d (the default is %d)",
+            port,
+            low,
+            high,
+            low,
+            DEFAULT_EMBEDDED_PORT,
+        )
 
 
 def _refuse_another_users(host: str, port: int, conf: RendezvousConf) -> None:

@@ -1,16 +1,19 @@
-"""The embedded rendezvous service: a small in-memory store hosted by one agent, speaking the
-same etcd v3 gRPC subset as etcd itself (KV, Lease, Watch), so that one client and one
-rendezvous algorithm serve both. Revisions, leases with TTLs, and watches from a past revision
-(a bounded history) behave as etcd's do. When the job has a token, a client logs in with the
-challenge of :mod:`.challenge` (the token never crosses the wire) and every request carries the
-credential it earned; with ``tls``, the service speaks TLS.
+"""The embedded rendezvous service: a small in-memory store (:mod:`.embedded_state`) hosted by
+one agent, speaking the same etcd v3 gRPC subset as etcd itself (KV, Lease, Watch), so that one
+client and one rendezvous algorithm serve both. Revisions, leases with TTLs, and watches from a
+past revision (a bounded history) behave as etcd's do. When the job has a token, a client logs
+in with the challenge of :mod:`.challenge` (the token never crosses the wire) and every request
+carries the credential it earned; with ``tls``, the service speaks TLS.
+
+With several endpoints, every node that serves one runs this service there: one hosts, the
+others are standbys that follow it and take over when it is lost (:mod:`.embedded_roles`).
+A standby answers only Authenticate and Status, and refuses the rest as unavailable, so that a
+client moves on to the host as it would from any failed member.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -19,8 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -30,7 +32,12 @@ from elastic_launch.net import host_port, port_listened
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous import embedded_bounds as bounds
 from elastic_launch.rendezvous.embedded_bounds import Outbox
-from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.embedded_peers import Peer
+from elastic_launch.rendezvous.embedded_replicas import Replicas
+from elastic_launch.rendezvous.embedded_roles import Roles
+from elastic_launch.rendezvous.embedded_state import State, Watcher, size_of
+from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -38,229 +45,6 @@ _END_TIMEOUT = 1.0  # seconds the service's tasks get to end once cancelled, at 
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
 VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd by it
-
-
-@dataclass
-class _Lease:
-    ttl: int
-    expires: float
-    keys: set[bytes] = field(default_factory=set)
-    kept: bool = False  # renewed at least once
-    client: str = ""  # the connection that was granted it
-
-
-@dataclass(eq=False)  # identity: found by its id, never by comparing fields
-class _Watcher:
-    key: bytes
-    end: bytes
-    out: Outbox  # (watch_id, [events of one revision]) for the stream's sender
-    watch_id: int
-
-    def matches(self, key: bytes) -> bool:
-        if not self.end:
-            return key == self.key
-        return key >= self.key and (self.end == b"\0" or key < self.end)
-
-
-class _State:
-    """The store. Touched only from the service's event loop, so it needs no lock."""
-
-    def __init__(self) -> None:
-        self.revision = 1
-        # Which service this is, in every answer's header: a client given two services of two
-        # jobs as one store's members tells them apart by it, as it would two etcd clusters.
-        self.cluster_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
-        self.keys: list[bytes] = []  # sorted
-        # Each key's current version, as the message ranges and events copy (built once, when
-        # written: three times cheaper than one per read, and a node's shard is 64 of them).
-        self.data: dict[bytes, kv_pb2.KeyValue] = {}
-        self.leases: dict[int, _Lease] = {}
-        # The leases kept alive (renewed at least once: a node's session, not a key's own
-        # expiry such as the closed job's state), told on every change.
-        self.on_kept: Callable[[frozenset[int]], None] = lambda ids: None
-        self.history: collections.deque[tuple[int, kv_pb2.Event]] = collections.deque()
-        self.compacted = 0  # the newest revision with events dropped from the history
-        self.history_bytes = 0
-        self.data_bytes = 0  # keys and values held
-        self.streams = 0  # watch and keep-alive streams open
-        self.watch_bytes = bounds.Account(bounds.WATCH_BYTES)  # queued or being sent
-        self.read_bytes = bounds.Account(bounds.READ_BYTES)  # answers being sent
-        self.holders = bounds.Leases()
-        self.pending: list[kv_pb2.Event] = []  # the current revision's events
-        # Watchers by the range they watch, then by id: many nodes watch the same few ranges
-        # (the state, the shared keys), so a commit matches each event against ranges, not
-        # watchers, and a watcher comes and goes in O(1) (a thousand nodes leaving a range
-        # at once, as after a node loss, must not cost a million comparisons in one commit).
-        self.watchers: dict[tuple[bytes, bytes], dict[int, _Watcher]] = {}
-
-    def add_watcher(self, w: _Watcher) -> None:
-        self.watchers.setdefault((w.key, w.end), {})[w.watch_id] = w
-
-    def remove_watchers(self, gone: list[_Watcher]) -> None:
-        for w in gone:
-            group = self.watchers.get((w.key, w.end))
-            if group is not None and group.pop(w.watch_id, None) is not None and not group:
-                del self.watchers[(w.key, w.end)]
-
-    def since(self, start: int, w: _Watcher) -> list[tuple[int, kv_pb2.Event]]:
-        """The history's events from revision `start` on that `w` watches (read from the
-        newest back: a new watch usually starts near the present)."""
-        past = []
-        for rev, ev in reversed(self.history):
-            if rev < start:
-                break
-            if w.matches(ev.kv.key):
-                past.append((rev, ev))
-        past.reverse()
-        return past
-
-    def header(self) -> rpc_pb2.ResponseHeader:
-        return rpc_pb2.ResponseHeader(
-            cluster_id=self.cluster_id, member_id=1, revision=self.revision
-        )
-
-    def select(self, key: bytes, end: bytes) -> list[bytes]:
-        if not end:
-            return [key] if key in self.data else []
-        lo = bisect.bisect_left(self.keys, key)
-        hi = len(self.keys) if end == b"\0" else bisect.bisect_left(self.keys, end)
-        return self.keys[lo:hi]
-
-    def _emit(self, event: kv_pb2.Event) -> None:
-        self.pending.append(event)
-
-    def commit(self) -> None:
-        """Publish the current revision's events: to the history, and to each watcher as one
-        response (as etcd sends a transaction's or a lease expiry's events together)."""
-        events, self.pending = self.pending, []
-        for event in events:
-            size = _size(event)
-            while self.history and (
-                len(self.history) >= bounds.HISTORY
-                or self.history_bytes + size > bounds.HISTORY_BYTES
-            ):
-                rev, dropped = self.history.popleft()
-                self.compacted = rev
-                self.history_bytes -= _size(dropped)
-            self.history.append((self.revision, event))
-            self.history_bytes += size
-        for group in self.watchers.values():
-            first = next(iter(group.values()))
-            mine = [e for e in events if first.matches(e.kv.key)]
-            if mine:
-                size = sum(_size(e) for e in mine)
-                for w in group.values():
-                    w.out.send(w.watch_id, mine, size)
-
-    def check_lease(self, lease: int) -> None:
-        if lease and lease not in self.leases:
-            raise KeyError("etcdserver: requested lease not found")
-
-    def room_for(self, key: bytes, value: bytes) -> str | None:
-        """Why a put of `key` cannot be held (the caps on keys and bytes), or None."""
-        old = self.data.get(key)
-        grows = len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
-        if old is None and len(self.data) >= bounds.MAX_KEYS:
-            return f"it holds {bounds.MAX_KEYS} keys already"
-        if self.data_bytes + grows > bounds.MAX_DATA_BYTES:
-            held, most = self.data_bytes, bounds.MAX_DATA_BYTES
-            return f"it holds {held} bytes of keys and values (at most {most})"
-        return None
-
-    def put(self, key: bytes, value: bytes, lease: int) -> None:
-        old = self.data.get(key)
-        self.data_bytes += len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
-        if old is not None and old.lease and old.lease in self.leases:
-            self.leases[old.lease].keys.discard(key)
-        if old is None:
-            bisect.insort(self.keys, key)
-        entry = kv_pb2.KeyValue(
-            key=key,
-            value=value,
-            create_revision=old.create_revision if old is not None else self.revision,
-            mod_revision=self.revision,
-            version=old.version + 1 if old is not None else 1,
-            lease=lease,
-        )
-        self.data[key] = entry
-        if lease:
-            self.leases[lease].keys.add(key)
-        self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry))
-
-    def delete(self, key: bytes) -> None:
-        entry = self.data.pop(key)
-        self.data_bytes -= len(entry.key) + len(entry.value)
-        self.keys.pop(bisect.bisect_left(self.keys, key))
-        if entry.lease in self.leases:
-            self.leases[entry.lease].keys.discard(key)
-        self._emit(
-            kv_pb2.Event(
-                type=kv_pb2.Event.DELETE, kv=kv_pb2.KeyValue(key=key, mod_revision=self.revision)
-            )
-        )
-
-    def compare(self, c: rpc_pb2.Compare) -> bool:
-        entry = self.data.get(c.key)
-        target = c.target
-        if target == rpc_pb2.Compare.VALUE:
-            if entry is None:
-                return False  # as etcd: a missing key's value compares false, whatever the op
-            have: Any = entry.value
-            want: Any = c.value
-        else:
-            attr = {
-                rpc_pb2.Compare.VERSION: ("version", "version"),
-                rpc_pb2.Compare.CREATE: ("create_revision", "create_revision"),
-                rpc_pb2.Compare.MOD: ("mod_revision", "mod_revision"),
-                rpc_pb2.Compare.LEASE: ("lease", "lease"),
-            }[target]
-            have = getattr(entry, attr[0]) if entry is not None else 0
-            want = getattr(c, attr[1])
-        result = c.result
-        if result == rpc_pb2.Compare.EQUAL:
-            return bool(have == want)
-        if result == rpc_pb2.Compare.NOT_EQUAL:
-            return bool(have != want)
-        if result == rpc_pb2.Compare.GREATER:
-            return bool(have > want)
-        return bool(have < want)
-
-    def expire(self, now: float) -> None:
-        for lease_id, lease in list(self.leases.items()):
-            if lease.expires <= now:
-                self.revoke(lease_id)
-
-    def renew(self, lease_id: int) -> int:
-        """Keep a lease alive: its TTL, or 0 if it is gone."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            return 0
-        lease.expires = time.monotonic() + lease.ttl
-        if not lease.kept:
-            lease.kept = True
-            self._tell_kept()
-        return lease.ttl
-
-    def _tell_kept(self) -> None:
-        self.on_kept(frozenset(i for i, lease in self.leases.items() if lease.kept))
-
-    def revoke(self, lease_id: int) -> None:
-        lease = self.leases.pop(lease_id, None)
-        if lease is not None:
-            self.holders.ended(lease.client)
-        if lease is not None and lease.kept:
-            self._tell_kept()
-        if lease is None or not lease.keys:
-            return
-        self.revision += 1
-        for key in sorted(lease.keys):
-            if key in self.data:
-                self.delete(key)
-        self.commit()
-
-
-def _size(event: kv_pb2.Event) -> int:
-    return len(event.kv.key) + len(event.kv.value) + bounds.EVENT_OVERHEAD
 
 
 class _RefusedError(Exception):
@@ -273,20 +57,25 @@ class _RefusedError(Exception):
 
 
 def _answering(method: Any) -> Any:
-    """A unary handler whose refusals (:class:`_RefusedError`) become the call's status, and
-    whose answer counts against the bytes of answers being sent until the call ends."""
+    """A unary handler of the host (a standby refuses it), whose refusals
+    (:class:`_RefusedError`) become the call's status, whose answer counts against the bytes
+    of answers being sent until the call ends, and which answers once the standbys have
+    everything it reflects."""
 
     @functools.wraps(method)
     async def handler(self: _Service, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._check(context)
+            self._hosting()
             self._answer_bytes = 0  # the method runs to its end without yielding the loop
             try:
-                return method(self, request)
+                reply = method(self, request)
             finally:
                 taken, self._answer_bytes = self._answer_bytes, 0
                 if taken:
                     context.add_done_callback(lambda _: self.s.read_bytes.give(taken))
+            await self._durable()
+            return reply
         except _RefusedError as e:
             await context.abort(e.code, e.details)
 
@@ -299,16 +88,44 @@ class _Service(
     rpc_pb2_grpc.LeaseServicer,
     rpc_pb2_grpc.WatchServicer,
     rpc_pb2_grpc.MaintenanceServicer,
+    replica_pb2_grpc.ReplicaServicer,
 ):
     """The handlers. They run on the service's event loop, one at a time: a unary request is
     answered whole between two awaits, so the store needs no lock, and a thousand nodes' streams
     cost a coroutine each, not a thread each."""
 
-    def __init__(self, state: _State, token: str | None) -> None:
+    def __init__(self, state: State, token: str | None, members: int) -> None:
         self.s = state
         self.token = token
+        self.replicas = Replicas(state, members)
+        self.roles: Roles | None = None  # made on the loop (see EmbeddedServer._start)
+        self.streams: set[Outbox] = set()  # the watch streams open, told when it steps down
         self._watch_ids = iter(range(1, 1 << 62))
         self._answer_bytes = 0  # of the unary call being answered
+
+    def _hosting(self) -> None:
+        """Refuse the request unless this service hosts (a standby's client moves on)."""
+        roles = self.roles
+        if roles is not None and not roles.serving:
+            host = roles.peers[roles.host].member.written if roles.host is not None else None
+            raise _RefusedError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this rendezvous service is a standby"
+                + (f" of the host at {host}" if host else ", and no host is known yet")
+                + ": ask the host",
+            )
+
+    async def _durable(self) -> None:
+        """Wait until the standbys have what an answer reflects; refuse it if this service
+        stepped down meanwhile."""
+        if self.replicas.standbys:
+            await self.replicas.durable()
+            self._hosting()
+
+    def demoted(self) -> None:
+        """This service stepped down: its streams end, so that their clients move on."""
+        for out in self.streams:
+            out.put(("standby", None))
 
     def _check(self, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
@@ -367,6 +184,7 @@ class _Service(
         :data:`bounds.MAX_STREAMS` are open."""
         try:
             self._check(context)
+            self._hosting()
             if self.s.streams >= bounds.MAX_STREAMS:
                 raise _RefusedError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -471,7 +289,10 @@ class _Service(
     ) -> Any:
         try:
             self._check(context)
-            return self._grant(request, context.peer() or "")
+            self._hosting()
+            reply = self._grant(request, context.peer() or "")
+            await self._durable()
+            return reply
         except _RefusedError as e:
             await context.abort(e.code, e.details)
 
@@ -493,8 +314,7 @@ class _Service(
         lease_id = request.ID or int.from_bytes(os.urandom(7), "big") or 1
         while lease_id in self.s.leases:  # a random ID another client asked for by number
             lease_id = int.from_bytes(os.urandom(7), "big") or 1
-        self.s.leases[lease_id] = _Lease(ttl, time.monotonic() + ttl, client=client)
-        self.s.holders.granted(client)
+        self.s.grant(lease_id, ttl, client)
         return rpc_pb2.LeaseGrantResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
 
     @_answering
@@ -509,6 +329,10 @@ class _Service(
     ) -> AsyncIterator[Any]:
         await self._admit(context)
         async for request in request_iterator:
+            try:
+                self._hosting()
+            except _RefusedError as e:
+                await context.abort(e.code, e.details)
             ttl = self.s.renew(request.ID)
             yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=request.ID, TTL=ttl)
 
@@ -529,8 +353,14 @@ class _Service(
     ) -> AsyncIterator[Any]:
         await self._admit(context)
         out = Outbox(self.s.watch_bytes)
-        context.add_done_callback(lambda _: out.drop())
-        mine: dict[int, _Watcher] = {}
+        self.streams.add(out)
+
+        def ended(_: Any) -> None:
+            out.drop()
+            self.streams.discard(out)
+
+        context.add_done_callback(ended)
+        mine: dict[int, Watcher] = {}
         reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
         # runs its finally only when it is collected.
@@ -540,6 +370,10 @@ class _Service(
                 kind, arg = await out.get()
                 if kind == "end":
                     return
+                if kind == "create":
+                    await self._durable_or_end(context)
+                if kind == "standby":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this service stepped down")
                 if kind == "overflow":
                     self.s.remove_watchers(list(mine.values()))
                     mine.clear()
@@ -556,7 +390,7 @@ class _Service(
             reader.cancel()
 
     def _watch_step(
-        self, kind: Any, arg: Any, out: Outbox, mine: dict[int, _Watcher]
+        self, kind: Any, arg: Any, out: Outbox, mine: dict[int, Watcher]
     ) -> Iterable[tuple[Any, int]]:
         """The responses to one item of a watch stream's queue, each with the bytes it holds
         of the stream's account: a watcher's events of one revision, a cancel, or a create
@@ -576,9 +410,9 @@ class _Service(
         return self._create(arg, header, out, mine)
 
     def _create(
-        self, create: Any, header: Any, out: Outbox, mine: dict[int, _Watcher]
+        self, create: Any, header: Any, out: Outbox, mine: dict[int, Watcher]
     ) -> Iterable[tuple[Any, int]]:
-        w = _Watcher(create.key, create.range_end, out, next(self._watch_ids))
+        w = Watcher(create.key, create.range_end, out, next(self._watch_ids))
 
         def refused(**why: Any) -> list[tuple[Any, int]]:
             reply = rpc_pb2.WatchResponse(
@@ -591,9 +425,9 @@ class _Service(
                 cancel_reason=f"at most {bounds.WATCHERS_PER_STREAM} watches on one stream"
             )
         start = create.start_revision
-        if start and start <= self.s.compacted:
-            # The events from `start` on are gone: the client must read again.
-            return refused(compact_revision=self.s.compacted + 1)
+        if start and (start <= self.s.compacted or self.s.unknown_past(start)):
+            # The events from `start` on are gone (or another host's): the client reads again.
+            return refused(compact_revision=max(self.s.compacted, self.s.fork) + 1)
         past = self.s.since(start, w) if start else []
         self.s.add_watcher(w)  # what comes after `past` arrives through `out`
         mine[w.watch_id] = w
@@ -611,14 +445,49 @@ class _Service(
         a stream that does not read is cut off at its share."""
         for _, group in itertools.groupby(past, key=lambda p: p[0]):
             events = [ev for _, ev in group]
-            size = sum(_size(ev) for ev in events)
+            size = sum(size_of(ev) for ev in events)
             if not out.charge(size):
                 return  # cut off: the loop finds the overflow next
             yield rpc_pb2.WatchResponse(header=header, watch_id=watch_id, events=events), size
 
-    @_answering
-    def Status(self, request: Any) -> Any:  # noqa: N802
-        return rpc_pb2.StatusResponse(header=self.s.header(), version=VERSION)
+    async def _durable_or_end(self, context: grpc.aio.ServicerContext) -> None:
+        """Before a watch replays its past: the standbys have all of it (or the stream ends,
+        if this service stepped down meanwhile)."""
+        try:
+            await self._durable()
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+
+    async def Status(  # noqa: N802 - gRPC's name
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Served by a standby too: its role, term and revision, in etcd's fields (the other
+        services decide who hosts by them; a client learns what it talks to)."""
+        try:
+            self._check(context)
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+        roles = self.roles
+        host = roles.host if roles is not None else 0
+        return rpc_pb2.StatusResponse(
+            header=self.s.header(),
+            version=VERSION,
+            leader=host + 1 if host is not None else 0,
+            raftTerm=self.s.term,
+            isLearner=roles is not None and not roles.serving,
+        )
+
+    async def Follow(  # noqa: N802 - gRPC's name
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """A standby follows this host (:mod:`.embedded_replicas`)."""
+        try:
+            self._check(context)
+            self._hosting()
+        except _RefusedError as e:
+            await context.abort(e.code, e.details)
+        async for update in self.replicas.follow(request_iterator, context):
+            yield update
 
 
 class EmbeddedServer:
@@ -632,15 +501,21 @@ class EmbeddedServer:
         port: int,
         token: str | None,
         tls: tuple[str | None, str | None, str | None] | None = None,
+        members: Sequence[Member] = (),
+        index: int = 0,
     ) -> None:
         """`tls`: (CA certificate, certificate, key) paths; with a CA, clients must present a
-        certificate it signed."""
-        self.state = _State()
+        certificate it signed. `members`: every service of the job (the endpoints), this one
+        the `index`-th; with none, this service hosts alone."""
+        self.state = State()
+        self.state.member_id = index + 1
         self._tls = tls
+        self._token = token
+        self._members, self._index = list(members), index
         self._kept: frozenset[int] = frozenset()  # the state's, as its loop last told
         self._kept_changed = threading.Condition()
         self.state.on_kept = self._told
-        self._service = _Service(self.state, token)
+        self._service = _Service(self.state, token, max(len(self._members), 1))
         self._address = host_port(host, port)
         # Found here, not by gRPC: its failed bind logs an error line (add_port.cc) in every
         # agent that does not host, the normal case for all but one.
@@ -705,6 +580,7 @@ class EmbeddedServer:
         rpc_pb2_grpc.add_WatchServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_MaintenanceServicer_to_server(self._service, server)
         rpc_pb2_grpc.add_AuthServicer_to_server(self._service, server)
+        replica_pb2_grpc.add_ReplicaServicer_to_server(self._service, server)
         try:
             if self._tls is None:
                 port = server.add_insecure_port(self._address)
@@ -716,7 +592,25 @@ class EmbeddedServer:
             raise OSError(f"cannot listen on {self._address} (in use?)")
         await server.start()
         self._server = server
+        peers = {
+            i: Peer(m, i, self._token, self._tls)
+            for i, m in enumerate(self._members)
+            if i != self._index
+        }
+        roles = Roles(self.state, self._service.replicas, peers, self._index, self._service.demoted)
+        self._service.roles = roles
+        if peers:
+            roles.task = asyncio.get_running_loop().create_task(
+                _keep_running(roles.run, "its role")
+            )
         started.set_result(port)
+
+    @property
+    def hosting(self) -> bool:
+        """Whether this service hosts the job now (with several, one does; the others are
+        standbys)."""
+        roles = self._service.roles
+        return roles is not None and roles.serving
 
     def _told(self, ids: frozenset[int]) -> None:
         with self._kept_changed:
@@ -745,19 +639,27 @@ class EmbeddedServer:
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            self.state.expire(time.monotonic())
+            if self.hosting:  # a standby's leases are the host's to end
+                self.state.expire(time.monotonic())
 
     def _stop_loop(self) -> None:
         with contextlib.suppress(RuntimeError):  # closed already
             self._loop.call_soon_threadsafe(self._loop.stop)
         join(self._thread, 2 * _END_TIMEOUT + 1, "the rendezvous service's thread")
 
+    async def _stop(self, grace: float) -> None:
+        roles = self._service.roles
+        if roles is not None:
+            await roles.close()  # its look at the others ends, and its channels to them
+        assert self._server is not None
+        await self._server.stop(grace)
+
     def close(self, grace: float = 1.0) -> None:
         """Stop serving: calls under way get `grace` seconds to finish (0: cut them off)."""
         if not self._thread.is_alive():
             return
         if self._server is not None:
-            stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            stopping = asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
             try:
                 stopping.result(timeout=grace + _END_TIMEOUT)
             except concurrent.futures.TimeoutError:
@@ -782,6 +684,18 @@ def _server_credentials(ca: str | None, cert: str | None, key: str | None) -> An
     return grpc.ssl_server_credentials(
         [pair], root_certificates=root, require_client_auth=bool(root)
     )
+
+
+async def _keep_running(step: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `step` (a loop) for as long as the service runs: a failure is said, and it goes on."""
+    while True:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("the rendezvous service's %s failed; going on", what)
+            await asyncio.sleep(0.5)
 
 
 async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> None:

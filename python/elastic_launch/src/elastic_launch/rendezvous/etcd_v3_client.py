@@ -51,11 +51,16 @@ RETRYABLE = {
 }
 
 #: gRPC's own check of a connection that carries streams: a ping every 10 s (etcd refuses
-#: pings more often than every 5 s), a member that does not answer it within 2 s is gone.
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+#: pings more often than every 5 s), a member that does not answer it within 2 s is gone. A
+#: member that refused a connection is tried again within a second (gRPC's backoff grows to
+#: two minutes, and fails every call at once meanwhile): a member that comes back is used.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 10000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 #: What every stream asks of etcd: a member cut off from its cluster's leader ends the stream
 #: (etcd's WithRequireLeader) instead of keeping it open and silent.
@@ -66,7 +71,7 @@ class LeaseGoneError(StoreError):
     """A write named a lease the store no longer has: it expired while this node was cut off."""
 
 
-def _read(path: str) -> bytes:
+def read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
 
@@ -76,7 +81,7 @@ def channel(target: str, tls: Tls | None, options: list[tuple[str, Any]] | None 
     None) is given, else plain."""
     if tls is None:
         return grpc.insecure_channel(target, options=options)
-    ca, cert, key = (_read(p) if p else None for p in tls)
+    ca, cert, key = (read_file(p) if p else None for p in tls)
     creds = grpc.ssl_channel_credentials(ca, key, cert)
     return grpc.secure_channel(target, creds, options=options)
 
@@ -94,7 +99,7 @@ class Connection:
         self._open()
 
     def _open(self) -> None:
-        options = list(_CHANNEL_OPTIONS)
+        options = list(CHANNEL_OPTIONS)
         if self.member.name is not None and self._tls is not None:
             options.append(("grpc.ssl_target_name_override", self.member.name))
         self.channel = channel(self.member.target, self._tls, options)
@@ -143,6 +148,7 @@ class Client:
         self._user, self._password = access.user, access.password
         self._token = access.token  # the embedded service's: proven by a challenge, never sent
         self.failovers = 0  # how many times calls moved to another member
+        self._said: set[int] = set()  # members whose failure was said, until they answer
         self.closed = threading.Event()  # set by close(): calls under way end with an error
 
     @property
@@ -185,15 +191,28 @@ class Client:
             self._pinned = (failed.index + 1) % len(self.connections)
             self.failovers += 1
             nxt = self.current
-        logger.warning(
-            "%s: member %s failed (%s); going on with %s",
+            said = failed.index in self._said
+            self._said.add(failed.index)
+        # Said once until the member answers again; a standby of the embedded service that
+        # sends the client on to its host is routing, not a failure.
+        standby = "is a standby" in why
+        log = logger.info if said or standby else logger.warning
+        log(
+            "%s: member %s %s (%s); going on with %s",
             self.name,
             failed.member.written,
+            "stands by" if standby else "failed",
             why,
             nxt.member.written,
         )
         failed.reset()
         return True
+
+    def answered(self, conn: Connection) -> None:
+        """Member `conn` answered: a failure of it will be said again."""
+        if conn.index in self._said:
+            with self._lock:
+                self._said.discard(conn.index)
 
     def check_cluster(self, conn: Connection, reply: Any) -> None:
         """Every member must belong to one cluster: the first answer's cluster id is the
@@ -338,6 +357,7 @@ class Client:
         finally:
             unregister()
         self.check_cluster(conn, reply)
+        self.answered(conn)
         return reply
 
     def _retryable(self, e: grpc.RpcError, too_late: bool) -> None:

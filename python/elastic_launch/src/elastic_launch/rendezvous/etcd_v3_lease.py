@@ -145,20 +145,24 @@ class Lease:
         ticks, and a renewal costs the store one message, not a new stream."""
         interval = max(self.ttl / 3.0, 0.2)
         delay = 0.05
+        failed = 0  # streams in a row that got no answer
         while not self._stop.is_set():
             conn = self.client.current
             last = [time.monotonic()]  # the last answer (or the stream's start)
             call: list[Any] = []
+            answered = False
             try:
-                if self._stream(conn, self._requests(conn, last, call, interval), last, call):
-                    delay = 0.05
+                answered = self._stream(
+                    conn, self._requests(conn, last, call, interval), last, call
+                )
             except ValueError:  # "Channel closed": the store is closing, or left this member
                 if self.client.closed.is_set():
                     return
             if call:
                 call[0].cancel()
-            if self.client.current is not conn:
-                continue  # on the next member at once
+            delay, failed = (0.05, 0) if answered else (delay, failed + 1)
+            if self.client.current is not conn and failed % len(self.client.connections):
+                continue  # on the next member at once; a pause once all were tried
             if self._stop.wait(delay):
                 return
             delay = min(delay * 2, 0.5)  # again soon: the TTL has what is left, no more
@@ -189,6 +193,7 @@ class Lease:
                 last[0] = time.monotonic()
                 answered = True
                 c.check_cluster(conn, reply)
+                c.answered(conn)
                 if reply.TTL <= 0 and not self._stop.is_set():
                     with contextlib.suppress(StoreError, Cancelled):
                         self.replace(reply.ID)

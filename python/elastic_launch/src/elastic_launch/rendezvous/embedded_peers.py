@@ -1,0 +1,88 @@
+"""Another service of the same job, as this embedded service sees it: a channel on this
+service's event loop, logged in with the job's token (the peer proves it holds the token
+before anything derived from it is sent, as for any client), its status, and its Follow
+stream when this service follows it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import grpc
+
+from elastic_launch.rendezvous import challenge
+from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.etcd_v3_client import CHANNEL_OPTIONS, read_file
+from elastic_launch.rendezvous.etcdpb import replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.store import Tls
+
+#: Seconds a peer has to answer a status probe: a stopped one must not hold the others up.
+PROBE_TIMEOUT = 1.0
+
+
+class Peer:
+    """The service at `member` (the `index`-th of the job's endpoints)."""
+
+    def __init__(self, member: Member, index: int, token: str | None, tls: Tls | None) -> None:
+        self.member = member
+        self.index = index
+        self._token = token
+        self._tls = tls
+        self._open()
+
+    def _open(self) -> None:
+        # A channel of its own (not gRPC's process-wide pool of connections): one that another
+        # channel saw refused, and that gRPC would not try again for a while, is not shared.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        if self.member.name is not None and self._tls is not None:
+            options.append(("grpc.ssl_target_name_override", self.member.name))
+        if self._tls is None:
+            self.channel = grpc.aio.insecure_channel(self.member.target, options=options)
+        else:
+            ca, cert, key = (read_file(p) if p else None for p in self._tls)
+            creds = grpc.ssl_channel_credentials(ca, key, cert)
+            self.channel = grpc.aio.secure_channel(self.member.target, creds, options=options)
+        self._auth = rpc_pb2_grpc.AuthStub(self.channel)
+        self._maintenance = rpc_pb2_grpc.MaintenanceStub(self.channel)
+        self.replica = replica_pb2_grpc.ReplicaStub(self.channel)
+        self.metadata: list[tuple[str, str]] = []
+
+    async def _reopen(self) -> None:
+        """A new channel: the next call connects afresh (gRPC would wait out its backoff)."""
+        old = self.channel
+        self._open()
+        with contextlib.suppress(Exception):
+            await old.close(grace=0)
+
+    async def log_in(self) -> None:
+        """Log in (the challenge) if the job has a token; raises grpc.RpcError if the peer
+        cannot be reached, ValueError if it does not prove it holds the token."""
+        if self._token is None:
+            return
+        mine = challenge.nonce()
+        request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+        reply = await self._auth.Authenticate(request, timeout=PROBE_TIMEOUT)
+        self.metadata = [("token", challenge.respond(self._token, mine, reply.token))]
+
+    async def status(self) -> Any:
+        """Its status (its role, term and revision), or None when it does not answer as a
+        service of this job (gone, stopped, or without the token). A call that fails is
+        tried once more on a new channel: a peer that just came back is seen."""
+        for attempt in range(2):
+            try:
+                if not self.metadata:
+                    await self.log_in()
+                return await self._maintenance.Status(
+                    rpc_pb2.StatusRequest(), timeout=PROBE_TIMEOUT, metadata=self.metadata
+                )
+            except grpc.RpcError as e:
+                if attempt or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None  # a stopped peer is waited for once, not twice
+                await self._reopen()  # and logs in again: its credential may have expired
+            except ValueError:
+                return None
+        return None
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.channel.close(grace=0)
