@@ -67,6 +67,12 @@ class Shape:
     ours: tuple[str, ...] = ("--monitor-interval", "0.05")  # elasticrun's only
     #: GPUs, NCCL: each node gets `nproc` of `gpus` (CUDA_VISIBLE_DEVICES entries, in order)
     gpus: tuple[str, ...] = ()
+    #: The embedded c10d rendezvous's endpoints (elasticrun's: torchrun's c10d takes one).
+    endpoints: int = 1
+    #: Another rendezvous: its backend and every member of its store (etcd's; torchrun is
+    #: given the first, all its etcd backends take).
+    backend: str = "c10d"
+    store: tuple[str, ...] = ()
 
     @property
     def world(self) -> int:
@@ -165,6 +171,10 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+NODE_FAULTS = ("node", "spare", "host", "host-spare")
+FAULTS = ("worker", "hang", "member", *NODE_FAULTS)
+
+
 def _trained(lines: list[str]) -> list[int]:
     """The steps of a record's "EPOCH STEP IDS" lines, in order."""
     return [int(line.split(" ")[1]) for line in lines if line.count(" ") == 2]
@@ -189,11 +199,20 @@ class JobRun:
         self.launcher = launcher
         self.samples = self.root / "samples"
         self.weights = self.root / "final.pt"
-        self.port = free_port()
+        self.ports = [free_port() for _ in range(shape.endpoints)]
+        self.port = self.ports[0]  # where the first node hosts the embedded rendezvous
         self.run_id = f"{name}-{os.getpid()}-{self.port}"
         self.nodes: list[subprocess.Popen[bytes]] = []
         self._deadline = 0.0
         self.logs: list[Path] = []
+        #: What the "member" fault does to the store (an etcd member SIGKILLed).
+        self.store_fault: Callable[[], None] = lambda: None
+        self.killed: subprocess.Popen[bytes] | None = None  # the node a fault SIGKILLed
+
+    def _endpoint(self) -> str:
+        """--rdzv-endpoint: every endpoint or member for elasticrun, the first for torchrun."""
+        given = self.shape.store or tuple(f"127.0.0.1:{p}" for p in self.ports)
+        return ",".join(given) if self.launcher == "elasticrun" else given[0]
 
     def _command(self) -> list[str]:
         extra = self.shape.ours if self.launcher == "elasticrun" else ()
@@ -204,9 +223,9 @@ class JobRun:
             "--nproc-per-node",
             str(self.shape.nproc),
             "--rdzv-backend",
-            "c10d",
+            self.shape.backend,
             "--rdzv-endpoint",
-            f"127.0.0.1:{self.port}",
+            self._endpoint(),
             "--rdzv-id",
             self.run_id,
             *self.shape.flags,
@@ -301,25 +320,15 @@ class JobRun:
         given, SIGKILLed once every rank has recorded the step), "hang" (the last rank stops
         making progress after training the step: the example's --hang-at-step), "node" (the
         last node's launcher and workers SIGKILLed, a new node started), "spare" (the same,
-        with a node started before the fault that waits as a spare, and none after), or
-        None."""
+        with a node started before the fault that waits as a spare, and none after), "host"
+        and "host-spare" (the same for the first node, which hosts the embedded rendezvous),
+        "member" (`store_fault` at the step, then a worker SIGKILLed 10 steps later: measured
+        from that kill), or None."""
         self._deadline = time.monotonic() + timeout
         if fault == "hang":
             self.job = (*self.job, "--hang-at-step", str(kill_at))
         try:
-            host = self.start_node()
-            if self.shape.nnodes > 1:  # one node alone needs no service (elasticrun's has none)
-                self._until(lambda: _listening(self.port), "the first node hosting", host)
-            for _ in range(self.shape.nnodes - 1):
-                self.start_node()
-            if fault == "spare":  # once the round runs: a node that joins it is no spare
-                self._until(lambda: (self.completed() or 0) >= 1, "step 1", *self.nodes)
-                spare = self.start_node()
-                self._until(lambda: self._spare_ready(spare), "the spare node waiting", spare)
-                if self.launcher == "torchrun":  # its agent syncs its rendezvous once a second
-                    at = (self.completed() or 0) + SPARE_SETTLE_STEPS
-                    self._until(lambda: (self.completed() or 0) >= at, f"step {at}", spare)
-            last = self.nodes[-2] if fault == "spare" else self.nodes[-1]
+            self._start_nodes(fault)
             completed = recovery = resumed = gone = None
             if fault is not None:
                 faulted_at, workers = self._fault(fault, kill_at, victim)
@@ -334,11 +343,30 @@ class JobRun:
             codes = [
                 node.wait(timeout=max(1.0, self._deadline - time.monotonic()))
                 for node in self.nodes
-                if not (node is last and fault in ("node", "spare"))
+                if node is not self.killed
             ]
             return Outcome(codes, completed, resumed, recovery, gone, self.weights, self._log())
         finally:
             self.stop()
+
+    def _start_nodes(self, fault: str | None) -> None:
+        """The job's nodes, the first hosting the embedded rendezvous, and for a "spare" fault
+        a spare node, ready, once the job trains."""
+        host = self.start_node()
+        if self.shape.nnodes > 1 and not self.shape.store:  # one node alone needs no service
+            self._until(lambda: _listening(self.port), "the first node hosting", host)
+        for _ in range(self.shape.nnodes - 1):
+            self.start_node()
+        if fault in (
+            "spare",
+            "host-spare",
+        ):  # once the round runs: a node that joins it is no spare
+            self._until(lambda: (self.completed() or 0) >= 1, "step 1", *self.nodes)
+            spare = self.start_node()
+            self._until(lambda: self._spare_ready(spare), "the spare node waiting", spare)
+            if self.launcher == "torchrun":  # its agent syncs its rendezvous once a second
+                at = (self.completed() or 0) + SPARE_SETTLE_STEPS
+                self._until(lambda: (self.completed() or 0) >= at, f"step {at}", spare)
 
     def _fault(self, fault: str, at: int, victim: int | None) -> tuple[float, list[int]]:
         """Bring `fault` about at step `at`: when it struck, and the workers of that time."""
@@ -348,23 +376,28 @@ class JobRun:
             self._until(lambda: self.newest(last) >= at, f"rank {last} at step {at}", *running)
             return time.monotonic(), list(self.workers().values())
         self._until(lambda: (self.completed() or 0) >= at, f"step {at}", *running)
+        if fault == "member":
+            self.store_fault()
+            at += 10
+            self._until(lambda: (self.completed() or 0) >= at, f"step {at}", *running)
         workers = self.workers()
         killed_at = time.monotonic()
-        if fault == "worker":
+        if fault in ("worker", "member"):
             rank = self.shape.world - 1 if victim is None else victim
             if rank not in workers:
                 raise RuntimeError(f"no worker of rank {rank} to kill: {workers}")
             os.kill(workers[rank], signal.SIGKILL)
-        elif fault in ("node", "spare"):
-            last = self.nodes[-1 if fault == "node" else -2]  # never the host, nor the spare
-            for pid in _descendants(last.pid):
+        elif fault in NODE_FAULTS:
+            # Never the spare; the host only when asked.
+            self.killed = self.nodes[{"node": -1, "spare": -2}.get(fault, 0)]
+            for pid in _descendants(self.killed.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            last.wait(timeout=30)
-            if fault == "node":
+            self.killed.wait(timeout=30)
+            if fault in ("node", "host"):
                 self.start_node()  # the replacement
         else:
-            raise ValueError(f"fault={fault!r}: give 'worker', 'hang', 'node' or 'spare'")
+            raise ValueError(f"fault={fault!r}: give one of {FAULTS}")
         return killed_at, list(workers.values())
 
     def _spare_ready(self, node: subprocess.Popen[bytes]) -> bool:

@@ -29,6 +29,7 @@ reports a step once its copy is in memory (examples/train_ddp.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -37,9 +38,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from _job_run import JobRun, Outcome, Shape
 
@@ -51,10 +53,25 @@ ONE_NODE = Shape(1, 2, ("--max-restarts", "3"), ())
 TWO_NODES = Shape(2, 1, ("--max-restarts", "3"), ())
 HANG = Shape(1, 2, ("--max-restarts", "3"), ("--hang-timeout", "5"))
 EPOCH = ("--epochs", "1")  # 100 steps on 1 x 2 (3200 samples, 16 a batch), 2 x 1 alike
-SCENARIOS = ("worker", "saver", "loop", "node", "node-replicas", "node-spare", "hang")
+SCENARIOS = (
+    "worker",
+    "saver",
+    "loop",
+    "node",
+    "node-replicas",
+    "node-spare",
+    "host",
+    "host-spare",
+    "etcd-first",
+    "etcd-leader",
+    "hang",
+)
 #: A spare node is started once the job trains and must be warm before the fault: a longer job.
 LONG = ("--epochs", "3")
 HANG_WAIT = 60.0  # torchrun's hang: how long a run is watched before it is called lost
+#: A run whose store was lost: how long torchrun's is watched before it is called lost (its
+#: survivors exit or hang, the issue's own measure; ours recover in seconds).
+STORE_LOST_WAIT = 60.0
 
 
 @dataclass
@@ -73,30 +90,26 @@ class Runs:
     def note(self) -> str:
         lost = "no step lost" if not any(self.lost) else f"steps lost per run {self.lost}"
         total = len(self.lost) + self.failed
-        seen = f", loss seen (old workers gone) at {statistics.median(self.gone_s):.2f} s"
-        return f"{len(self.recovery_s)}/{total} recovered, {lost}" + (seen if self.gone_s else "")
+        said = f"{len(self.recovery_s)}/{total} recovered, {lost}"
+        if self.gone_s:
+            said += f", loss seen (old workers gone) at {statistics.median(self.gone_s):.2f} s"
+        return said
 
 
-def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **how: object) -> Runs:
+def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **how: Any) -> Runs:
     """`runs` runs of the example under `launcher` with `fault`; `how`: the victim (an int),
-    the job's extra arguments (a tuple, "job"), the seed and a timeout."""
+    the job's extra arguments (a tuple, "job"), the seed, a timeout, and for a fault of the
+    store its "cluster" (a fresh one per run: see :func:`etcd_cluster`)."""
     rng = random.Random(f"{how.get('seed', 0)}{fault}{how.get('victim')}{how.get('job')}")
     got = Runs([], [], 0)
     for i in range(runs):
         kill_at = rng.randint(20, 60)
-        job = (*EPOCH, *how.get("job", ()))  # type: ignore[misc]
         name = f"{launcher}-{fault}-{i}-{kill_at}"
         where = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
-        run = JobRun(where, name, launcher, job, shape)
-        try:
-            outcome: Outcome = run.run(
-                fault,
-                kill_at,
-                float(how.get("timeout", 240)),
-                how.get("victim"),  # type: ignore[arg-type]
-            )
-        except RuntimeError as e:  # reported, not raised: the other runs stand
-            print(f"{launcher}, {fault} at step {kill_at}: no recovery: {str(e)[:3000]}")
+        cluster = how["cluster"](where) if "cluster" in how else contextlib.nullcontext(None)
+        with cluster as store:
+            outcome = one_run(where, name, launcher, shape, fault, kill_at, {**how, "store": store})
+        if outcome is None:
             got.failed += 1
             continue
         if outcome.recovery_s is not None:
@@ -107,6 +120,51 @@ def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **h
         if any(outcome.returncodes):
             print(f"{launcher}, {fault} at step {kill_at}: ended {outcome.returncodes}")
     return got
+
+
+def one_run(
+    where: Path,
+    name: str,
+    launcher: str,
+    shape: Shape,
+    fault: str,
+    kill_at: int,
+    how: dict[str, Any],
+) -> Outcome | None:
+    """One run; None when it did not recover (said). `how`: as job_runs's, and the "store"
+    of a fault of the store (its members, and what loses one)."""
+    job = (*EPOCH, *how.get("job", ()))
+    store: tuple[tuple[str, ...], Callable[[], None]] | None = how.get("store")
+    if store is not None:
+        shape = replace(shape, store=store[0])
+    run = JobRun(where, name, launcher, job, shape)
+    if store is not None:
+        run.store_fault = store[1]
+    try:
+        return run.run(fault, kill_at, float(how.get("timeout", 240)), how.get("victim"))
+    except RuntimeError as e:  # reported, not raised: the other runs stand
+        print(f"{launcher}, {fault} at step {kill_at}: no recovery: {str(e)[:3000]}")
+        return None
+
+
+@contextlib.contextmanager
+def etcd_cluster(where: Path, victim: str) -> Iterator[tuple[tuple[str, ...], Callable[[], None]]]:
+    """A 3-member etcd cluster (both APIs) for one run: its members, first to last, and what
+    SIGKILLs the `victim` ("first": the member named first; "leader": the leader, made another
+    than the first)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from etcd_servers import EtcdCluster  # the tests' clusters
+
+    cluster = EtcdCluster(where / "etcd", 3, enable_v2=True)
+    try:
+        cluster.start()
+        lost = 0
+        if victim == "leader":
+            cluster.lead(1)
+            lost = 1
+        yield tuple(m.endpoint for m in cluster.members), cluster.members[lost].kill
+    finally:
+        cluster.stop()
 
 
 # ---- the classic train loop ------------------------------------------------------------------
@@ -205,6 +263,8 @@ def scenarios(
     """Each scenario's measurement; with `gpus` (CUDA_VISIBLE_DEVICES entries, 2 at least)
     the job runs on them over NCCL, each node on its own."""
     one_node, two_nodes, hung = (replace(s, gpus=gpus) for s in (ONE_NODE, TWO_NODES, HANG))
+    hosting = replace(two_nodes, endpoints=2)  # elasticrun's: both nodes may host
+    on_etcd = replace(two_nodes, backend="etcd")
 
     def worker(victim: int, label: str) -> Callable[[], list[Row]]:
         def measure() -> list[Row]:
@@ -222,6 +282,43 @@ def scenarios(
             ours = job_runs(root, "elasticrun", two_nodes, "node", runs, job=job, seed=seed)
             theirs = job_runs(root, "torchrun", two_nodes, "node", runs, job=job, seed=seed)
             return rows_for(label, ours, theirs, "torchrun")
+
+        return measure
+
+    def host(spare: bool) -> Callable[[], list[Row]]:
+        fault, job = ("host-spare", LONG) if spare else ("host", ())
+        label = "2 x 1, the node hosting the rendezvous SIGKILLed" + (
+            ", a third node waiting as a spare" if spare else ", a new one started at once"
+        )
+
+        def measure() -> list[Row]:
+            ours = job_runs(root, "elasticrun", hosting, fault, runs, job=job, seed=seed)
+            theirs = job_runs(
+                root, "torchrun", hosting, fault, runs, job=job, seed=seed, timeout=STORE_LOST_WAIT
+            )
+            return rows_for(label, ours, theirs, "torchrun c10d")
+
+        return measure
+
+    def member(victim: str) -> Callable[[], list[Row]]:
+        label = f"2 x 1 on a 3-member etcd, its {victim} member SIGKILLed, a worker 10 steps later"
+
+        def measure() -> list[Row]:
+            def cluster(where: Path) -> Any:
+                return etcd_cluster(where, victim)
+
+            ours = job_runs(root, "elasticrun", on_etcd, "member", runs, cluster=cluster, seed=seed)
+            theirs = job_runs(
+                root,
+                "torchrun",
+                replace(on_etcd, backend="etcd-v2"),
+                "member",
+                runs,
+                cluster=cluster,
+                seed=seed,
+                timeout=STORE_LOST_WAIT,
+            )
+            return rows_for(label, ours, theirs, "torchrun etcd-v2")
 
         return measure
 
@@ -253,6 +350,10 @@ def scenarios(
         "node": node(False),
         "node-replicas": node(True),
         "node-spare": spare,
+        "host": host(False),
+        "host-spare": host(True),
+        "etcd-first": member("first"),
+        "etcd-leader": member("leader"),
         "hang": hang,
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,14 +77,28 @@ def steps_trained(samples: Path) -> int:
     return newest
 
 
+def two_free_ports() -> int:
+    """A port free with the next one (the script gives the second node port + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
 def test_a_two_node_job_completes(cluster, tmp_path):
-    port = free_port()
+    port = two_free_ports()
     env = job_env(ELASTICRUN_RDZV_PORT=str(port), ELASTICRUN_RDZV_CONF="last_call_timeout=2")
     job_id = submit(cluster, tmp_path, env, "--epochs", "1")
     fields = cluster.wait(job_id, timeout=180)
     out = (tmp_path / f"job-{job_id}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out
-    assert f"rendezvous embedded at {os.uname().nodename}:{port}, nodes 1:2" in out
+    host = os.uname().nodename
+    assert f"rendezvous embedded at {host}:{port},{host}:{port + 1}, nodes 1:2" in out
     assert "(node 0, n1) exited 0" in out and "(node 1, n2) exited 0" in out, out
     # Both nodes trained: 256 samples, 16 per step on each of 2 workers.
     assert "done: 8 steps, 1 epochs" in out, out
@@ -114,6 +129,32 @@ def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd)
     assert "resumed from epoch" in out and "2 epochs" in out, out
     # Slurm reports the killed node's task: the job as a whole ends FAILED.
     assert fields["JobState"] == "FAILED", fields
+    assert agents(job_id) == {}
+
+
+def test_the_node_hosting_the_rendezvous_killed_the_other_completes(cluster, tmp_path):
+    # The embedded rendezvous on the first two nodes: n1 hosts it, n2 stands by. n1's agent is
+    # SIGKILLed mid-training: n2's service takes over with the job's state, n2 re-forms alone
+    # and finishes the training.
+    samples = tmp_path / "samples"
+    env = job_env(ELASTICRUN_RDZV_PORT=str(two_free_ports()))
+    job_id = submit(
+        cluster,
+        tmp_path,
+        env,
+        *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
+        *("--record-samples", str(samples)),
+    )
+    assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
+    found = agents(job_id)
+    assert sorted(found) == [0, 1], found
+    os.kill(found[0], signal.SIGKILL)  # node n1's agent, the host; its worker dies with it
+    cluster.wait(job_id, timeout=180)
+    out = (tmp_path / f"job-{job_id}.out").read_text()
+    assert "(node 1, n2) exited 0" in out, out
+    assert "1: elasticrun: WARNING: this node's rendezvous service hosts the job now" in out, out
+    assert "the job now has 1 node(s), 1 worker(s)" in out, out
+    assert "resumed from epoch" in out and "2 epochs" in out, out
     assert agents(job_id) == {}
 
 

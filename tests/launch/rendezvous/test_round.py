@@ -44,6 +44,13 @@ def test_survivors_keep_their_ranks():
     assert rnd.assign_ranks(["a", "c"], {"a": 0, "b": 1, "c": 2}) == {"a": 0, "c": 1}
 
 
+def test_rank_zero_goes_to_a_node_that_ran_when_its_own_is_gone():
+    # a (rank 0, the workers' store) died; s is new: b, first of those that ran, takes 0; s takes 1.
+    assert rnd.assign_ranks(["b", "c", "s"], {"a": 0, "b": 1, "c": 2}) == {"b": 0, "c": 2, "s": 1}
+    assert rnd.assign_ranks(["s", "c"], {"a": 0, "c": 1}) == {"c": 0, "s": 1}
+    assert rnd.assign_ranks(["s", "t"], {"a": 0}) == {"s": 0, "t": 1}, "no one ran: join order"
+
+
 def test_freeze_takes_the_first_max_nodes_and_the_rest_are_spares():
     joined = {"n1": 1, "n2": 2, "n3": 3}
     infos = {n: member() for n in joined}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -207,6 +208,44 @@ def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
     try:
         assert sorted(pool.map(node, range(2), timeout=60)) == [0, 1]
         assert sum(h.hosting for h in made) == 1
+    finally:
+        for h in made:
+            h.shutdown()
+        pool.shutdown(wait=False)
+
+
+@pytest.mark.slow  # openssl makes the certificates
+def test_a_standby_over_tls_with_a_token_takes_over_from_its_host(tls_files):
+    # Two endpoints: each node serves one; the services prove the token to each other and
+    # speak TLS, as the nodes do. The host's service stops: the other's takes over, and the
+    # node left reads the job's state through it.
+    endpoint = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    conf = {**tls_conf(tls_files), "token": "job", "join_timeout": "30", "last_call_timeout": "1"}
+    made: list[EmbeddedRendezvous] = []
+    lock = threading.Lock()
+
+    def node(_: int) -> int:
+        p = RendezvousParameters(
+            "c10d", endpoint, "tls-standby", 2, 2, 1, local_addr="127.0.0.1", config=conf
+        )
+        h = EmbeddedRendezvous(p)
+        with lock:
+            made.append(h)
+        return h.next_rendezvous().group_rank
+
+    pool = ThreadPoolExecutor(2)
+    try:
+        assert sorted(pool.map(node, range(2), timeout=60)) == [0, 1]
+        assert all(h.server is not None for h in made), "each node serves an endpoint"
+        host = next(h for h in made if h.hosting)
+        other = next(h for h in made if h is not host)
+        host._stop_serving(0)
+        deadline = time.monotonic() + 30
+        while not other.hosting:
+            assert time.monotonic() < deadline, "the standby did not take over"
+            time.sleep(0.05)
+        state, _ = other.job.read()
+        assert state is not None and state.status.value == "final"
     finally:
         for h in made:
             h.shutdown()

@@ -159,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="static",
         help="rendezvous backend: embedded (alias c10d), static, or a registered one",
     )
-    _add(g, "rdzv-endpoint", default="", help="rendezvous endpoint, HOST:PORT")
+    _add(
+        g,
+        "rdzv-endpoint",
+        default="",
+        help="rendezvous endpoint, HOST:PORT; several, comma-separated: every etcd member, "
+        "or the nodes that may host the embedded service, in order",
+    )
     _add(g, "rdzv-id", default="none", help="the job's id (run id)")
     _add(g, "rdzv-conf", default="", help=rdzv_conf.help_text())
     _add(

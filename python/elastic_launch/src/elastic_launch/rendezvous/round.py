@@ -327,7 +327,10 @@ def ready_to_freeze(joined: int, min_nodes: int, max_nodes: int, last_call_passe
 
 def assign_ranks(members: list[str], previous: Mapping[str, int]) -> dict[str, int]:
     """Ranks 0..n-1: a member keeps its previous rank when it is still in range and free; the
-    others take the free ranks in join order."""
+    others take the free ranks in join order. Rank 0 is never left to a newcomer while a member
+    of the last round is here: its node hosts the workers' store (MASTER_ADDR), and a node
+    that ran already starts its workers warm, while torch's clients wait out a backoff of
+    seconds for a store that comes up late (a new node's workers start cold)."""
     n = len(members)
     ranks: dict[str, int] = {}
     taken: set[int] = set()
@@ -336,6 +339,11 @@ def assign_ranks(members: list[str], previous: Mapping[str, int]) -> dict[str, i
         if r is not None and r < n and r not in taken:
             ranks[m] = r
             taken.add(r)
+    if ranks and 0 not in taken:
+        first = min(ranks, key=lambda m: ranks[m])
+        taken.discard(ranks[first])
+        ranks[first] = 0
+        taken.add(0)
     free = iter(r for r in range(n) if r not in taken)
     for m in members:
         if m not in ranks:
