@@ -104,12 +104,15 @@ def test_a_two_node_job_completes(cluster, tmp_path):
     assert "done: 8 steps, 1 epochs" in out, out
 
 
-def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd):
-    samples = tmp_path / "samples"
-    env = job_env(ELASTICRUN_RDZV="etcd", ELASTICRUN_ETCD=etcd.endpoint)
+def kill_an_agent_mid_training(
+    cluster: local_cluster.LocalCluster, tmp: Path, env: dict[str, str], node: int
+) -> tuple[int, dict[str, str], str]:
+    """Submit a two-epoch training job; once it trains, SIGKILL node `node`'s agent (its
+    worker dies with it). The job's id, its end (Slurm's fields) and its output."""
+    samples = tmp / "samples"
     job_id = submit(
         cluster,
-        tmp_path,
+        tmp,
         env,
         *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
         *("--record-samples", str(samples)),
@@ -117,9 +120,14 @@ def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd)
     assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
     found = agents(job_id)
     assert sorted(found) == [0, 1], found
-    os.kill(found[1], signal.SIGKILL)  # node n2's agent; its worker dies with it
+    os.kill(found[node], signal.SIGKILL)
     fields = cluster.wait(job_id, timeout=180)
-    out = (tmp_path / f"job-{job_id}.out").read_text()
+    return job_id, fields, (tmp / f"job-{job_id}.out").read_text()
+
+
+def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd):
+    env = job_env(ELASTICRUN_RDZV="etcd", ELASTICRUN_ETCD=etcd.endpoint)
+    job_id, fields, out = kill_an_agent_mid_training(cluster, tmp_path, env, 1)  # node n2
     # n1's agent saw n2 leave (a membership change: no restart spent), re-formed alone,
     # resumed from the checkpoint and finished training.
     assert "(node 0, n1) exited 0" in out, out
@@ -136,21 +144,8 @@ def test_the_node_hosting_the_rendezvous_killed_the_other_completes(cluster, tmp
     # The embedded rendezvous on the first two nodes: n1 hosts it, n2 stands by. n1's agent is
     # SIGKILLed mid-training: n2's service takes over with the job's state, n2 re-forms alone
     # and finishes the training.
-    samples = tmp_path / "samples"
     env = job_env(ELASTICRUN_RDZV_PORT=str(two_free_ports()))
-    job_id = submit(
-        cluster,
-        tmp_path,
-        env,
-        *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
-        *("--record-samples", str(samples)),
-    )
-    assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
-    found = agents(job_id)
-    assert sorted(found) == [0, 1], found
-    os.kill(found[0], signal.SIGKILL)  # node n1's agent, the host; its worker dies with it
-    cluster.wait(job_id, timeout=180)
-    out = (tmp_path / f"job-{job_id}.out").read_text()
+    job_id, _, out = kill_an_agent_mid_training(cluster, tmp_path, env, 0)  # n1, the host
     assert "(node 1, n2) exited 0" in out, out
     assert "1: elasticrun: WARNING: this node's rendezvous service hosts the job now" in out, out
     assert "the job now has 1 node(s), 1 worker(s)" in out, out

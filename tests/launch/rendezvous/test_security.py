@@ -188,9 +188,9 @@ def tls_conf(tls_files: dict[str, Path]) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow  # openssl makes the certificates
-def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
-    endpoint = f"127.0.0.1:{free_port()}"
+@contextlib.contextmanager
+def two_nodes_over_tls(tls_files, endpoint: str) -> Iterator[list[EmbeddedRendezvous]]:
+    """Two nodes of a job over TLS with a token, in their first round (shut down after)."""
     conf = {**tls_conf(tls_files), "token": "job", "join_timeout": "30", "last_call_timeout": "1"}
     made: list[EmbeddedRendezvous] = []
     lock = threading.Lock()
@@ -207,11 +207,17 @@ def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
     pool = ThreadPoolExecutor(2)
     try:
         assert sorted(pool.map(node, range(2), timeout=60)) == [0, 1]
-        assert sum(h.hosting for h in made) == 1
+        yield made
     finally:
         for h in made:
             h.shutdown()
         pool.shutdown(wait=False)
+
+
+@pytest.mark.slow  # openssl makes the certificates
+def test_two_nodes_form_a_round_over_tls_with_a_token(tls_files):
+    with two_nodes_over_tls(tls_files, f"127.0.0.1:{free_port()}") as made:
+        assert sum(h.hosting for h in made) == 1
 
 
 @pytest.mark.slow  # openssl makes the certificates
@@ -220,22 +226,7 @@ def test_a_standby_over_tls_with_a_token_takes_over_from_its_host(tls_files):
     # speak TLS, as the nodes do. The host's service stops: the other's takes over, and the
     # node left reads the job's state through it.
     endpoint = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    conf = {**tls_conf(tls_files), "token": "job", "join_timeout": "30", "last_call_timeout": "1"}
-    made: list[EmbeddedRendezvous] = []
-    lock = threading.Lock()
-
-    def node(_: int) -> int:
-        p = RendezvousParameters(
-            "c10d", endpoint, "tls-standby", 2, 2, 1, local_addr="127.0.0.1", config=conf
-        )
-        h = EmbeddedRendezvous(p)
-        with lock:
-            made.append(h)
-        return h.next_rendezvous().group_rank
-
-    pool = ThreadPoolExecutor(2)
-    try:
-        assert sorted(pool.map(node, range(2), timeout=60)) == [0, 1]
+    with two_nodes_over_tls(tls_files, endpoint) as made:
         assert all(h.server is not None for h in made), "each node serves an endpoint"
         host = next(h for h in made if h.hosting)
         other = next(h for h in made if h is not host)
@@ -246,10 +237,6 @@ def test_a_standby_over_tls_with_a_token_takes_over_from_its_host(tls_files):
             time.sleep(0.05)
         state, _ = other.job.read()
         assert state is not None and state.status.value == "final"
-    finally:
-        for h in made:
-            h.shutdown()
-        pool.shutdown(wait=False)
 
 
 @pytest.mark.slow  # openssl makes the certificates

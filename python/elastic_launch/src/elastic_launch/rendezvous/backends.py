@@ -205,7 +205,7 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     import grpc
 
     from elastic_launch.rendezvous import etcd_v3
-    from elastic_launch.rendezvous.embedded_server import VERSION
+    from elastic_launch.rendezvous.etcd_v3_client import EMBEDDED_VERSION
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
     if tls is None:
@@ -218,7 +218,7 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     with etcd_v3.channel(host_port(host, port), tls) as probe:
         try:
             reply = stub(probe).Status(rpc_pb2.StatusRequest(), timeout=2.0)
-            return SERVICE if reply.version == VERSION else OTHER  # another version: etcd
+            return SERVICE if reply.version == EMBEDDED_VERSION else OTHER  # another version: etcd
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.UNAUTHENTICATED and "rendezvous token" in details:

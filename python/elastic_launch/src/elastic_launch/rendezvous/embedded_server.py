@@ -37,6 +37,7 @@ from elastic_launch.rendezvous.embedded_replicas import Replicas
 from elastic_launch.rendezvous.embedded_roles import Roles
 from elastic_launch.rendezvous.embedded_state import State, Watcher, size_of
 from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.etcd_v3_client import EMBEDDED_VERSION
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 _END_TIMEOUT = 1.0  # seconds the service's tasks get to end once cancelled, at a stop
 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
-VERSION = "elasticrun-embedded"  # what Status says: clients tell it from etcd by it
 
 
 class _RefusedError(Exception):
@@ -471,7 +471,7 @@ class _Service(
         host = roles.host if roles is not None else 0
         return rpc_pb2.StatusResponse(
             header=self.s.header(),
-            version=VERSION,
+            version=EMBEDDED_VERSION,
             leader=host + 1 if host is not None else 0,
             raftTerm=self.s.term,
             isLearner=roles is not None and not roles.serving,

@@ -15,7 +15,12 @@ from typing import Any, TypeVar
 
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.endpoints import Member
-from elastic_launch.rendezvous.etcd_v3_client import Client, LeaseGoneError, channel
+from elastic_launch.rendezvous.etcd_v3_client import (
+    EMBEDDED_VERSION,
+    Client,
+    LeaseGoneError,
+    channel,
+)
 from elastic_launch.rendezvous.etcd_v3_lease import Lease
 from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch, key_text, prefix_end
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
@@ -208,10 +213,8 @@ class EtcdV3Store(Store):
         """Whether watches start at the server's revision and fill the gap by reading (etcd),
         or start at the caller's revision (the embedded service)."""
         if self._watch_from_now is None:
-            from elastic_launch.rendezvous.embedded_server import VERSION
-
             reply = self.client.call("maintenance.Status", rpc_pb2.StatusRequest())
-            self._watch_from_now = reply.version != VERSION
+            self._watch_from_now = reply.version != EMBEDDED_VERSION
         return self._watch_from_now
 
     def watch(self, prefix: str, after_revision: int, inbox: Inbox | None = None) -> Watch:

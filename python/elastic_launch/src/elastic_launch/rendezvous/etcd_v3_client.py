@@ -62,6 +62,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+#: What the embedded service's Status says it is: clients tell it from etcd by it.
+EMBEDDED_VERSION = "elasticrun-embedded"
 #: What every stream asks of etcd: a member cut off from its cluster's leader ends the stream
 #: (etcd's WithRequireLeader) instead of keeping it open and silent.
 STREAM_METADATA = [("hasleader", "true")]
