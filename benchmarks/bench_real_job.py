@@ -16,6 +16,12 @@ run with default flags besides the job's shape and --max-restarts 3:
   CheckpointManager(replicas=1); and, instead of a replacement, a third launcher started
   before the fault that waits as a spare (elasticrun: once it says so and its zygote is warm;
   torchrun: once its agent is connected to the store and 40 more steps were trained);
+- the node hosting the rendezvous SIGKILLed (elasticrun: the embedded service on two
+  endpoints, the other node's standby takes over; torchrun: its c10d store, in the lost
+  agent), a replacement started at once, or a third launcher waiting as a spare;
+- a member of a 3-member etcd SIGKILLed (the one named first, or the leader), then a worker
+  10 steps later: that kill to the next step (elasticrun: every member named; torchrun:
+  etcd-v2, which takes one); a torchrun run that loses its store is watched STORE_LOST_WAIT s;
 - a worker hung (it stops making progress): elasticrun with --hang-timeout 5; torchrun has
   no hang detection (one run, ended after HANG_WAIT s).
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import random
 import shutil
@@ -257,105 +264,129 @@ def rows_for(what: str, ours: Runs, theirs: Runs | None, baseline: str) -> list[
     ]
 
 
-def scenarios(
-    root: Path, runs: int, seed: int, gpus: tuple[str, ...] = ()
-) -> dict[str, Callable[[], list[Row]]]:
-    """Each scenario's measurement; with `gpus` (CUDA_VISIBLE_DEVICES entries, 2 at least)
-    the job runs on them over NCCL, each node on its own."""
+@dataclass(frozen=True)
+class Scenario:
+    """One row pair: the fault, the job's shape and options for elasticrun, and where torchrun's
+    differ (`their_*`: its shape, options, number of runs)."""
+
+    label: str
+    fault: str
+    shape: Shape
+    how: dict[str, Any] = field(default_factory=dict)
+    their_shape: Shape | None = None
+    their_how: dict[str, Any] = field(default_factory=dict)
+    their_runs: int | None = None
+    baseline: str = "torchrun"
+
+
+def table(gpus: tuple[str, ...] = ()) -> dict[str, Scenario]:
+    """Every scenario but the classic loop's; with `gpus` (CUDA_VISIBLE_DEVICES entries, 2 at
+    least) the job runs on them over NCCL, each node on its own."""
     one_node, two_nodes, hung = (replace(s, gpus=gpus) for s in (ONE_NODE, TWO_NODES, HANG))
-    hosting = replace(two_nodes, endpoints=2)  # elasticrun's: both nodes may host
+    return {
+        "worker": Scenario(
+            "1 x 2, rank 1 (not the saving rank) SIGKILLed", "worker", one_node, {"victim": 1}
+        ),
+        "saver": Scenario(
+            "1 x 2, rank 0 (the saving rank) SIGKILLed", "worker", one_node, {"victim": 0}
+        ),
+        "node": Scenario("2 x 1, a node SIGKILLed", "node", two_nodes),
+        "node-replicas": Scenario(
+            "2 x 1, a node SIGKILLed, replicas=1", "node", two_nodes, {"job": ("--replicas",)}
+        ),
+        "node-spare": Scenario(
+            "2 x 1 and a third node waiting as a spare, a node SIGKILLed",
+            "spare",
+            two_nodes,
+            {"job": LONG},
+        ),
+        **store_losses(two_nodes),
+        "hang": Scenario(
+            "1 x 2, a worker hung (--hang-timeout 5)",
+            "hang",
+            hung,
+            their_how={"timeout": HANG_WAIT},
+            their_runs=1,
+        ),
+    }
+
+
+def store_losses(two_nodes: Shape) -> dict[str, Scenario]:
+    """The rendezvous's store lost: the node hosting the embedded service (elasticrun's has
+    two endpoints; torchrun's c10d takes one), or a member of a 3-member etcd (torchrun's
+    etcd-v2 takes one)."""
+    hosting = replace(two_nodes, endpoints=2)
     on_etcd = replace(two_nodes, backend="etcd")
+    lost = {"timeout": STORE_LOST_WAIT}  # torchrun's runs that lose their store
+    host = "2 x 1, the node hosting the rendezvous SIGKILLed"
 
-    def worker(victim: int, label: str) -> Callable[[], list[Row]]:
-        def measure() -> list[Row]:
-            ours = job_runs(root, "elasticrun", one_node, "worker", runs, victim=victim, seed=seed)
-            theirs = job_runs(root, "torchrun", one_node, "worker", runs, victim=victim, seed=seed)
-            return rows_for(f"1 x 2, {label} SIGKILLed", ours, theirs, "torchrun")
-
-        return measure
-
-    def node(replicas: bool) -> Callable[[], list[Row]]:
-        job = ("--replicas",) if replicas else ()
-        label = "2 x 1, a node SIGKILLed" + (", replicas=1" if replicas else "")
-
-        def measure() -> list[Row]:
-            ours = job_runs(root, "elasticrun", two_nodes, "node", runs, job=job, seed=seed)
-            theirs = job_runs(root, "torchrun", two_nodes, "node", runs, job=job, seed=seed)
-            return rows_for(label, ours, theirs, "torchrun")
-
-        return measure
-
-    def host(spare: bool) -> Callable[[], list[Row]]:
-        fault, job = ("host-spare", LONG) if spare else ("host", ())
-        label = "2 x 1, the node hosting the rendezvous SIGKILLed" + (
-            ", a third node waiting as a spare" if spare else ", a new one started at once"
-        )
-
-        def measure() -> list[Row]:
-            ours = job_runs(root, "elasticrun", hosting, fault, runs, job=job, seed=seed)
-            theirs = job_runs(
-                root, "torchrun", hosting, fault, runs, job=job, seed=seed, timeout=STORE_LOST_WAIT
-            )
-            return rows_for(label, ours, theirs, "torchrun c10d")
-
-        return measure
-
-    def member(victim: str) -> Callable[[], list[Row]]:
-        label = f"2 x 1 on a 3-member etcd, its {victim} member SIGKILLed, a worker 10 steps later"
-
-        def measure() -> list[Row]:
-            def cluster(where: Path) -> Any:
-                return etcd_cluster(where, victim)
-
-            ours = job_runs(root, "elasticrun", on_etcd, "member", runs, cluster=cluster, seed=seed)
-            theirs = job_runs(
-                root,
-                "torchrun",
-                replace(on_etcd, backend="etcd-v2"),
-                "member",
-                runs,
-                cluster=cluster,
-                seed=seed,
-                timeout=STORE_LOST_WAIT,
-            )
-            return rows_for(label, ours, theirs, "torchrun etcd-v2")
-
-        return measure
-
-    def spare() -> list[Row]:
-        label = "2 x 1 and a third node waiting as a spare, a node SIGKILLed"
-        ours = job_runs(root, "elasticrun", two_nodes, "spare", runs, job=LONG, seed=seed)
-        theirs = job_runs(root, "torchrun", two_nodes, "spare", runs, job=LONG, seed=seed)
-        return rows_for(label, ours, theirs, "torchrun")
-
-    def hang() -> list[Row]:
-        ours = job_runs(root, "elasticrun", hung, "hang", runs, seed=seed)
-        theirs = job_runs(root, "torchrun", hung, "hang", 1, seed=seed, timeout=HANG_WAIT)
-        return rows_for("1 x 2, a worker hung (--hang-timeout 5)", ours, theirs, "torchrun")
-
-    def loop() -> list[Row]:
-        ours = loop_runs(runs, seed, gpus)
-        theirs = job_runs(root, "torchrun", one_node, "worker", runs, victim=1, seed=seed)
-        return rows_for(
-            "classic train loop, 1 x 2, rank 1 SIGKILLed",
-            ours,
-            theirs,
-            "torchrun group restart",
+    def etcd(victim: str) -> Scenario:
+        return Scenario(
+            f"2 x 1 on a 3-member etcd, its {victim} member SIGKILLed, a worker 10 steps later",
+            "member",
+            on_etcd,
+            {"cluster": lambda where: etcd_cluster(where, victim)},
+            replace(on_etcd, backend="etcd-v2"),
+            lost,
+            baseline="torchrun etcd-v2",
         )
 
     return {
-        "worker": worker(1, "rank 1 (not the saving rank)"),
-        "saver": worker(0, "rank 0 (the saving rank)"),
-        "loop": loop,
-        "node": node(False),
-        "node-replicas": node(True),
-        "node-spare": spare,
-        "host": host(False),
-        "host-spare": host(True),
-        "etcd-first": member("first"),
-        "etcd-leader": member("leader"),
-        "hang": hang,
+        "host": Scenario(
+            f"{host}, a new one started at once",
+            "host",
+            hosting,
+            {},
+            None,
+            lost,
+            baseline="torchrun c10d",
+        ),
+        "host-spare": Scenario(
+            f"{host}, a third node waiting as a spare",
+            "host-spare",
+            hosting,
+            {"job": LONG},
+            None,
+            lost,
+            baseline="torchrun c10d",
+        ),
+        "etcd-first": etcd("first"),
+        "etcd-leader": etcd("leader"),
     }
+
+
+def measure(root: Path, runs: int, seed: int, sc: Scenario) -> list[Row]:
+    """One scenario under both launchers, in one run."""
+    ours = job_runs(root, "elasticrun", sc.shape, sc.fault, runs, seed=seed, **sc.how)
+    theirs = job_runs(
+        root,
+        "torchrun",
+        sc.their_shape or sc.shape,
+        sc.fault,
+        sc.their_runs or runs,
+        seed=seed,
+        **{**sc.how, **sc.their_how},
+    )
+    return rows_for(sc.label, ours, theirs, sc.baseline)
+
+
+def scenarios(
+    root: Path, runs: int, seed: int, gpus: tuple[str, ...] = ()
+) -> dict[str, Callable[[], list[Row]]]:
+    """Each scenario's measurement (see :func:`table`), the classic loop's among them."""
+
+    def loop() -> list[Row]:
+        ours = loop_runs(runs, seed, gpus)
+        one_node = replace(ONE_NODE, gpus=gpus)
+        theirs = job_runs(root, "torchrun", one_node, "worker", runs, victim=1, seed=seed)
+        label = "classic train loop, 1 x 2, rank 1 SIGKILLed"
+        return rows_for(label, ours, theirs, "torchrun group restart")
+
+    found: dict[str, Callable[[], list[Row]]] = {
+        name: functools.partial(measure, root, runs, seed, sc) for name, sc in table(gpus).items()
+    }
+    found["loop"] = loop
+    return {name: found[name] for name in SCENARIOS}
 
 
 def run(

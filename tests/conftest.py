@@ -39,6 +39,7 @@ ETCD_PARAMS = [
 #: start): run first, so that `-n 2 --dist loadfile` does not end with one of them alone.
 LONGEST_FIRST = (
     "integration/test_hang_detection.py",
+    "faults/test_store_faults.py",
     "core/test_wheel.py",
     "deploy/test_slurm.py",
     "compat/test_local_elastic_agent.py",
@@ -266,6 +267,18 @@ def etcd_clusters(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
 def etcd_cluster(etcd_clusters: Callable[..., EtcdCluster]) -> EtcdCluster:
     """A fresh 3-member etcd cluster on loopback, serving the v2 API too."""
     return etcd_clusters()
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One 3-member etcd cluster for a module whose tests each use keys of their own (or
+    remove theirs): a cluster costs three processes and an election to start."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd-cluster"), 3, enable_v2=True)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -63,8 +63,10 @@ SLOW = pytest.mark.slow  # a real etcd server
     params=["embedded", pytest.param("etcd", marks=SLOW), pytest.param("etcd-cluster", marks=SLOW)]
 )
 def endpoint(request):
-    if request.param != "embedded":
-        return request.getfixturevalue(request.param.replace("-", "_")).endpoint, None
+    if request.param == "etcd-cluster":  # every test takes run ids of its own
+        return request.getfixturevalue("etcd_cluster_shared").endpoint, None
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd").endpoint, None
     return request.getfixturevalue("embedded")
 
 

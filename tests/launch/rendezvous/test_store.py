@@ -30,7 +30,8 @@ def store(request):
     elif request.param in ("etcd", "etcd-cluster"):
         from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 
-        etcd = request.getfixturevalue(request.param.replace("-", "_"))
+        shared = request.param == "etcd-cluster"  # one cluster, its keys removed after each
+        etcd = request.getfixturevalue("etcd_cluster_shared" if shared else "etcd")
         s = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     else:
         from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
@@ -39,6 +40,12 @@ def store(request):
         s = EtcdV2Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     yield s
     s.close()
+    if request.param == "etcd-cluster":  # the next test of the module finds the cluster empty
+        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+        cleaner = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
+        cleaner.delete("/", prefix=True)
+        cleaner.close()
 
 
 def test_get_put_create_cas_delete(store):
@@ -447,3 +454,40 @@ def test_a_v3_create_of_the_same_value_under_another_lease_is_not_ours(embedded)
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize("api", ["v3", "v2"])
+def test_a_store_goes_on_when_the_member_it_uses_is_killed(etcd_cluster, api):
+    """Every member of a 3-member cluster given: the member in use SIGKILLed (the leader, or
+    not: both happen), the writes, the node's ephemeral keys (its lease, or v2's TTL keys,
+    refreshed within a tick even through an election) and a watch go on through the next, and
+    the watch hears every change once, in order (as etcd's clientv3 balancer does)."""
+    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+
+    kind = EtcdV3Store if api == "v3" else EtcdV2Store
+    store: Store = kind(etcd_cluster.endpoint, StoreAccess("etcd", retry_for=10))
+    try:
+        store.start_liveness(3.0)
+        assert store.create("/fo/mine", b"me", ephemeral=True)
+        revision = store.put("/fo/a", b"1")
+        watch = store.watch("/fo/", revision)
+        etcd_cluster.members[0].kill()
+        for i in range(3):
+            store.put(f"/fo/after-{i}", str(i).encode())
+        seen: list = []
+        deadline = time.monotonic() + 20
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen += watch.next(1.0) or []
+        assert [(c.key, c.value) for c in seen] == [
+            (f"/fo/after-{i}", str(i).encode()) for i in range(3)
+        ], "each change once, in order"
+        # The renewals moved on too: past a whole TTL from now, the key lives only if they
+        # did (a key not renewed is gone after its TTL).
+        moved = time.monotonic()
+        time.sleep(3.5)
+        assert time.monotonic() - moved >= 3.0
+        assert store.get("/fo/mine") is not None, "the ephemeral key outlived its member"
+        watch.close()
+    finally:
+        store.close()

@@ -63,15 +63,16 @@ class Members:
     holds none of the others'), and the member in use, which all of them share: a member one
     of them found failed is left by all."""
 
-    def __init__(self, store: EtcdV2Store) -> None:
+    def __init__(self, store: EtcdV2Store, read_timeout: float | None = None) -> None:
         self._store = store
+        self._read_timeout = read_timeout  # the store's, unless given
         self._clients: dict[int, Any] = {}
 
     def client(self) -> tuple[int, Any]:
         """The member in use and this user's client of it."""
         i = self._store.pinned
         if i not in self._clients:
-            self._clients[i] = self._store.client_of(i)
+            self._clients[i] = self._store.client_of(i, self._read_timeout)
         return i, self._clients[i]
 
     def clear(self) -> None:
@@ -120,10 +121,12 @@ class EtcdV2Store(Store):
         """This store's client of the member in use."""
         return self._own.client()[1]
 
-    def client_of(self, i: int) -> Any:
+    def client_of(self, i: int, read_timeout: float | None = None) -> Any:
         """A new client of member `i` (python-etcd puts the host in a URL as it is)."""
         host, port = self.members[i].host, self.members[i].port
         args = {"host": f"[{host}]" if ":" in host else host, "port": port, **self._args}
+        if read_timeout is not None:
+            args["read_timeout"] = read_timeout
         return self.etcd.Client(**{k: v for k, v in args.items() if v is not None})
 
     def fail_over(self, i: int, why: str) -> bool:
@@ -317,7 +320,9 @@ class EtcdV2Store(Store):
         self._refresher.start()
 
     def _refresh(self) -> None:
-        members = Members(self)
+        # A refresh waits a tick at most: one stuck in a member's election ("request timed
+        # out" comes after 7 s) is tried again, on the next member, while the TTL lasts.
+        members = Members(self, read_timeout=max(self._ttl / 3.0, 0.5))
         while not self._stop.wait(max(self._ttl / 3.0, 0.2)):
             with self._lock:
                 keys = list(self._ephemeral)
