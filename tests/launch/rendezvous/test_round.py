@@ -21,11 +21,10 @@ def joinable(**kw) -> RoundState:
     return RoundState(version=kw.pop("version", 3), status=Status.JOINABLE, release="1.0", **kw)
 
 
-def test_the_first_to_join_leads():
-    joined = {"b": 12, "a": 15, "c": 11}
-    assert rnd.join_order(joined) == ["c", "b", "a"]
-    assert rnd.leader_of(joined) == "c"
-    assert rnd.leader_of({}) is None
+def test_nodes_are_ordered_by_when_they_joined():
+    joined = {"b": 12, "a": 15, "c": 11, "d": 11}
+    assert rnd.join_order(joined) == ["c", "d", "b", "a"], "a tie goes by name"
+    assert rnd.join_order({}) == []
 
 
 @pytest.mark.parametrize(

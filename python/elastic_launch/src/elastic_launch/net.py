@@ -61,16 +61,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def port_free(host: str, port: int) -> bool:
-    """True if nothing listens on host:port (the port can be bound now)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def port_listened(host: str, port: int) -> bool:
     """True if a socket listens on host:port already: binding it as a server does (with
     SO_REUSEADDR, so that connections of an earlier server in TIME_WAIT do not count) fails."""

@@ -25,10 +25,6 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
 class FeistelPermutation:
     """A bijection on [0, n) from a key, computed element by element (vectorised)."""
 

@@ -259,8 +259,12 @@ class RunResult:
 
     @staticmethod
     def of(result: api.RunResult) -> RunResult:
-        """torch's view of elasticrun's result (the failures as torch's ProcessFailures)."""
-        return RunResult.of(result)
+        """torch's view of elasticrun's result (the failures as torch's ProcessFailures): the
+        return values of a job that succeeded, else the failures (a stopped run raises
+        before: torch's agent raises then too)."""
+        if result.state == AgentState.SUCCEEDED:
+            return RunResult(WorkerState.SUCCEEDED, dict(result.return_values))
+        return RunResult(WorkerState.FAILED, {}, process_failures(result))
 
 
 @dataclass
@@ -328,9 +332,7 @@ class LocalElasticAgent:
         self._update_group(agents[0] if agents else None, result)
         if result.state == AgentState.STOPPED:
             raise api.LauncherStopped(result.signal or 0)
-        if result.state == AgentState.SUCCEEDED:
-            return RunResult(WorkerState.SUCCEEDED, result.return_values)
-        return RunResult(WorkerState.FAILED, {}, process_failures(result))
+        return RunResult.of(result)
 
     def _handler(self) -> rdzv.RendezvousHandler:
         spec = self.spec

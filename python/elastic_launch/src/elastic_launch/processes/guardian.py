@@ -72,9 +72,6 @@ class Guardian:
         """Remove `path` (a file or a directory tree) if the launcher dies."""
         self._send("path", path)
 
-    def keep_path(self, path: str) -> None:
-        self._send("keep", path)
-
     def done(self) -> None:
         """The launcher cleaned up itself: the guardian exits without doing anything."""
         self._send("done")
@@ -165,8 +162,6 @@ class _Orders:
             (self.groups.add if op == "group" else self.groups.discard)(arg)
         elif op == "path" and isinstance(arg, str):
             self.paths.append(arg)
-        elif op == "keep" and arg in self.paths:
-            self.paths.remove(str(arg))
 
 
 def _pidfd(launcher: int) -> int:

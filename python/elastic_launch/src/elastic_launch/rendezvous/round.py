@@ -315,12 +315,6 @@ def join_order(joined: Mapping[str, int]) -> list[str]:
     return sorted(joined, key=lambda n: (joined[n], n))
 
 
-def leader_of(joined: Mapping[str, int]) -> str | None:
-    """Who leads a joinable round: the first to have joined."""
-    order = join_order(joined)
-    return order[0] if order else None
-
-
 def ready_to_freeze(joined: int, min_nodes: int, max_nodes: int, last_call_passed: bool) -> bool:
     return joined >= max_nodes or (joined >= min_nodes and last_call_passed)
 

@@ -1,0 +1,33 @@
+"""torch's agent API's own types, without running an agent: the conversion of elasticrun's
+result into torch's ``RunResult`` (the real agents are in tests/compat)."""
+
+from __future__ import annotations
+
+from elastic_launch import api
+from elastic_launch.api import AgentState, FailureKind, WorkerFailure
+from elastic_launch.launcher.agent_api import RunResult, WorkerState
+
+
+def failure(rank: int, kind: FailureKind, exit_code: int, at: int) -> WorkerFailure:
+    return WorkerFailure(kind, rank, rank, 1000 + rank, 0, "h", at, 1.0, exit_code=exit_code)
+
+
+def test_a_run_that_succeeded_gives_its_return_values_by_global_rank():
+    ours = api.RunResult(AgentState.SUCCEEDED, {0: "a", 1: "b"})
+    theirs = RunResult.of(ours)
+    assert theirs.state == WorkerState.SUCCEEDED and not theirs.is_failed()
+    assert theirs.return_values == {0: "a", 1: "b"} and theirs.failures == {}
+
+
+def test_a_run_that_failed_gives_its_failed_processes_not_those_it_stopped():
+    ours = api.RunResult(
+        AgentState.FAILED,
+        failures=[
+            failure(1, FailureKind.STOPPED, -15, at=2),  # stopped after rank 0 failed
+            failure(0, FailureKind.EXIT_CODE, 3, at=1),
+        ],
+    )
+    theirs = RunResult.of(ours)
+    assert theirs.is_failed() and theirs.return_values == {}
+    assert list(theirs.failures) == [0], "the process that failed, not the one stopped"
+    assert theirs.failures[0].exitcode == 3
