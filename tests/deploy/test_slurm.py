@@ -5,15 +5,20 @@ node's agent is SIGKILLed mid-training: the other node goes on alone and complet
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import local_cluster
 import pytest
+from elastic_launch.rendezvous.embedded_peers import Peer
+from elastic_launch.rendezvous.embedded_roles import seen
+from elastic_launch.rendezvous.endpoints import Member
 from launcher_util import free_port, wait_for, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,10 +110,14 @@ def test_a_two_node_job_completes(cluster, tmp_path):
 
 
 def kill_an_agent_mid_training(
-    cluster: local_cluster.LocalCluster, tmp: Path, env: dict[str, str], node: int
-) -> tuple[int, dict[str, str], str]:
-    """Submit a two-epoch training job; once it trains, SIGKILL node `node`'s agent (its
-    worker dies with it). The job's id, its end (Slurm's fields) and its output."""
+    cluster: local_cluster.LocalCluster,
+    tmp: Path,
+    env: dict[str, str],
+    pick: Callable[[dict[int, int]], int],
+) -> tuple[int, int, dict[str, str], str]:
+    """Submit a two-epoch training job; once it trains, SIGKILL the agent of the node that
+    `pick` names, given the agents ({node: pid}) (its worker dies with it). The job's id, that node, the job's end (Slurm's fields)
+    and its output."""
     samples = tmp / "samples"
     job_id = submit(
         cluster,
@@ -120,14 +129,15 @@ def kill_an_agent_mid_training(
     assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
     found = agents(job_id)
     assert sorted(found) == [0, 1], found
+    node = pick(found)
     os.kill(found[node], signal.SIGKILL)
     fields = cluster.wait(job_id, timeout=180)
-    return job_id, fields, (tmp / f"job-{job_id}.out").read_text()
+    return job_id, node, fields, (tmp / f"job-{job_id}.out").read_text()
 
 
 def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd):
     env = job_env(ELASTICRUN_RDZV="etcd", ELASTICRUN_ETCD=etcd.endpoint)
-    job_id, fields, out = kill_an_agent_mid_training(cluster, tmp_path, env, 1)  # node n2
+    job_id, _, fields, out = kill_an_agent_mid_training(cluster, tmp_path, env, lambda _: 1)
     # n1's agent saw n2 leave (a membership change: no restart spent), re-formed alone,
     # resumed from the checkpoint and finished training.
     assert "(node 0, n1) exited 0" in out, out
@@ -140,14 +150,57 @@ def test_a_node_killed_mid_training_the_other_completes(cluster, tmp_path, etcd)
     assert agents(job_id) == {}
 
 
+def hosting(port: int, token: str) -> int:
+    """The port of the job's service that hosts, as the two services' Status says (at `port`
+    and `port` + 1: the first agent up hosts, on the first endpoint its host can bind)."""
+
+    async def look() -> list[int]:
+        found = []
+        for i in (0, 1):
+            peer = Peer(Member(socket.gethostname(), port + i), i, token, None)
+            try:
+                status = await peer.status()
+            finally:
+                await peer.close()
+            if status is not None and seen(i, status).host:
+                found.append(i)
+        return found
+
+    deadline = time.monotonic() + 30
+    while len(found := asyncio.run(look())) != 1:
+        assert time.monotonic() < deadline, f"not one host among the job's services: {found}"
+        time.sleep(0.1)
+    return port + found[0]
+
+
+def listener(port: int, pids: dict[int, int]) -> int:
+    """Which of `pids` ({node: pid}) listens on TCP `port` (both nodes are this host)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for node, pid in pids.items():
+        fds = Path(f"/proc/{pid}/fd")
+        if any(os.readlink(fd) in inodes for fd in fds.iterdir()):
+            return node
+    raise AssertionError(f"none of the agents {pids} listens on port {port}")
+
+
 def test_the_node_hosting_the_rendezvous_killed_the_other_completes(cluster, tmp_path):
-    # The embedded rendezvous on the first two nodes: n1 hosts it, n2 stands by. n1's agent is
-    # SIGKILLed mid-training: n2's service takes over with the job's state, n2 re-forms alone
-    # and finishes the training.
-    env = job_env(ELASTICRUN_RDZV_PORT=str(two_free_ports()))
-    job_id, _, out = kill_an_agent_mid_training(cluster, tmp_path, env, 0)  # n1, the host
-    assert "(node 1, n2) exited 0" in out, out
-    assert "1: elasticrun: WARNING: this node's rendezvous service hosts the job now" in out, out
+    # The embedded rendezvous on the first two nodes: one hosts it, the other stands by. The
+    # host's agent is SIGKILLed mid-training: the other's service takes over with the job's
+    # state, and that node re-forms alone and finishes the training.
+    port, token = two_free_ports(), os.urandom(16).hex()
+    env = job_env(ELASTICRUN_RDZV_PORT=str(port), ELASTICRUN_RDZV_TOKEN=token)
+    job_id, killed, _, out = kill_an_agent_mid_training(
+        cluster, tmp_path, env, lambda found: listener(hosting(port, token), found)
+    )
+    other = 1 - killed
+    assert f"(node {other}, n{other + 1}) exited 0" in out, out
+    said = f"{other}: elasticrun: WARNING: this node's rendezvous service hosts the job now"
+    assert said in out, out
     assert "the job now has 1 node(s), 1 worker(s)" in out, out
     assert "resumed from epoch" in out and "2 epochs" in out, out
     assert agents(job_id) == {}
