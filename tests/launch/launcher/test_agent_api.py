@@ -1,11 +1,14 @@
 """torch's agent API's own types, without running an agent: the conversion of elasticrun's
-result into torch's ``RunResult`` (the real agents are in tests/compat)."""
+result into torch's ``RunResult``, and the handler that gives a spec's master address (the
+real agents are in tests/compat)."""
 
 from __future__ import annotations
 
 from elastic_launch import api
 from elastic_launch.api import AgentState, FailureKind, WorkerFailure
-from elastic_launch.launcher.agent_api import RunResult, WorkerState
+from elastic_launch.launcher.agent_api import MasterOverride, RunResult, WorkerState
+from elastic_launch.rendezvous.api import CloseReason, RendezvousHandler
+from launch_fakes import FakeRendezvous
 
 
 def failure(rank: int, kind: FailureKind, exit_code: int, at: int) -> WorkerFailure:
@@ -31,3 +34,17 @@ def test_a_run_that_failed_gives_its_failed_processes_not_those_it_stopped():
     assert theirs.is_failed() and theirs.return_values == {}
     assert list(theirs.failures) == [0], "the process that failed, not the one stopped"
     assert theirs.failures[0].exitcode == 3
+
+
+def test_a_master_override_changes_the_rounds_address_and_nothing_else():
+    inner = FakeRendezvous(nodes=2, max_restarts=1)
+    handler = MasterOverride(inner, "10.0.0.7", None)
+    assert isinstance(handler, RendezvousHandler)
+    info = handler.next_rendezvous()
+    assert info.master_addr == "10.0.0.7"
+    assert info.master_port == 29500 + info.round, "no port given: the round's (the fake's)"
+    # Everything else is the inner handler's, the state it changes included.
+    assert handler.get_run_id() == "fake-run" and handler.spend_restart(1) is not None
+    assert inner.spends == [1]
+    handler.set_closed(CloseReason.FAILED, "both nodes failed")
+    assert handler.closed() == inner.closed() and inner.closed() is not None

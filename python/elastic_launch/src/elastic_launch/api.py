@@ -105,6 +105,11 @@ class FailureKind(str, enum.Enum):
     SPAWN = "spawn"  # could not be started
     STOPPED = "stopped"  # stopped by the launcher after another worker failed
 
+    @classmethod
+    def of_end(cls, signalled: bool) -> FailureKind:
+        """How a worker that ended on its own failed: by a signal, or by its exit status."""
+        return cls.SIGNAL if signalled else cls.EXIT_CODE
+
 
 @dataclass
 class WorkerFailure:

@@ -426,7 +426,7 @@ class ElasticAgent:
         for w in report.ended:
             if w.local_rank not in recorded:
                 seen = w.exited_ns or elastic_core.now_ns()
-                kind = FailureKind.SIGNAL if w.signal is not None else FailureKind.EXIT_CODE
+                kind = FailureKind.of_end(w.signal is not None)
                 self.failures.record(self.failures.of_worker(w, kind, seen, ""))
         self.events.emit(
             "group_stopped", self.attempt, stop_seconds=(elastic_core.now_ns() - t0) / 1e9

@@ -178,7 +178,7 @@ assert set(_RULES) == set(Happening)
 def _kind(s: Snapshot) -> FailureKind:
     """How the worker of a FAILED, HUNG, STILL_STUCK or BROKE_HEARTBEAT snapshot failed."""
     if s.happening == Happening.FAILED:
-        return FailureKind.SIGNAL if s.signalled else FailureKind.EXIT_CODE
+        return FailureKind.of_end(s.signalled)
     if s.happening == Happening.BROKE_HEARTBEAT:
         return FailureKind.HEARTBEAT
     return FailureKind.HUNG

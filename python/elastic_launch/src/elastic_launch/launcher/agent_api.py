@@ -25,7 +25,7 @@ import enum
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from elastic_launch import api
 from elastic_launch.api import AgentState, ConfigError, Std, process_failures
@@ -355,7 +355,8 @@ class LocalElasticAgent:
         if isinstance(handler, TorchShapedRendezvous):
             handler.exit_barrier_timeout = self.exit_barrier_timeout
         if spec.master_addr is not None or spec.master_port is not None:
-            handler = MasterOverride(handler, spec.master_addr, spec.master_port)
+            override = MasterOverride(handler, spec.master_addr, spec.master_port)
+            return cast(rdzv.RendezvousHandler, override)
         return handler
 
     def _config(self) -> api.LaunchConfig:
@@ -413,12 +414,16 @@ def _backend_of(handler: Any) -> str:
     return str(name()) if callable(name) else type(handler).__name__
 
 
-class MasterOverride(rdzv.RendezvousHandler):
+class MasterOverride:
     """A handler whose rounds give the spec's MASTER_ADDR/MASTER_PORT (torch's
-    ``master_addr``/``master_port`` override), on any backend."""
+    ``master_addr``/``master_port`` override), on any backend; everything else is the inner
+    handler's (delegated, so that a method the interface gains is never left out)."""
 
     def __init__(self, inner: rdzv.RendezvousHandler, addr: str | None, port: int | None) -> None:
         self.inner, self.addr, self.port = inner, addr, port
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def next_rendezvous(
         self,
@@ -434,44 +439,5 @@ class MasterOverride(rdzv.RendezvousHandler):
             master_port=info.master_port if self.port is None else self.port,
         )
 
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
 
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def membership_changed(self) -> bool:
-        return self.inner.membership_changed()
-
-    def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> api.RestartBudget | None:
-        return self.inner.spend_restart(limit, cancel)
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def round_broken(self) -> bool:
-        return self.inner.round_broken()
-
-    def post_note(self, name: str, value: str) -> None:
-        self.inner.post_note(name, value)
-
-    def note(self, name: str) -> str | None:
-        return self.inner.note(name)
-
-    def lost_members(self, cancel: CancelToken = NEVER) -> list[str]:
-        return self.inner.lost_members(cancel)
-
-    def mark_done(self) -> bool:
-        return self.inner.mark_done()
-
-    def set_closed(self, reason: rdzv.CloseReason, detail: str = "") -> None:
-        self.inner.set_closed(reason, detail)
-
-    def closed(self) -> rdzv.JobClosed | None:
-        return self.inner.closed()
-
-    def counters(self) -> rdzv.RendezvousCounters:
-        return self.inner.counters()
-
-    def shutdown(self, cancel: CancelToken = NEVER) -> None:
-        self.inner.shutdown(cancel)
+rdzv.RendezvousHandler.register(MasterOverride)
