@@ -59,9 +59,16 @@ def test_metrics_decorator(recorded):
     assert "torchelastic.xyz.success" not in recorded
 
 
-def test_default_metrics():
-    """upstream (0.1): test_default_metrics: an unconfigured group goes nowhere, quietly"""
-    metrics.getStream("default").add_value("torchelastic_test.counter", 2)
+def test_default_metrics_go_nowhere_quietly(monkeypatch, capsys):
+    """upstream (0.1): test_default_metrics: with no handler configured, a group's values
+    reach the null handler and print nothing"""
+    monkeypatch.setattr(metrics, "_by_group", {})
+    monkeypatch.setattr(metrics, "_default", metrics.NullMetricHandler())
+    stream = metrics.getStream("default")
+    assert isinstance(stream.handler, metrics.NullMetricHandler)
+    stream.add_value("torchelastic_test.counter", 2)
+    metrics.put_metric("torchelastic_test.counter", 3)
+    assert capsys.readouterr() == ("", "")
 
 
 def test_override_default_metric_handler(recorded):

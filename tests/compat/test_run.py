@@ -250,8 +250,9 @@ def test_logs_logs_spec_entrypoint_must_be_defined():
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "env"])
-def test_init_method_with_torchelastic(scheme):
-    """upstream: test_init_method_tcp_with_torchelastic, test_init_method_env_with_torchelastic"""
+def test_init_method_with_torchelastic(scheme, tmp_path):
+    """upstream: test_init_method_tcp_with_torchelastic, test_init_method_env_with_torchelastic:
+    the four ranks join through the init method and sum their one-hot ranks"""
     port = free_port()
     method = f"tcp://localhost:{port}" if scheme == "tcp" else "env://"
     main(
@@ -264,8 +265,11 @@ def test_init_method_with_torchelastic(scheme):
             *COMMON,
             str(BIN / "init_method.py"),
             f"--init-method={method}",
+            f"--out={tmp_path}",
         ]
     )
+    got = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert got == {f"rank{r}.txt": repr([1.0] * 4) for r in range(4)}
 
 
 def test_capture_logs_using_default_logs_specs(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.store import StoreAccess
 from launcher_util import HERE, alive, finish, free_port, kill_all, start, wait_for, worker_args
 
@@ -392,7 +393,6 @@ def test_the_run_id_of_a_finished_job_is_refused(tmp_path, etcd_backend):
     assert not list(second.glob("*.pid")), "nothing ran, and nothing claimed success"
     # What is left of the finished job expires: a lease of its own (v3), a TTL (v2).
     if backend == "etcd":
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
         from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
         store = EtcdV3Store(server.endpoint, StoreAccess("test", retry_for=5))
@@ -430,7 +430,12 @@ def test_nodes_of_different_versions_are_refused_naming_both(launched, tmp_path,
     launched.append(current)
     from elastic_launch._version import __version__
 
-    time.sleep(1.0)  # the current node created the job
+    store = EtcdV3Store(etcd.endpoint, StoreAccess("test", retry_for=5))
+    try:  # the current node created the job: its state names its release
+        created = wait_for(lambda: store.get(f"/elasticrun/{rid}/state") is not None, 60)
+    finally:
+        store.close()
+    assert created, "the first node did not create the job"
     code, _, err = finish(
         start(["--nnodes", "2", *rdzv, *worker_args(tmp_path)], env={"PYTHONPATH": str(shim)}),
         timeout=60,

@@ -290,10 +290,16 @@ def test_outside_elasticrun_only_a_node_s_first_worker_says_so(tmp_path, monkeyp
     from elastic_sampler import CheckpointManager
 
     monkeypatch.delenv("ELASTICRUN_MEMORY_DIR", raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        CheckpointManager(tmp_path / "ckpt", memory=True)
+    said = {}
+    for local_rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = CheckpointManager(tmp_path / "ckpt", memory=True)
+        assert m.memory_tier is None
+        said[local_rank] = [str(w.message) for w in caught]
+    assert len(said["0"]) == 1 and "there is no memory tier" in said["0"][0], said
+    assert said["1"] == [], "a node's other workers say nothing"
 
 
 @pytest.mark.parametrize(

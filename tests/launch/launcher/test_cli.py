@@ -179,9 +179,14 @@ def test_preload_is_auto_unless_turned_off():
     check_config(dataclasses.replace(LaunchConfig(), preload=["json", "auto"]))
 
 
-def test_a_default_launch_config_is_valid():
-    check_config(LaunchConfig())
-    check_config(LaunchConfig(hang_timeout=float("inf"), master_port=29500, max_restarts=3))
+def test_a_default_launch_config_is_valid_and_check_config_changes_nothing():
+    for config in (
+        LaunchConfig(),
+        LaunchConfig(hang_timeout=float("inf"), master_port=29500, max_restarts=3),
+    ):
+        before = dataclasses.replace(config)
+        assert check_config(config) is None
+        assert config == before
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])

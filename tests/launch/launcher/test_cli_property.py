@@ -71,17 +71,25 @@ PROPERTY = settings(
 )
 
 
-def configure(argv: list[str]) -> None:
-    """The launcher's configuration step, as `cli.main` runs it, without running the job."""
-    code = None
+def configure(argv: list[str]) -> str:
+    """The launcher's configuration step, as `cli.main` runs it, without running the job:
+    "planned" (a plan for the script), "refused" (a ConfigError that says why) or "usage"
+    (argparse's exit 2); anything else fails the test."""
     try:
         config, entrypoint = cli.config_from_args(cli.build_parser().parse_args(argv))
-        plan_launch(config, entrypoint)
-    except ConfigError:
-        pass
+        plan = plan_launch(config, entrypoint)
+    except ConfigError as e:
+        refused: BaseException = e
     except SystemExit as e:
-        code = e.code
-    assert code in (None, 2), f"argparse exits 2 on a usage error, not {code!r}"
+        refused = e
+    else:
+        assert plan.entrypoint == entrypoint, plan
+        return "planned"
+    if isinstance(refused, SystemExit):
+        assert refused.code == 2, f"argparse exits 2 on a usage error, not {refused.code!r}"
+        return "usage"
+    assert str(refused), "a refusal says why"
+    return "refused"
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +112,8 @@ def _quiet(monkeypatch):
 @given(st.lists(st.tuples(st.sampled_from(FLAGS), values), min_size=1, max_size=3))
 def test_any_flag_value_is_a_plan_or_a_usage_error(script, flags):
     before = set(threading.enumerate())
-    configure([*(part for flag, value in flags for part in (f"{flag}={value}",)), script])
+    said = configure([*(part for flag, value in flags for part in (f"{flag}={value}",)), script])
+    assert said in ("planned", "refused", "usage")
     started = set(threading.enumerate()) - before  # another test's thread may end meanwhile
     assert not started, f"configuring started {started}"
 
@@ -116,7 +125,7 @@ def test_any_pet_variable_is_a_plan_or_a_usage_error(script, variables):
     old = {k: os.environ.get(k) for k in names}
     try:
         os.environ.update(names)
-        configure([script])
+        assert configure([script]) in ("planned", "refused", "usage")
     finally:
         for k, v in old.items():
             if v is None:

@@ -5,7 +5,6 @@ store values."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
@@ -169,21 +168,28 @@ PROPERTY = settings(
 )
 
 
-def only_store_value_errors(parse, data) -> None:
-    with contextlib.suppress(StoreValueError):
-        parse(data)
+def parses_or_is_refused(parse, data, kind: type) -> None:
+    """`parse(data)` gives a `kind`, or raises a StoreValueError that says why: nothing else."""
+    try:
+        result = parse(data)
+    except StoreValueError as e:
+        result = e
+    if isinstance(result, StoreValueError):
+        assert str(result), "a refusal says why"
+    else:
+        assert isinstance(result, kind), f"{data!r} parsed to {result!r}, not a {kind.__name__}"
 
 
 @PROPERTY
 @given(anything(STATE_FIELDS))
 def test_any_state_value_parses_or_is_a_store_value_error(data):
-    only_store_value_errors(lambda d: RoundState.from_json(d, "k"), data)
+    parses_or_is_refused(lambda d: RoundState.from_json(d, "k"), data, RoundState)
 
 
 @PROPERTY
 @given(anything(MEMBER_FIELDS))
 def test_any_join_value_parses_or_is_a_store_value_error(data):
-    only_store_value_errors(lambda d: Member.from_json(d, "k"), data)
+    parses_or_is_refused(lambda d: Member.from_json(d, "k"), data, Member)
 
 
 row_items = st.lists(json_values | st.integers(-5, 70000) | st.text(max_size=5), max_size=10)
@@ -198,12 +204,13 @@ row_items = st.lists(json_values | st.integers(-5, 70000) | st.text(max_size=5),
     st.text(max_size=5),
 )
 def test_any_members_shard_parses_or_is_a_store_value_error(data, node):
-    def parse(d: bytes) -> None:
+    def parse(d: bytes) -> RoundState:
         state = RoundState(2, Status.FINAL, size=3, world=7).with_shards([d], "k")
         if node in state.nodes:
             round_info(state, node)
+        return state
 
-    only_store_value_errors(parse, data)
+    parses_or_is_refused(parse, data, RoundState)
 
 
 @PROPERTY
@@ -215,14 +222,14 @@ def test_any_torch_store_row_parses_or_is_a_store_value_error(data):
         def get(self, key: str) -> bytes:
             return data
 
-    only_store_value_errors(lambda _: _node_row(Store(), 0), data)
+    parses_or_is_refused(lambda _: _node_row(Store(), 0), data, dict)
 
 
 @PROPERTY
 @given(st.binary(max_size=50))
 def test_any_key_or_leader_value_reads_or_is_a_store_value_error(data):
     assert isinstance(key_text(data), str)
-    only_store_value_errors(lambda d: text_value(d, "k"), data)
+    parses_or_is_refused(lambda d: text_value(d, "k"), data, str)
 
 
 def test_property_tests_can_fail():
