@@ -27,21 +27,11 @@ from elastic_launch.net import free_port
 from elastic_launch.rendezvous import register
 from elastic_launch.rendezvous.local import LocalRendezvous
 
-pytestmark = pytest.mark.slow  # real launchers, workers and etcd
+# Real launchers, workers and etcd, in the environment upstream's setUp makes.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_env")]
 
 BIN = Path(__file__).resolve().parent / "bin"
 SCRIPT = str(BIN / "env_script.py")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """As upstream's setUp: no PET_ variable, a sentinel the workers must inherit."""
-    for name in list(os.environ):
-        if name.startswith("PET_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("TEST_SENTINEL_PARENT", "FOOBAR")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", raising=False)
 
 
 def config(endpoint: str, min_nodes: int, max_nodes: int, nproc: int, **kw) -> LaunchConfig:

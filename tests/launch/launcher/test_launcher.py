@@ -19,20 +19,7 @@ from elastic_launch.net import free_port
 from elastic_launch.processes import zygote as zygote_module
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
 from elastic_launch.rendezvous import RendezvousConnectionError
-
-
-def children() -> set[int]:
-    mine = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == os.getpid():
-                mine.append(int(entry))
-    return set(mine)
+from proc_util import children
 
 
 def traces() -> set[str]:
@@ -47,14 +34,16 @@ def traces() -> set[str]:
 @pytest.fixture
 def clean() -> Iterator[None]:
     """The test must leave no child process and no file of the run."""
-    before_children, before_traces = children(), traces()
+    before_children, before_traces = set(children(os.getpid())), traces()
     yield
     import time
 
     deadline = time.monotonic() + 5
-    while children() - before_children and time.monotonic() < deadline:
+    while set(children(os.getpid())) - before_children and time.monotonic() < deadline:
         time.sleep(0.02)  # the guardian exits a moment after `done`
-    assert children() - before_children == set(), "a process of the run is still there"
+    assert set(children(os.getpid())) - before_children == set(), (
+        "a process of the run is still there"
+    )
     assert traces() - before_traces == set(), "files of the run are still there"
 
 

@@ -14,6 +14,7 @@ import pytest
 from elastic_launch.processes.spawn import FreshInterpreter, SpawnRequest, ZygoteFork
 from elastic_launch.processes.worker_main import DEVNULL, KEEP
 from elastic_launch.processes.zygote import Zygote, ZygoteUnavailableError, recv, send
+from proc_util import children
 
 SCRIPT = """
 import json, os, signal, sys
@@ -59,26 +60,8 @@ def zygote(request):
     z.close()
 
 
-def children(pid: int) -> dict[int, bytes]:
-    """{pid: command line} of `pid`'s living children (a zombie is gone)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            found[int(entry)] = cmdline
-    return found
-
-
 def spares(zygote: Zygote) -> set[int]:
-    return {p for p, cmd in children(zygote.pid).items() if b"(warm spare)" in cmd}
+    return {p for p, cmd in children(zygote.pid, zombies=False).items() if b"(warm spare)" in cmd}
 
 
 def until(what: str, done, timeout: float = 30):
