@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "python" / "elastic_launch" / "src" / "elastic_launch"
-FOUNDATION = {"api", "cancel", "compat", "errors", "eventlog", "net", "teardown", "_version"}
+FOUNDATION = {
+    "api",
+    "cancel",
+    "compat",
+    "errors",
+    "eventlog",
+    "files",
+    "net",
+    "teardown",
+    "_version",
+}
 ENTRY = {"__init__", "__main__", "cli"}
 #: What each part may import besides itself and the foundation.
 ALLOWED = {

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from elastic_launch.files import write_atomically
+
 __all__ = [
     "ERROR_FILE_ENV",
     "ChildFailedError",
@@ -67,11 +69,8 @@ def write_error_file(error: BaseException, tb: types.TracebackType | None = None
             },
         }
     }
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(data))
     except OSError:
         return False  # never let error reporting hide the error itself
     return True

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from elastic_launch import teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
+from elastic_launch.files import write_atomically
 
 if TYPE_CHECKING:
     import importlib.machinery
@@ -297,10 +298,7 @@ def _run_function(spec_path: str, call: FunctionCall | None) -> None:
         call = pickle.loads(spec["call"])
     fn, args, result_path = call
     value = fn(*args)
-    tmp = result_path + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(value, f)
-    os.replace(tmp, result_path)
+    write_atomically(result_path, pickle.dumps(value))
 
 
 def run_target(argv: list[str], call: FunctionCall | None = None) -> int:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elastic_launch.api import LaunchConfig
+from elastic_launch.files import write_atomically
 from elastic_launch.rendezvous.conf import EMBEDDED, ETCD, ETCD_V2, WORKER_KEYS, kind_of
 
 logger = logging.getLogger(__name__)
@@ -122,10 +123,7 @@ class TeamService:
             self._failed = f"the train loop's rendezvous service could not start: {e}"
             logger.warning("%s", self._failed)
             where = {"unavailable": self._failed}
-        tmp = f"{self.file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(where, f)
-        os.replace(tmp, self.file)  # the workers see all of it or nothing
+        write_atomically(self.file, json.dumps(where))  # the workers see all of it or nothing
 
     def close(self) -> None:
         if self._server is not None:

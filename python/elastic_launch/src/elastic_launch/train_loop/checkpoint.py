@@ -28,6 +28,7 @@ import os
 import shutil
 from typing import IO, Any
 
+from elastic_launch.files import fsync_dir, write_atomically
 from elastic_launch.train_loop.api import State, UserMethodError
 
 logger = logging.getLogger(__name__)
@@ -105,12 +106,11 @@ class FileSystemCheckpoint(Checkpoint):
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             sizes[name] = os.path.getsize(path)
-        with open(os.path.join(self.partial_dir, RECORD), "w") as f:
-            json.dump({"sizes": sizes}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        record = os.path.join(self.partial_dir, RECORD)
+        write_atomically(record, json.dumps({"sizes": sizes}), durable=True)
         os.rename(self.partial_dir, self.checkpoint_dir)
-        _sync_dir(self.manager.checkpoint_dir)
+        with contextlib.suppress(OSError):
+            fsync_dir(self.manager.checkpoint_dir)
         self.committed = True
         self.manager.prune()
 
@@ -201,15 +201,6 @@ def _file_name(key: str) -> str:
     if not key or "/" in key or key.startswith(".") or "\0" in key:
         raise ValueError(f"checkpoint key {key!r}: give a plain name, as 'default' or 'model'")
     return key
-
-
-def _sync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 _manager: CheckpointManager | None = None
