@@ -19,22 +19,13 @@ from elastic_launch.errors import ChildFailedError
 from elastic_launch.launcher.config import parse_nnodes
 from elastic_launch.net import free_port
 
-pytestmark = pytest.mark.slow  # real launchers and workers
+# Real launchers and workers, in the environment upstream's setUp makes.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_env")]
 
 BIN = Path(__file__).resolve().parent / "bin"
 SCRIPT = str(BIN / "env_script.py")
 BASH = str(BIN / "touch_rank.sh")
 COMMON = ["--monitor-interval=1", "--start-method=spawn"]
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """As upstream's setUp: no PET_ variable, a sentinel the workers must inherit."""
-    for name in list(os.environ):
-        if name.startswith("PET_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("TEST_SENTINEL_PARENT", "FOOBAR")
-    monkeypatch.delenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", raising=False)
 
 
 def touched(d: Path) -> set[str]:
@@ -206,11 +197,15 @@ def test_is_not_torchelastic_launched(tmp_path, monkeypatch):
 
 
 def test_launch_elastic_worker_raise_exception(tmp_path):
-    """upstream: test_launch_elastic_worker_raise_exception: a ChildFailedError, by rank"""
+    """upstream: test_launch_elastic_worker_raise_exception: torch's ChildFailedError (and
+    elasticrun's), by rank"""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError as Torchs
+
     args = ["--nnodes=1:1", "--nproc-per-node=4", "--max-restarts=0", "--rdzv-backend=c10d"]
     args += [f"--rdzv-endpoint=localhost:{free_port()}", *COMMON]
-    with pytest.raises(ChildFailedError) as info:
+    with pytest.raises(Torchs) as info:
         main([*args, SCRIPT, "--fail"])
+    assert isinstance(info.value, ChildFailedError)
     rank, first = info.value.get_first_failure()
     assert rank in range(4) and first.exitcode == 1
     assert "raising exception since --fail flag was set" in str(first.message)

@@ -466,7 +466,8 @@ def main(args: Sequence[str] | None = None) -> None:
     Raises :class:`~elastic_launch.api.ConfigError` (a ValueError) for a bad value before
     anything starts, ``SystemExit(2)`` for what argparse refuses,
     :class:`~elastic_launch.api.WorkerFailedError` (a ``ChildFailedError``: the failed
-    processes by rank, the summary as its message) when the job fails,
+    processes by rank, the summary as its message; torch's ``ChildFailedError`` as well when
+    torch is loaded) when the job fails,
     :class:`~elastic_launch.api.LauncherStopped` when a signal stopped it, and the
     rendezvous' errors (:class:`~elastic_launch.api.LaunchError`) when it cannot be formed.
     """
@@ -480,7 +481,29 @@ def main(args: Sequence[str] | None = None) -> None:
         return
     if result.state == AgentState.STOPPED:
         raise api.LauncherStopped(result.signal or 0)
-    raise api.WorkerFailedError(format_summary(entrypoint.name, result), result, entrypoint.name)
+    error = api.WorkerFailedError(format_summary(entrypoint.name, result), result, entrypoint.name)
+    raise _also_torchs(error)
+
+
+def _also_torchs(error: api.WorkerFailedError) -> api.WorkerFailedError:
+    """`error`, as an instance of torch's ``ChildFailedError`` too when the caller has torch
+    loaded (torch's tests and scripts that call ``torch.distributed.run.main`` catch that
+    class). Unchanged otherwise: the command itself never imports torch."""
+    if "torch" not in sys.modules:
+        return error
+    try:
+        from torch.distributed.elastic.multiprocessing import errors
+    except ImportError:
+        return error
+    both = _BOTH.setdefault(
+        errors.ChildFailedError,
+        type("WorkerFailedError", (api.WorkerFailedError, errors.ChildFailedError), {}),
+    )
+    return both(str(error), error.result, error.name)
+
+
+#: torch's ChildFailedError -> the class that is both it and api.WorkerFailedError.
+_BOTH: dict[type, type[api.WorkerFailedError]] = {}
 
 
 def exit_status(argv: Sequence[str] | None = None) -> int:
