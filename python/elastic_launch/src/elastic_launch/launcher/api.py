@@ -123,11 +123,11 @@ def launch_agent(
         return result.return_values
     if result.state == AgentState.STOPPED:
         raise SignalException(result.signal or 0)
-    raise _torch_catchable()(format_summary(ep.name, result), result, name)
+    raise torch_catchable()(format_summary(ep.name, result), result, name)
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_catchable() -> type[WorkerFailedError]:
+def torch_catchable() -> type[WorkerFailedError]:
     """The failure torch's launcher raises: elasticrun's, which torch's own
     ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` catches too (a script
     that only swapped its import still catches torch's name). Without torch, elasticrun's."""

@@ -473,6 +473,7 @@ def main(args: Sequence[str] | None = None) -> None:
     """
     logging.basicConfig(level=logging.WARNING, format="elasticrun: %(levelname)s: %(message)s")
     from elastic_launch.agent.summary import format_summary
+    from elastic_launch.launcher.api import torch_catchable
     from elastic_launch.launcher.runner import run
 
     config, entrypoint = config_from_args(build_parser().parse_args(args))
@@ -481,29 +482,10 @@ def main(args: Sequence[str] | None = None) -> None:
         return
     if result.state == AgentState.STOPPED:
         raise api.LauncherStopped(result.signal or 0)
-    error = api.WorkerFailedError(format_summary(entrypoint.name, result), result, entrypoint.name)
-    raise _also_torchs(error)
-
-
-def _also_torchs(error: api.WorkerFailedError) -> api.WorkerFailedError:
-    """`error`, as an instance of torch's ``ChildFailedError`` too when the caller has torch
-    loaded (torch's tests and scripts that call ``torch.distributed.run.main`` catch that
-    class). Unchanged otherwise: the command itself never imports torch."""
-    if "torch" not in sys.modules:
-        return error
-    try:
-        from torch.distributed.elastic.multiprocessing import errors
-    except ImportError:
-        return error
-    both = _BOTH.setdefault(
-        errors.ChildFailedError,
-        type("WorkerFailedError", (api.WorkerFailedError, errors.ChildFailedError), {}),
-    )
-    return both(str(error), error.result, error.name)
-
-
-#: torch's ChildFailedError -> the class that is both it and api.WorkerFailedError.
-_BOTH: dict[type, type[api.WorkerFailedError]] = {}
+    # A caller with torch loaded (torch's test_run.py, a script that called torch's main)
+    # catches torch's ChildFailedError; the command itself never imports torch.
+    failed = torch_catchable() if "torch" in sys.modules else api.WorkerFailedError
+    raise failed(format_summary(entrypoint.name, result), result, entrypoint.name)
 
 
 def exit_status(argv: Sequence[str] | None = None) -> int:
