@@ -17,7 +17,7 @@ from elastic_launch.agent.events import AgentEvent, Events
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.watch import Heartbeats, Watch
 from elastic_launch.agent.workers import WorkerGroup
-from elastic_launch.api import AgentState, FailureKind, LaunchConfig, WorkerState
+from elastic_launch.api import AgentState, Cancelled, FailureKind, LaunchConfig, WorkerState
 from elastic_launch.cancel import CancelToken
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
 from elastic_launch.processes.logs import LogLayout
@@ -287,6 +287,20 @@ def test_a_job_closed_by_another_node(node):
     n = node(rdzv=FakeRendezvous(raise_next=[RendezvousClosedError("over", failed)]))
     result = n.play().finish()
     assert result.state == AgentState.FAILED and "rank 9 exit code 1" in result.message
+
+
+def test_a_signal_that_abandoned_a_handler_stops_the_agent_with_its_number(node):
+    # A handler of torch's takes no token: the signal raised Cancelled in it at once, and the
+    # relay thread cancels the token a moment later.
+    class Relay(FakeRendezvous):
+        def next_rendezvous(self, *args, **kw):
+            threading.Thread(target=n.cancel.cancel, args=(signal.SIGTERM,)).start()
+            raise Cancelled(signal.SIGTERM)
+
+    n = node(rdzv=Relay())
+    result = n.play().finish()
+    assert result.state == AgentState.STOPPED and result.signal == signal.SIGTERM
+    assert not n.cancel.forced, "one signal, not two"
 
 
 def test_a_rendezvous_error_fails_the_agent_and_goes_up(node):

@@ -5,11 +5,17 @@ torch TCPStore, is in tests/compat), the restart budget, closing, the exit barri
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from elastic_launch import cancel as cancel_module
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import CancelToken, SignalRelay
 from elastic_launch.rendezvous.api import (
     CloseReason,
     RendezvousClosedError,
@@ -196,3 +202,37 @@ def test_shutdown_reaches_the_handler():
     handler = TorchShaped(Store(), 0, 1)
     adapt(params(1), handler).shutdown()
     assert handler.shut == 1
+
+
+class Waiting(TorchShaped):
+    """A handler that waits for nodes that never come, sleeping as torch's does (no token
+    reaches it); `entered` is set once it waits."""
+
+    def __init__(self) -> None:
+        super().__init__(Store(), 0, 2)
+        self.entered = threading.Event()
+
+    def next_rendezvous(self) -> Any:
+        self.entered.set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise AssertionError("the signal did not end the wait")
+
+
+def test_a_signal_ends_a_wait_in_a_handler_that_takes_no_token():
+    """A signal must end the agent whatever handler it waits in: the handler is abandoned
+    with Cancelled, and the token says which signal it was."""
+    token = CancelToken()
+    handler = Waiting()
+    rdzv = TorchShapedRendezvous(params(1), handler)
+
+    def signal_once_it_waits() -> None:
+        if handler.entered.wait(30):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    threading.Thread(target=signal_once_it_waits, daemon=True).start()
+    with SignalRelay(token, [signal.SIGUSR1]), pytest.raises(Cancelled):
+        rdzv.next_rendezvous(cancel=token)
+    assert token.wait(10) and token.signum == signal.SIGUSR1
+    assert not cancel_module._foreign_calls, "outside the call, signals raise nothing"

@@ -3,7 +3,10 @@ signal into a cancelled token.
 
 A signal handler may run between any two bytecodes of the main thread, even while that thread
 holds a lock a callback would need; so the handler only writes the signal number to a pipe, and a
-relay thread cancels the token (waking every wait registered with it) outside any handler.
+relay thread cancels the token (waking every wait registered with it) outside any handler. The
+one exception is code that takes no token (a rendezvous handler of torch's): around it,
+:func:`foreign_call` lets the handler raise :class:`Cancelled` in the main thread, so that a
+signal ends the wait there too.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -195,6 +198,8 @@ class SignalRelay:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):  # a full pipe: a signal is pending anyway
             os.write(self._w, bytes([signum]))
+        if _foreign_calls:
+            raise Cancelled(signum)  # the main thread is in code that no token can wake
 
     def _relay(self) -> None:
         while True:
@@ -227,3 +232,23 @@ class SignalRelay:
             if fd >= 0:
                 os.close(fd)
         self._r = self._w = -1
+
+
+#: How deep the main thread is in calls that take no cancel token (see :func:`foreign_call`).
+_foreign_calls = 0
+
+
+@contextlib.contextmanager
+def foreign_call() -> Iterator[None]:
+    """Around a blocking call that takes no cancel token (a handler of torch's, its store):
+    in the main thread, a signal the relay handles raises :class:`Cancelled` there, which
+    abandons the call. Elsewhere it changes nothing (signals reach the main thread only)."""
+    global _foreign_calls
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _foreign_calls += 1
+    try:
+        yield
+    finally:
+        _foreign_calls -= 1

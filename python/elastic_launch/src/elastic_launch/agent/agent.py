@@ -54,6 +54,10 @@ from elastic_launch.rendezvous.team import TeamService
 
 logger = logging.getLogger(__name__)
 
+#: Seconds to wait for the signal relay to cancel the token after a handler raised Cancelled
+#: (it does so at once; the bound is for a relay that is gone).
+RELAY_WAIT = 5.0
+
 
 class ElasticAgent:
     """Runs one node's share of a job until it succeeds, fails for good, or is stopped."""
@@ -156,6 +160,10 @@ class ElasticAgent:
         except RendezvousClosedError as e:
             return self._closed(e.closed)
         except Exception as e:
+            # A signal in a handler that takes no token (torch's) raised Cancelled at once:
+            # the relay thread cancels the token a moment later, with the signal's number.
+            if isinstance(e, Cancelled):
+                self.cancel.wait(RELAY_WAIT)
             if self.cancel.cancelled:
                 return self._stopped()
             if isinstance(e, RendezvousError):

@@ -21,7 +21,8 @@ import json
 import logging
 from typing import Any
 
-from elastic_launch.cancel import NEVER, CancelToken
+from elastic_launch.api import Cancelled
+from elastic_launch.cancel import NEVER, CancelToken, foreign_call
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous.api import (
     CloseReason,
@@ -93,7 +94,8 @@ class TorchShapedRendezvous(FixedRendezvous):
         return super().next_rendezvous(reason, cancel=cancel, failure=failure)
 
     def _round_info(self, round_: int) -> RendezvousInfo:
-        answer = self.handler.next_rendezvous()
+        with foreign_call():  # it takes no cancel token: a signal must still end the wait
+            answer = self.handler.next_rendezvous()
         if isinstance(answer, tuple):  # torch before 2.4: (store, rank, world_size)
             store, group_rank, nodes = answer
             bootstrap = None
@@ -145,9 +147,13 @@ class TorchShapedRendezvous(FixedRendezvous):
         store, nodes = self._store, self._group[1]
         if store is not None and nodes > 1 and self.exit_barrier_timeout > 0:
             try:
-                if int(store.add(_DONE_KEY, 1)) >= nodes:
-                    store.set(_ALL_DONE_KEY, "1")
-                store.wait([_ALL_DONE_KEY], datetime.timedelta(seconds=self.exit_barrier_timeout))
+                with foreign_call():
+                    if int(store.add(_DONE_KEY, 1)) >= nodes:
+                        store.set(_ALL_DONE_KEY, "1")
+                    timeout = datetime.timedelta(seconds=self.exit_barrier_timeout)
+                    store.wait([_ALL_DONE_KEY], timeout)
+            except Cancelled:
+                raise  # a signal: the launcher stops
             except Exception as e:  # torch's stores raise RuntimeError, DistStoreError...
                 logger.warning("the exit barrier did not complete (%s); this node is done", e)
         return super().mark_done()
