@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ class _PortTakenError(AssertionError):
 
 def _post(url: str, body: dict[str, object], timeout: float = 5, token: str | None = None) -> dict:
     import json
-    import urllib.request
 
     request = urllib.request.Request(
         url,
@@ -167,6 +167,14 @@ class EtcdServer:
     def status(self) -> dict:
         """etcd's own status of this member (its id, the leader's, the revision)."""
         return _post(f"http://{self.endpoint}/v3/maintenance/status", {}, timeout=2)
+
+    def watchers(self) -> int:
+        """How many watches this member serves (its metric etcd_debugging_mvcc_watcher_total)."""
+        with urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                    return int(float(line.split()[1]))
+        raise AssertionError(f"etcd at {self.endpoint} reports no watcher count")
 
     def gateway(self, path: str, body: dict[str, object], token: str | None = None) -> dict:
         """A call to etcd's v3 JSON gateway (used to set up users and auth)."""

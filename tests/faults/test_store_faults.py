@@ -211,6 +211,8 @@ def test_a_watched_history_compacted_under_a_waiting_node(two_nodes, etcd_cluste
 
     try:
         assert wait_for(joined, 60), "node a did not join"
+        # ... and waits, watching on member 0 from before what follows (not a read after it)
+        assert wait_for(lambda: etcd_cluster.members[0].watchers() > 0, 60), "a never waited"
         for i in range(5):
             other.put(f"/elsewhere/{i}", b"x")
         etcd_cluster.compact(via=1)
