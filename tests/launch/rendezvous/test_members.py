@@ -21,7 +21,7 @@ from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcd_v3_client import Client
 from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch
-from elastic_launch.rendezvous.etcdpb import rpc_pb2
+from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.registry import check_parameters
 from elastic_launch.rendezvous.store import Inbox, StoreAccess, StoreError
 
@@ -151,6 +151,29 @@ def test_a_call_moves_on_from_a_member_that_refuses(services):
         assert store.client.current.member.target == live, "it stays on the member that works"
     finally:
         store.close()
+
+
+def test_a_call_on_a_channel_another_thread_just_closed_goes_on(services):
+    # Another thread left the member and closed its channel between this call's choice of
+    # member and its start: gRPC says "Channel closed!" before anything is sent.
+    store = EtcdV3Store(f"{services()},{services()}", access())
+    try:
+        conn = store.client.current
+        stale = conn.channel
+        conn.reset()  # what a fail-over does to the member it leaves
+        real = conn.method
+
+        def stale_once(name: str):
+            conn.method = real
+            return getattr(rpc_pb2_grpc.KVStub(stale), name.split(".")[1])
+
+        conn.method = stale_once
+        assert store.put("/m/raced", b"1")
+        assert store.get("/m/raced").value == b"1"
+    finally:
+        store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.put("/m/after", b"1")  # a store that is closed says so
 
 
 def test_a_call_moves_on_from_a_member_that_hangs(services):

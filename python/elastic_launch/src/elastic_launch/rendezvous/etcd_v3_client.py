@@ -324,6 +324,12 @@ class Client:
             conn = self.current
             try:
                 return self._attempt(conn, method, request, log_in)
+            except ValueError as e:  # gRPC's "Channel closed!", before the call was sent
+                if "Channel closed" not in str(e):
+                    raise
+                if self.closed.is_set():
+                    raise StoreError(f"{self.name}: the store was closed ({e})") from None
+                continue  # another thread left this member and closed its channel: go on
             except grpc.RpcError as e:
                 code = e.code()
                 unauthenticated = code == grpc.StatusCode.UNAUTHENTICATED and self.logs_in
