@@ -4,6 +4,8 @@ real agents are in tests/compat)."""
 
 from __future__ import annotations
 
+import copy
+
 from elastic_launch import api
 from elastic_launch.api import AgentState, FailureKind, WorkerFailure
 from elastic_launch.launcher.agent_api import MasterOverride, RunResult, WorkerState
@@ -46,5 +48,6 @@ def test_a_master_override_changes_the_rounds_address_and_nothing_else():
     # Everything else is the inner handler's, the state it changes included.
     assert handler.get_run_id() == "fake-run" and handler.spend_restart(1) is not None
     assert inner.spends == [1]
+    assert copy.copy(handler).next_rendezvous().master_addr == "10.0.0.7"
     handler.set_closed(CloseReason.FAILED, "both nodes failed")
     assert handler.closed() == inner.closed() and inner.closed() is not None

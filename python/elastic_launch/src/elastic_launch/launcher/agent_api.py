@@ -423,6 +423,8 @@ class MasterOverride:
         self.inner, self.addr, self.port = inner, addr, port
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being made): never recurse
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def next_rendezvous(
