@@ -116,8 +116,8 @@ def kill_an_agent_mid_training(
     pick: Callable[[dict[int, int]], int],
 ) -> tuple[int, int, dict[str, str], str]:
     """Submit a two-epoch training job; once it trains, SIGKILL the agent of the node that
-    `pick` names, given the agents ({node: pid}) (its worker dies with it). The job's id, that node, the job's end (Slurm's fields)
-    and its output."""
+    `pick` names, given the agents ({node: pid}) (its worker dies with it). The job's id,
+    that node, the job's end (Slurm's fields) and its output."""
     samples = tmp / "samples"
     job_id = submit(
         cluster,
