@@ -235,6 +235,27 @@ def test_a_crash_between_the_steps_of_a_resave_leaves_one_copy_loadable(tmp_path
     assert torch.equal(state["w"], torch.zeros(100))
 
 
+def test_a_checkpoint_pruned_by_another_manager_as_soon_as_it_is_renamed_is_a_warning(
+    tmp_path, monkeypatch
+):
+    """Two managers on one directory: the other one prunes the file between its rename and
+    the checksum (the race tests/sampler/test_checkpoint.py's two real writers meet). The save
+    warns and goes on, and leaves no checksum without its file."""
+    m = CheckpointManager(tmp_path, keep_last=1)
+    real = _files.atomic_write
+
+    def pruned_at_once(path, write, abandon=None):
+        written = real(path, write, abandon)
+        if path.suffix == ".pt":
+            path.unlink()  # the other manager's prune
+        return written
+
+    monkeypatch.setattr(_files, "atomic_write", pruned_at_once)
+    with pytest.warns(UserWarning, match="removed by another process"):
+        m.save({"w": torch.zeros(10)}, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- a real full disk ----------------------------------------------------------------------
 
 

@@ -183,9 +183,12 @@ def write_verified(
             _replace_verified(target, state, old, abandon)
             return target
         size, crc = atomic_write(target, lambda f: torch.save(state, f), abandon)
-        written = os.stat(target).st_ino
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint '{target}': {why(e)}") from e
+    try:
+        written = os.stat(target).st_ino
+    except FileNotFoundError:  # pruned by another manager on the directory as soon as renamed
+        raise GoneError(f"'{target}' was removed by another process as it was written") from None
     try:
         record_checksum(target, size, crc, abandon)
     except GoneError:
