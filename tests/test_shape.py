@@ -27,10 +27,7 @@ ROOTS = [
 MAX_FUNCTION = 60
 MAX_CLASS = 450
 #: Functions allowed to be longer, and why (path relative to the repository: qualified name).
-LONG_FUNCTIONS = {
-    # One add_argument call per torchrun flag: a table, read as one.
-    "python/elastic_launch/src/elastic_launch/launcher/cli.py:build_parser",
-}
+LONG_FUNCTIONS: set[str] = set()
 
 
 def sources() -> list[Path]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from elastic_launch.cli import main
 from elastic_launch.errors import ChildFailedError
-from elastic_launch.launcher.config import parse_nnodes
+from elastic_launch.launcher.parse import parse_nnodes
 from elastic_launch.net import free_port
 
 # Real launchers and workers, in the environment upstream's setUp makes.

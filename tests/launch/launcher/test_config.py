@@ -6,7 +6,7 @@ import signal
 
 import pytest
 from elastic_launch.api import ConfigError, Std, std_for
-from elastic_launch.launcher.config import (
+from elastic_launch.launcher.parse import (
     parse_hang_timeout,
     parse_list,
     parse_nnodes,

@@ -1,7 +1,8 @@
 """The launcher: the ``elasticrun`` command line, the checking of every setting, and
 :func:`run`, the one owner of everything a launch opens.
 
-Owns: parsing and checking (``cli``, ``config``), the resources of a launch (``runner``), and
+Owns: the options, declared once (``options``), parsing and checking (``parse``, ``cli``,
+``config``), the resources of a launch (``runner``), and
 torch's launcher and agent APIs over them (``api``, ``agent_api``).
 May import: everything below it (``agent``, ``processes``, ``rendezvous``, the foundation:
 ``api``, ``cancel``, ``compat``, ``errors``, ``net``). Nothing imports it but the entry points.

@@ -32,6 +32,7 @@ from elastic_launch.api import AgentState, ConfigError, Std, process_failures
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.errors import ProcessFailure
 from elastic_launch.launcher.api import take_logs_specs
+from elastic_launch.launcher.options import torch_default
 from elastic_launch.rendezvous import api as rdzv
 from elastic_launch.rendezvous.registry import adapt, create_handler
 from elastic_launch.rendezvous.torch_shaped import EXIT_BARRIER_TIMEOUT, TorchShapedRendezvous
@@ -190,16 +191,16 @@ class WorkerSpec:
     fn: Callable[..., Any] | None = None
     entrypoint: Callable[..., Any] | str | None = None
     args: tuple[Any, ...] = ()
-    max_restarts: int = 3
-    monitor_interval: float = 0.1
+    max_restarts: int = torch_default("max-restarts")
+    monitor_interval: float = torch_default("monitor-interval")
     master_port: int | None = None
     master_addr: str | None = None
     local_addr: str | None = None
-    event_log_handler: str = "null"
+    event_log_handler: str = torch_default("event-log-handler")
     numa_options: Any = None
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
-    virtual_local_rank: bool = False
+    virtual_local_rank: bool = torch_default("virtual-local-rank")
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:

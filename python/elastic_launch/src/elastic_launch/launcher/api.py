@@ -8,9 +8,10 @@
     outputs = elastic_launch(config, train)(lr)        # {global rank: return value}
 
 :class:`LaunchConfig` has torch's defaults where they differ from the command line's
-(``role="default_role"``, ``rdzv_backend="etcd"``, ``max_restarts=3``, a rendezvous timeout of
-900 s) and takes torch's extra fields (``logs_specs``, ``rdzv_timeout``,
-``log_line_prefix_template``, ``metrics_cfg``). A failed job raises a ``ChildFailedError``
+(``role="default_role"``, ``rdzv_backend="etcd"``, ``max_restarts=3``: each option's
+:class:`~elastic_launch.launcher.options.TorchDefault`; a rendezvous timeout of 900 s) and
+takes torch's extra fields (``logs_specs``, ``rdzv_timeout``, ``log_line_prefix_template``,
+``metrics_cfg``). A failed job raises a ``ChildFailedError``
 (:class:`~elastic_launch.api.WorkerFailedError`, which ``except ChildFailedError`` catches with
 torch's own class too, when torch is there), a signal :class:`SignalException`.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from elastic_launch import api
 from elastic_launch.api import AgentState, ConfigError, Std, WorkerFailedError
 from elastic_launch.errors import ChildFailedError, ProcessFailure
+from elastic_launch.launcher.options import torch_default
 
 __all__ = [
     "ChildFailedError",
@@ -49,10 +51,10 @@ class LaunchConfig(api.LaunchConfig):
     """torch's ``LaunchConfig``: elasticrun's, with torch's defaults and extra fields."""
 
     logs_specs: object = None  # torch's DefaultLogsSpecs (log_dir, redirects, tee), or None
-    role: str = "default_role"
-    rdzv_backend: str = "etcd"
+    role: str = torch_default("role")
+    rdzv_backend: str = torch_default("rdzv-backend")
     rdzv_timeout: int = -1  # seconds; -1: rdzv_configs' "timeout", else 900
-    max_restarts: int = 3
+    max_restarts: int = torch_default("max-restarts")
     log_line_prefix_template: str | None = None
     metrics_cfg: dict[str, str] = field(default_factory=dict)
     numa_options: object = None

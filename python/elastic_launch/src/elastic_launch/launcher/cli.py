@@ -19,22 +19,8 @@ from typing import Any
 from elastic_launch import api, compat
 from elastic_launch.api import AgentState, ConfigError, LaunchConfig
 from elastic_launch.errors import record
-from elastic_launch.launcher.config import (
-    check_memory_limit,
-    check_range,
-    check_role,
-    parse_hang_timeout,
-    parse_list,
-    parse_nnodes,
-    parse_nproc_per_node,
-    parse_preload,
-    parse_ranks_filter,
-    parse_rdzv_conf,
-    parse_signals,
-    parse_std,
-    random_id,
-)
-from elastic_launch.rendezvous import conf as rdzv_conf
+from elastic_launch.launcher.options import OPTIONS, Option
+from elastic_launch.launcher.parse import random_id
 from elastic_launch.rendezvous.secrets import command_line_secrets
 
 logger = logging.getLogger("elasticrun")
@@ -92,13 +78,21 @@ class _Append(_EnvDefault):
         _given(namespace).add(self.dest)
 
 
-def _add(parser: argparse._ActionsContainer, name: str, *extra: str, **kw: Any) -> None:
-    """Add --dash-case with its --under_score twin (and any short names)."""
-    names = [f"--{name}"]
-    if "-" in name:
-        names.append(f"--{name.replace('-', '_')}")
-    kw.setdefault("action", _EnvDefault)
-    parser.add_argument(*extra, *names, dest=name.replace("-", "_"), **kw)
+_ACTIONS: dict[str, type[argparse.Action]] = {
+    "value": _EnvDefault,
+    "switch": _EnvFlag,
+    "append": _Append,
+}
+
+
+def _add(parser: argparse._ActionsContainer, option: Option) -> None:
+    """Add `option`: --dash-case with its --under_score twin and any short names."""
+    kw: dict[str, Any] = {"action": _ACTIONS[option.kind], "help": option.help_text()}
+    if option.kind != "switch":
+        kw.update(default=option.cli_default(), choices=option.choices)
+        if option.argtype is not None:
+            kw["type"] = option.argtype
+    parser.add_argument(*option.names, dest=option.dest, **kw)
 
 
 def versions() -> str:
@@ -145,184 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Every flag also reads its default from PET_<FLAG_NAME>.",
     )
     p.add_argument("--version", "-V", action=_Version)
-    g = p.add_argument_group("torchrun flags")
-    _add(g, "nnodes", default="1:1", help="number of nodes, or MIN:MAX (default 1:1)")
-    _add(
-        g,
-        "nproc-per-node",
-        default="1",
-        help="workers per node: a number, or auto, cpu, gpu (default 1)",
-    )
-    _add(
-        g,
-        "rdzv-backend",
-        default="static",
-        help="rendezvous backend: embedded (alias c10d), static, or a registered one",
-    )
-    _add(
-        g,
-        "rdzv-endpoint",
-        default="",
-        help="rendezvous endpoint, HOST:PORT; several, comma-separated: every etcd member, "
-        "or the nodes that may host the embedded service, in order",
-    )
-    _add(g, "rdzv-id", default="none", help="the job's id (run id)")
-    _add(g, "rdzv-conf", default="", help=rdzv_conf.help_text())
-    _add(
-        g,
-        "standalone",
-        action=_EnvFlag,
-        help="single node, no external service: an in-process rendezvous, a fresh run id",
-    )
-    _add(g, "max-restarts", default=0, help="worker group restarts before failing")
-    _add(
-        g,
-        "monitor-interval",
-        default=0.1,
-        help="seconds between the agent's housekeeping passes (deaths are seen at once anyway)",
-    )
-    _add(
-        g,
-        "start-method",
-        default="spawn",
-        choices=["spawn", "fork", "forkserver"],
-        help="spawn: fresh interpreters; fork/forkserver: forked from a pre-started Python",
-    )
-    _add(g, "event-log-handler", default="null", help="null or console")
-    _add(g, "role", default="default", help="the workers' role name (ROLE_NAME)")
-    _add(g, "module", "-m", action=_EnvFlag, help="run the script argument as a module (-m)")
-    _add(g, "no-python", action=_EnvFlag, help="run the script argument directly, not with python")
-    _add(g, "run-path", action=_EnvFlag, help="run the script with runpy.run_path")
-    _add(g, "log-dir", default=None, help="base directory for logs (default: a temporary one)")
-    _add(
-        g,
-        "redirects",
-        "-r",
-        default="0",
-        help="streams to log files: 0 none, 1 stdout, 2 stderr, 3 both, or RANK:N,...",
-    )
-    _add(
-        g,
-        "tee",
-        "-t",
-        default="0",
-        help="streams to log files and the console, with a [host:roleN]: prefix",
-    )
-    _add(g, "local-ranks-filter", default="", help="show only these local ranks on the console")
-    _add(
-        g,
-        "duplicate-stdout-filters",
-        default=[],
-        type=parse_list,
-        help="copy tee'd stdout lines containing any of these (comma-separated) to a file",
-    )
-    _add(g, "duplicate-stderr-filters", default=[], type=parse_list, help="the same for stderr")
-    _add(g, "node-rank", default=0, help="this node's rank (static rendezvous)")
-    _add(g, "master-addr", default="127.0.0.1", help="rank 0's address (static rendezvous)")
-    _add(g, "master-port", default=None, help="rank 0's port (static; default 29500)")
-    _add(g, "local-addr", default=None, help="this node's address, as others reach it")
-    _add(
-        g,
-        "logs-specs",
-        default=None,
-        help="default (elasticrun's log layout is torch's default; others are refused)",
-    )
-    _add(
-        g,
-        "numa-binding",
-        default=None,
-        choices=["node", "socket", "exclusive", "core-complex"],
-        help="(not supported yet)",
-    )
-    _add(
-        g,
-        "signals-to-handle",
-        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        help="signals forwarded to the workers",
-    )
-    _add(
-        g,
-        "shutdown-timeout",
-        default=None,
-        help="seconds between the stop signal and SIGKILL (default "
-        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
-    )
-    _add(
-        g,
-        "virtual-local-rank",
-        action=_EnvFlag,
-        help="LOCAL_RANK=0 in every worker, each seeing only its own GPU",
-    )
-
-    e = p.add_argument_group("elasticrun flags")
-    _add(
-        e,
-        "memory-checkpoint-limit",
-        default=None,
-        help="bytes one worker's memory-tier checkpoints may take (elastic_sampler's "
-        "CheckpointManager(memory=True) keeps two copies), as 8GiB; default: no limit",
-    )
-    _add(
-        e,
-        "hang-timeout",
-        default="auto",
-        help="seconds without a beat before a worker counts as hung; 'auto' (default) learns "
-        "it as max(floor, factor x p99 step interval); 'off' disables",
-    )
-    _add(
-        e,
-        "hang-timeout-floor",
-        default=60.0,
-        help="automatic mode: the smallest timeout, seconds (default 60)",
-    )
-    _add(
-        e,
-        "hang-timeout-factor",
-        default=10.0,
-        help="automatic mode: multiple of the p99 step interval (default 10)",
-    )
-    _add(
-        e,
-        "preload",
-        action=_Append,
-        default=[],
-        help="auto (default): Python workers are forked from a zygote that has imported torch "
-        "(when the script imports it), so a start or restart skips the interpreter and import "
-        "torch; module names (comma-separated, repeatable) are imported on top; none: fresh "
-        "interpreters",
-    )
-    _add(
-        e,
-        "min-workers",
-        default=None,
-        help="the classic train loop (elastic_launch.train_loop): when a worker dies, the "
-        "others go on while at least this many remain, and its replacement joins later "
-        "(default: --nnodes MIN x --nproc-per-node: they wait for the replacement)",
-    )
-    _add(
-        e,
-        "loop-max-restarts",
-        default=100,
-        help="the classic train loop: the most restarts its max_failures (which the workers "
-        "report) may give the job beyond --max-restarts (default 100, the loop's own default)",
-    )
-    _add(
-        e,
-        "warm-spares",
-        default=None,
-        help="workers the --preload zygote keeps forked ahead of need, so that a start or "
-        "restart skips the fork (about 2 MB each; default: one per local worker; 0: none)",
-    )
-    _add(e, "events-file", default=None, help="append agent events as JSON lines to this file")
-    _add(e, "metrics-port", default=None, help="serve Prometheus metrics on [HOST:]PORT")
-    _add(e, "health-port", default=None, help="serve /healthz on [HOST:]PORT")
-    _add(
-        e,
-        "gpu-check-interval",
-        default=5.0,
-        help="seconds between GPU health checks through NVML; 0 disables (default 5)",
-    )
-
+    groups = {
+        "torchrun": p.add_argument_group("torchrun flags"),
+        "elasticrun": p.add_argument_group("elasticrun flags"),
+    }
+    for option in OPTIONS:
+        _add(groups[option.group], option)
     p.add_argument("training_script", help="the script (or module, or program) to run")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -340,46 +162,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
         args.no_python,
         args.run_path,
     )
-    min_nodes, max_nodes = parse_nnodes(str(args.nnodes), source(args, "nnodes"))
-    nproc = parse_nproc_per_node(str(args.nproc_per_node), source(args, "nproc_per_node"))
-    backend, endpoint, run_id = _rendezvous_target(args, max_nodes)
-    parse_signals(args.signals_to_handle)  # checked now, installed by the agent
-    check_role(args.role)
-    rdzv_configs = parse_rdzv_conf(args.rdzv_conf)
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        values.update(option.take(getattr(args, option.dest), source(args, option.dest)))
+    _rendezvous_target(args, values)
     if source(args, "rdzv_conf") == "--rdzv-conf":
-        for warning in command_line_secrets(rdzv_configs):
+        for warning in command_line_secrets(values["rdzv_configs"]):
             logger.warning(warning)
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        role=args.role,
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        start_method=args.start_method,
-        log_dir=args.log_dir,
-        redirects=parse_std(str(args.redirects), source(args, "redirects")),
-        tee=parse_std(str(args.tee), source(args, "tee")),
-        local_ranks_filter=parse_ranks_filter(
-            args.local_ranks_filter, source(args, "local_ranks_filter")
-        ),
-        duplicate_stdout_filters=list(args.duplicate_stdout_filters),
-        duplicate_stderr_filters=list(args.duplicate_stderr_filters),
-        master_addr=args.master_addr,
-        local_addr=args.local_addr,
-        signals_to_handle=args.signals_to_handle,
-        virtual_local_rank=args.virtual_local_rank,
-        event_log_handler=args.event_log_handler,
-        hang_timeout=parse_hang_timeout(str(args.hang_timeout), source(args, "hang_timeout")),
-        preload=parse_preload(args.preload if isinstance(args.preload, list) else [args.preload]),
-        events_file=args.events_file,
-        metrics_port=args.metrics_port,
-        health_port=args.health_port,
-        **_numbers(args),
-    )
-    if compat.set_omp_default(nproc):
+    config = LaunchConfig(**values)
+    if compat.set_omp_default(config.nproc_per_node):
         logger.warning(compat.OMP_WARNING)
     return config, entrypoint
 
@@ -411,10 +202,11 @@ def _refuse_logs_specs(name: str) -> None:
     )
 
 
-def _rendezvous_target(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
-    """The backend, endpoint and run id: ``--standalone`` (and a one-node static launch with
-    no master port, as torchrun) is the in-process embedded rendezvous under a fresh id."""
-    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+def _rendezvous_target(args: argparse.Namespace, values: dict[str, Any]) -> None:
+    """The backend, endpoint and run id in `values`: ``--standalone`` (and a one-node static
+    launch with no master port, as torchrun) is the in-process embedded rendezvous under a
+    fresh id."""
+    max_nodes = values["max_nodes"]
     if args.standalone and max_nodes > 1:
         raise ConfigError(
             f"{source(args, 'standalone')} runs one node, but {source(args, 'nnodes')} "
@@ -422,41 +214,13 @@ def _rendezvous_target(args: argparse.Namespace, max_nodes: int) -> tuple[str, s
             "--rdzv-backend c10d (or etcd) with --rdzv-endpoint HOST:PORT and --rdzv-id, or "
             "--nnodes 1"
         )
+    static = values["rdzv_backend"] == "static"
     if args.standalone or (
-        backend == "static" and not endpoint and args.master_port is None and max_nodes == 1
+        static and not values["rdzv_endpoint"] and values["master_port"] is None and max_nodes == 1
     ):
-        return "embedded", "localhost:0", random_id()
-    if backend != "static" and (args.node_rank != 0 or args.master_addr != "127.0.0.1"):
+        values.update(rdzv_backend="embedded", rdzv_endpoint="localhost:0", run_id=random_id())
+    elif not static and (values["node_rank"] != 0 or values["master_addr"] != "127.0.0.1"):
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
-    return backend, endpoint, run_id
-
-
-#: LaunchConfig's numbers the command line takes, each checked against its Range.
-_FLOATS = ("monitor_interval", "hang_timeout_floor", "hang_timeout_factor", "gpu_check_interval")
-_INTS = ("max_restarts", "node_rank", "loop_max_restarts")
-_OPTIONAL_INTS = ("master_port", "min_workers", "warm_spares")
-
-
-def _numbers(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags that are numbers, checked (the message names the flag, or the PET_ variable
-    it came from)."""
-
-    def num(dest: str) -> float:
-        return check_range(dest, getattr(args, dest), source(args, dest))
-
-    out: dict[str, Any] = {d: num(d) for d in _FLOATS}
-    out.update({d: int(num(d)) for d in _INTS})
-    out.update({d: None if getattr(args, d) is None else int(num(d)) for d in _OPTIONAL_INTS})
-    limit = args.memory_checkpoint_limit
-    if limit is not None:
-        out["memory_checkpoint_limit"] = check_memory_limit(
-            limit, source(args, "memory_checkpoint_limit")
-        )
-    shutdown = args.shutdown_timeout
-    out["shutdown_timeout"] = (
-        compat.shutdown_timeout() if shutdown is None else num("shutdown_timeout")
-    )
-    return out
 
 
 @record

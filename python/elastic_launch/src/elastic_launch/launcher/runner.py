@@ -33,7 +33,8 @@ from elastic_launch.api import (
     WorkerFailedError,
 )
 from elastic_launch.cancel import CancelToken, SignalRelay
-from elastic_launch.launcher.config import plan_launch, random_id
+from elastic_launch.launcher.config import plan_launch
+from elastic_launch.launcher.parse import random_id
 from elastic_launch.processes import preload
 from elastic_launch.processes.entrypoint import Entrypoint
 from elastic_launch.processes.guardian import Guardian
