@@ -18,7 +18,7 @@ from pathlib import Path
 import elastic_core
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Happening
-from elastic_launch.agent.watch import Watch
+from elastic_launch.agent.watch import Monitors
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import LaunchConfig
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
@@ -50,7 +50,7 @@ def main() -> None:
     table = elastic_core.HeartbeatTable.create(f"/dev/shm/bench-replace-{os.getpid()}", 2)
     with LogLayout(os.devnull, "bench") as layout, elastic_core.Watchdog() as watchdog:
         context = NodeContext(config, "bench", ep, layout)
-        group = WorkerGroup(context, Watch(table, None, watchdog), spawner)
+        group = WorkerGroup(context, Monitors(table, None, watchdog), spawner)
         try:
             group.start_all(info, attempt=0, restarts=0)
             for r in (0, 1):

@@ -199,3 +199,36 @@ def test_every_test_module_has_its_own_basename():
     for path in (REPO / "tests").rglob("test_*.py"):
         seen.setdefault(path.name, []).append(path.relative_to(REPO).as_posix())
     assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
+
+
+# ---- class names ---------------------------------------------------------------------------------
+
+#: The modules in torch's shape: each class there adapts the project's own class of that name
+#: to torch's API (docs/compat.md), so the name is torch's on purpose.
+TORCH_SHAPED = {
+    "python/elastic_launch/src/elastic_launch/launcher/api.py",
+    "python/elastic_launch/src/elastic_launch/launcher/agent_api.py",
+}
+#: Names defined twice elsewhere because user code needs both, and why.
+NEEDED_TWICE = {
+    # torchelastic 0.1's checkpoint manager, which classic scripts subclass
+    # (docs/train_loop.md), beside elastic_sampler's for DDP scripts (docs/checkpoints.md).
+    "CheckpointManager",
+}
+
+
+def test_no_class_name_is_defined_twice():
+    """One name, one class in the packages: outside the torch-shaped modules, a second class
+    of a name is a rename, or an entry above with its reason. Generated code (etcdpb) is not
+    ours; examples and benchmarks are user code."""
+    where: dict[str, list[str]] = {}
+    for path in sources():
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith("python/") or rel in TORCH_SHAPED or "/etcdpb/" in rel:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(rel)
+    twice = {n: ps for n, ps in where.items() if len(ps) > 1 and n not in NEEDED_TWICE}
+    assert twice == {}
+    assert all(len(where[n]) == 2 for n in NEEDED_TWICE), "a name needed twice is once now"

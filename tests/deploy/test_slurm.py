@@ -18,7 +18,7 @@ import local_cluster
 import pytest
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_roles import seen
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.endpoints import StoreMember
 from launcher_util import free_port, wait_for, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def hosting(port: int, token: str) -> int:
     async def look() -> list[int]:
         found = []
         for i in (0, 1):
-            peer = Peer(Member(socket.gethostname(), port + i), i, token, None)
+            peer = Peer(StoreMember(socket.gethostname(), port + i), i, token, None)
             try:
                 status = await peer.status()
             finally:

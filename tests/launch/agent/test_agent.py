@@ -15,7 +15,7 @@ from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import AgentEvent, Events
 from elastic_launch.agent.hang import HangMonitor
-from elastic_launch.agent.watch import Heartbeats, Watch
+from elastic_launch.agent.watch import Heartbeats, Monitors
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import AgentState, Cancelled, FailureKind, LaunchConfig, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -67,7 +67,9 @@ class Node:
         context = NodeContext(
             self.config, "run", Entrypoint(Kind.SCRIPT, "train.py"), self.layout, host="node0"
         )
-        self.group = WorkerGroup(context, Watch(self.heartbeats, None, self.watchdog), self.spawner)
+        self.group = WorkerGroup(
+            context, Monitors(self.heartbeats, None, self.watchdog), self.spawner
+        )
         self.rdzv = rdzv or FakeRendezvous(max_restarts=self.config.max_restarts)
         self.recorder = Recorder()
         self.cancel = CancelToken()

@@ -8,7 +8,7 @@ import signal
 import pytest
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Happening
-from elastic_launch.agent.watch import Heartbeats, Watch
+from elastic_launch.agent.watch import Heartbeats, Monitors
 from elastic_launch.agent.workers import SpawnError, WorkerGroup
 from elastic_launch.api import LaunchConfig, Std, WorkerState
 from elastic_launch.cancel import CancelToken
@@ -46,7 +46,7 @@ def group_of(parts, **config) -> WorkerGroup:
     config.setdefault("shutdown_timeout", 0.2)
     ep = Entrypoint(Kind.SCRIPT, "train.py", ["--rank", "${local_rank}"])
     context = NodeContext(LaunchConfig(**config), "run-1", ep, layout, host="node7")
-    return WorkerGroup(context, Watch(heartbeats, None, watchdog), spawner)
+    return WorkerGroup(context, Monitors(heartbeats, None, watchdog), spawner)
 
 
 def test_start_all_gives_each_worker_torchruns_environment(parts):
@@ -203,7 +203,7 @@ def test_function_return_values_by_global_rank(parts, tmp_path):
     watchdog, spawner, heartbeats, layout = parts
     ep = Entrypoint(Kind.FUNCTION, print, fn_args=(1,))
     context = NodeContext(LaunchConfig(nproc_per_node=2), "r", ep, layout)
-    group = WorkerGroup(context, Watch(heartbeats, None, watchdog), spawner)
+    group = WorkerGroup(context, Monitors(heartbeats, None, watchdog), spawner)
     with group:
         group.start_all(INFO, attempt=0, restarts=0)
         request = spawner.spawned[0].request

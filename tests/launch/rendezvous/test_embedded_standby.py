@@ -12,8 +12,8 @@ import pytest
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous.embedded_roles import HOST, Seen, choose
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.embedded_state import TERM_BITS, State
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.embedded_state import TERM_BITS, ServiceState
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import kv_pb2
 from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, StoreError
@@ -51,7 +51,7 @@ def test_who_hosts(me, others, grace_over, expected):
 
 
 def test_a_standby_that_applies_every_change_holds_what_the_host_holds():
-    host, standby = State(), State()
+    host, standby = ServiceState(), ServiceState()
     host.take_over(1)
     changes = []
     host.send = lambda change, deliver: (changes.append(change), deliver())
@@ -74,7 +74,7 @@ def test_a_standby_that_applies_every_change_holds_what_the_host_holds():
 
 
 def test_a_snapshot_in_parts_is_the_whole_state():
-    host = State()
+    host = ServiceState()
     host.take_over(3)
     host.grant(9, 30, "c")
     for i in range(50):
@@ -83,7 +83,7 @@ def test_a_snapshot_in_parts_is_the_whole_state():
         host.commit()
     parts = list(host.snapshot(part_bytes=10_000))
     assert len(parts) > 3 and parts[-1].done and not any(p.done for p in parts[:-1])
-    standby = State()
+    standby = ServiceState()
     standby.load(parts)
     assert standby.data == host.data and list(standby.history) == list(host.history)
     assert standby.term == 3 and standby.cluster_id == host.cluster_id
@@ -91,7 +91,7 @@ def test_a_snapshot_in_parts_is_the_whole_state():
 
 
 def test_a_new_term_refreshes_every_lease_and_starts_its_own_revisions():
-    state = State()
+    state = ServiceState()
     state.take_over(1)
     state.grant(1, 5, "c")
     state.leases[1].expires = 0.0  # as it stood on the standby: the host kept it alive
@@ -111,7 +111,7 @@ class Services:
     """The job's services at `n` endpoints of this host, started by index."""
 
     def __init__(self, n: int) -> None:
-        self.members = [Member("127.0.0.1", free_port()) for _ in range(n)]
+        self.members = [StoreMember("127.0.0.1", free_port()) for _ in range(n)]
         self.at: dict[int, EmbeddedServer] = {}
 
     @property

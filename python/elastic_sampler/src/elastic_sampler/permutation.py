@@ -78,7 +78,7 @@ class TorchPermutation:
         return self.order[positions]
 
 
-class Identity:
+class IdentityPermutation:
     """No shuffling: position i holds sample i."""
 
     def map(self, positions: torch.Tensor) -> torch.Tensor:
@@ -87,9 +87,9 @@ class Identity:
 
 def make_permutation(
     kind: str, n: int, seed: int, epoch: int, shuffle: bool
-) -> Identity | TorchPermutation | FeistelPermutation:
+) -> IdentityPermutation | TorchPermutation | FeistelPermutation:
     if not shuffle:
-        return Identity()
+        return IdentityPermutation()
     if kind == "feistel":
         return FeistelPermutation(n, seed, epoch)
     if kind == "torch":

@@ -65,7 +65,7 @@ class Heartbeats:
 
 
 @dataclass(frozen=True)
-class Watch:
+class Monitors:
     heartbeats: Heartbeats
     gpu: GpuHealth | None
     watchdog: Watcher  # elastic_core.Watchdog, or a test double
@@ -76,7 +76,7 @@ class Watch:
 
 
 @contextlib.contextmanager
-def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterator[Watch]:
+def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterator[Monitors]:
     """The tables (their files removed by the guardian should the launcher be SIGKILLed), the
     GPU checks (none without a GPU, or with an interval of 0) and the watchdog, closed in
     reverse."""
@@ -92,4 +92,4 @@ def watch(workers: int, gpu_check_interval: float, guardian: Guardian) -> Iterat
             gpu_check_interval=gpu_check_interval if gpu is not None else 0.0,
         )
         stack.enter_context(watchdog)
-        yield Watch(heartbeats, gpu, watchdog)
+        yield Monitors(heartbeats, gpu, watchdog)

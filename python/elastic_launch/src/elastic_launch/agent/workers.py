@@ -27,7 +27,7 @@ from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Happening, Loop
 from elastic_launch.agent.startup import Startup
-from elastic_launch.agent.watch import Watch
+from elastic_launch.agent.watch import Monitors
 from elastic_launch.agent.worker import (
     Happened,
     SpawnError,
@@ -57,7 +57,7 @@ class WorkerGroup:
     def __init__(
         self,
         context: NodeContext,
-        watch: Watch,
+        watch: Monitors,
         spawner: Spawner,
         guardian: Guardian | None = None,
         extra_env: dict[str, str] | None = None,

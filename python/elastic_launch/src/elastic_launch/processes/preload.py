@@ -69,7 +69,7 @@ _PER_WORKER = ("PYTHON_EXEC",)
 
 
 @dataclass(frozen=True)
-class Plan:
+class PreloadPlan:
     """How a launch starts its workers: forked from a zygote importing `modules`, or (`why_not`
     set) fresh interpreters, and why."""
 
@@ -78,23 +78,23 @@ class Plan:
     why_not: str | None = None
 
 
-def plan(preload: list[str], entrypoint: Entrypoint) -> Plan:
+def plan(preload: list[str], entrypoint: Entrypoint) -> PreloadPlan:
     """The zygote for `preload` (``LaunchConfig.preload``: module names, with ``auto`` for
     the automatic choice; empty: none) and `entrypoint`."""
     auto = AUTO in preload
     named = [m for m in preload if m != AUTO]
     if not preload:
-        return Plan([], zygote=False)
+        return PreloadPlan([], zygote=False)
     if not entrypoint.is_python:
         what = "--preload auto" if not named else f"--preload {','.join(named)}"
-        return Plan(
+        return PreloadPlan(
             [],
             zygote=False,
             why_not=f"{what}: '{entrypoint.target}' is not run by Python (a program, or "
             "--no-python); its workers start as fresh processes",
         )
     modules = [m for m in auto_modules(entrypoint) if m not in named] if auto else []
-    return Plan(modules + named, zygote=True)
+    return PreloadPlan(modules + named, zygote=True)
 
 
 def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None, str | None]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.processes.entrypoint import Entrypoint, Kind, main_path
-from elastic_launch.processes.preload import Plan, import_time_mismatch
+from elastic_launch.processes.preload import PreloadPlan, import_time_mismatch
 from elastic_launch.processes.worker_main import DEVNULL, KEEP, FunctionCall, Handover, run_worker
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ class FunctionFork(Spawner):
 
 
 def spawner_for(
-    chosen: Plan,
+    chosen: PreloadPlan,
     start_method: str,
     entrypoint: Entrypoint,
     cancel: CancelToken,

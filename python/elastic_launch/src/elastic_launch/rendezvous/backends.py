@@ -39,7 +39,7 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError, Tls
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             self._stop_serving()
             raise
 
-    def _serve_one(self, members: list[Member], conf: RendezvousConf) -> None:
+    def _serve_one(self, members: list[StoreMember], conf: RendezvousConf) -> None:
         """Serve the first endpoint this agent can: one of this host (or any, with
         ``is_host=true``; none with ``is_host=false``) that no other agent serves."""
         if conf.is_host is False:
@@ -124,7 +124,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 "other agents serve every endpoint; leave is_host out"
             )
 
-    def _serve_if_free(self, members: list[Member], i: int, conf: RendezvousConf) -> bool:
+    def _serve_if_free(self, members: list[StoreMember], i: int, conf: RendezvousConf) -> bool:
         """Serve endpoint `i` if this agent is the first on its host to bind its port (bound
         exclusively, no SO_REUSEPORT: the lock that picks one agent among those of a host,
         which no other user can hold for us); False if another agent of this host serves it.
@@ -272,7 +272,7 @@ def _tls(conf: RendezvousConf) -> tuple[str | None, str | None, str | None] | No
 
 def _embedded_members(
     params: RendezvousParameters, conf: RendezvousConf, warn: bool = True
-) -> list[Member]:
+) -> list[StoreMember]:
     """Where the embedded service is (required, the same on every node): its endpoints, the
     first listed hosting first. Beyond loopback it never runs open: every node refuses to
     start without a token, unless told it may."""
@@ -294,13 +294,13 @@ def _embedded_members(
             EMBEDDED_MAX_NODES,
         )
     listed = endpoints.split(params.endpoint, "--rdzv-endpoint", DEFAULT_EMBEDDED_PORT)
-    members = [Member(host, port) for host, port in listed]  # a name is one node's
+    members = [StoreMember(host, port) for host, port in listed]  # a name is one node's
     for m in members:
         _open_only_on_loopback(m, conf)
     return members
 
 
-def _open_only_on_loopback(member: Member, conf: RendezvousConf) -> None:
+def _open_only_on_loopback(member: StoreMember, conf: RendezvousConf) -> None:
     host, port = member.host, member.port
     if conf.token is None and not conf.allow_unauthenticated and not is_loopback(host):
         unresolved = resolve_error(host)
@@ -358,7 +358,9 @@ def _refuse_another_users(host: str, port: int, conf: RendezvousConf) -> None:
     )
 
 
-def _etcd_members(params: RendezvousParameters, conf: RendezvousConf) -> tuple[str, list[Member]]:
+def _etcd_members(
+    params: RendezvousParameters, conf: RendezvousConf
+) -> tuple[str, list[StoreMember]]:
     """The scheme and every member of the etcd cluster that ``--rdzv-endpoint`` names."""
     if not params.endpoint.strip():
         raise RendezvousConfigError(
@@ -396,7 +398,7 @@ def _etcd_members(params: RendezvousParameters, conf: RendezvousConf) -> tuple[s
     return protocol, endpoints.resolve(listed)
 
 
-def _etcd_access(conf: RendezvousConf, members: list[Member], tls: Tls | None) -> StoreAccess:
+def _etcd_access(conf: RendezvousConf, members: list[StoreMember], tls: Tls | None) -> StoreAccess:
     return StoreAccess(
         f"etcd at {endpoints.written(members)}",
         user=conf.user,

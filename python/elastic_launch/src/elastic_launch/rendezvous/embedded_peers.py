@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3_client import CHANNEL_OPTIONS, read_file
 from elastic_launch.rendezvous.etcdpb import replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import Tls
@@ -23,7 +23,7 @@ PROBE_TIMEOUT = 1.0
 class Peer:
     """The service at `member` (the `index`-th of the job's endpoints)."""
 
-    def __init__(self, member: Member, index: int, token: str | None, tls: Tls | None) -> None:
+    def __init__(self, member: StoreMember, index: int, token: str | None, tls: Tls | None) -> None:
         self.member = member
         self.index = index
         self._token = token

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from elastic_launch.rendezvous.embedded_state import State
+from elastic_launch.rendezvous.embedded_state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class _Standby:
 class Replicas:
     """The host's standbys (touched only from the service's event loop)."""
 
-    def __init__(self, state: State, members: int) -> None:
+    def __init__(self, state: ServiceState, members: int) -> None:
         self.state = state
         self.members = members  # how many services the job has (this one included)
         self.seq = 0  # the last change sent

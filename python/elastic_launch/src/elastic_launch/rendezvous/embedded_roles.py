@@ -30,7 +30,7 @@ import grpc
 
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_replicas import Replicas
-from elastic_launch.rendezvous.embedded_state import State
+from elastic_launch.rendezvous.embedded_state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Roles:
 
     def __init__(
         self,
-        state: State,
+        state: ServiceState,
         replicas: Replicas,
         peers: dict[int, Peer],
         index: int,
@@ -173,7 +173,7 @@ class Roles:
             await asyncio.sleep(_SEEK_INTERVAL)
 
 
-async def follow(peer: Peer, state: State, member: int) -> str:
+async def follow(peer: Peer, state: ServiceState, member: int) -> str:
     """Follow the host `peer` (as member `member`): take its state, then apply its changes,
     acknowledging each, until the stream ends; why it ended."""
     acks: asyncio.Queue[replica_pb2.Ack | None] = asyncio.Queue()
@@ -203,7 +203,7 @@ async def follow(peer: Peer, state: State, member: int) -> str:
 
 
 async def _apply_updates(
-    call: Any, state: State, acks: asyncio.Queue[replica_pb2.Ack | None]
+    call: Any, state: ServiceState, acks: asyncio.Queue[replica_pb2.Ack | None]
 ) -> str:
     parts: list[replica_pb2.Snapshot] = []
     while True:

@@ -35,8 +35,8 @@ from elastic_launch.rendezvous.embedded_bounds import Outbox
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_replicas import Replicas
 from elastic_launch.rendezvous.embedded_roles import Roles
-from elastic_launch.rendezvous.embedded_state import State, Watcher, size_of
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.embedded_state import ServedWatch, ServiceState, size_of
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3_client import EMBEDDED_VERSION
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 
@@ -94,7 +94,7 @@ class _Service(
     answered whole between two awaits, so the store needs no lock, and a thousand nodes' streams
     cost a coroutine each, not a thread each."""
 
-    def __init__(self, state: State, token: str | None, members: int) -> None:
+    def __init__(self, state: ServiceState, token: str | None, members: int) -> None:
         self.s = state
         self.token = token
         self.replicas = Replicas(state, members)
@@ -360,7 +360,7 @@ class _Service(
             self.streams.discard(out)
 
         context.add_done_callback(ended)
-        mine: dict[int, Watcher] = {}
+        mine: dict[int, ServedWatch] = {}
         reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
         # runs its finally only when it is collected.
@@ -390,7 +390,7 @@ class _Service(
             reader.cancel()
 
     def _watch_step(
-        self, kind: Any, arg: Any, out: Outbox, mine: dict[int, Watcher]
+        self, kind: Any, arg: Any, out: Outbox, mine: dict[int, ServedWatch]
     ) -> Iterable[tuple[Any, int]]:
         """The responses to one item of a watch stream's queue, each with the bytes it holds
         of the stream's account: a watcher's events of one revision, a cancel, or a create
@@ -410,9 +410,9 @@ class _Service(
         return self._create(arg, header, out, mine)
 
     def _create(
-        self, create: Any, header: Any, out: Outbox, mine: dict[int, Watcher]
+        self, create: Any, header: Any, out: Outbox, mine: dict[int, ServedWatch]
     ) -> Iterable[tuple[Any, int]]:
-        w = Watcher(create.key, create.range_end, out, next(self._watch_ids))
+        w = ServedWatch(create.key, create.range_end, out, next(self._watch_ids))
 
         def refused(**why: Any) -> list[tuple[Any, int]]:
             reply = rpc_pb2.WatchResponse(
@@ -501,13 +501,13 @@ class EmbeddedServer:
         port: int,
         token: str | None,
         tls: tuple[str | None, str | None, str | None] | None = None,
-        members: Sequence[Member] = (),
+        members: Sequence[StoreMember] = (),
         index: int = 0,
     ) -> None:
         """`tls`: (CA certificate, certificate, key) paths; with a CA, clients must present a
         certificate it signed. `members`: every service of the job (the endpoints), this one
         the `index`-th; with none, this service hosts alone."""
-        self.state = State()
+        self.state = ServiceState()
         self.state.member_id = index + 1
         self._tls = tls
         self._token = token

@@ -18,12 +18,12 @@ from elastic_launch.rendezvous import embedded_bounds as bounds
 from elastic_launch.rendezvous.embedded_bounds import Outbox
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2, rpc_pb2
 
-#: A host's term starts its revisions at (term - 1) << TERM_BITS (see State.take_over).
+#: A host's term starts its revisions at (term - 1) << TERM_BITS (see ServiceState.take_over).
 TERM_BITS = 40
 
 
 @dataclass
-class Lease:
+class HeldLease:
     ttl: int
     expires: float
     keys: set[bytes] = field(default_factory=set)
@@ -32,7 +32,7 @@ class Lease:
 
 
 @dataclass(eq=False)  # identity: found by its id, never by comparing fields
-class Watcher:
+class ServedWatch:
     key: bytes
     end: bytes
     out: Outbox  # (watch_id, [events of one revision]) for the stream's sender
@@ -44,7 +44,7 @@ class Watcher:
         return key >= self.key and (self.end == b"\0" or key < self.end)
 
 
-class State:
+class ServiceState:
     """The store. Touched only from the service's event loop, so it needs no lock.
 
     Every change goes out through :attr:`send` (the host's standbys get it, then the watchers
@@ -63,7 +63,7 @@ class State:
         # Each key's current version, as the message ranges and events copy (built once, when
         # written: three times cheaper than one per read, and a node's shard is 64 of them).
         self.data: dict[bytes, kv_pb2.KeyValue] = {}
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, HeldLease] = {}
         # The leases kept alive (renewed at least once: a node's session, not a key's own
         # expiry such as the closed job's state), told on every change.
         self.on_kept: Callable[[frozenset[int]], None] = lambda ids: None
@@ -80,7 +80,7 @@ class State:
         # (the state, the shared keys), so a commit matches each event against ranges, not
         # watchers, and a watcher comes and goes in O(1) (a thousand nodes leaving a range
         # at once, as after a node loss, must not cost a million comparisons in one commit).
-        self.watchers: dict[tuple[bytes, bytes], dict[int, Watcher]] = {}
+        self.watchers: dict[tuple[bytes, bytes], dict[int, ServedWatch]] = {}
         # Lease changes since the last change sent (grants, revocations, first renewals).
         self.granted: list[replica_pb2.Lease] = []
         self.revoked: list[int] = []
@@ -88,16 +88,16 @@ class State:
         # A change, and what delivers its events to the watchers once the standbys have it.
         self.send: Callable[[replica_pb2.Change, Callable[[], None]], None] = _at_once
 
-    def add_watcher(self, w: Watcher) -> None:
+    def add_watcher(self, w: ServedWatch) -> None:
         self.watchers.setdefault((w.key, w.end), {})[w.watch_id] = w
 
-    def remove_watchers(self, gone: list[Watcher]) -> None:
+    def remove_watchers(self, gone: list[ServedWatch]) -> None:
         for w in gone:
             group = self.watchers.get((w.key, w.end))
             if group is not None and group.pop(w.watch_id, None) is not None and not group:
                 del self.watchers[(w.key, w.end)]
 
-    def since(self, start: int, w: Watcher) -> list[tuple[int, kv_pb2.Event]]:
+    def since(self, start: int, w: ServedWatch) -> list[tuple[int, kv_pb2.Event]]:
         """The history's events from revision `start` on that `w` watches (read from the
         newest back: a new watch usually starts near the present)."""
         past = []
@@ -268,7 +268,7 @@ class State:
         self.on_kept(frozenset(i for i, lease in self.leases.items() if lease.kept))
 
     def grant(self, lease_id: int, ttl: int, client: str) -> None:
-        self.leases[lease_id] = Lease(ttl, time.monotonic() + ttl, client=client)
+        self.leases[lease_id] = HeldLease(ttl, time.monotonic() + ttl, client=client)
         self.holders.granted(client)
         self.granted.append(replica_pb2.Lease(id=lease_id, ttl=ttl, client=client))
         self.flush()
@@ -295,7 +295,7 @@ class State:
         """Make the host's `change` here, as the host made it (the same revision, the same
         versions), and keep its events in the history."""
         for lease in change.granted:
-            self.leases[lease.id] = Lease(lease.ttl, float("inf"), client=lease.client)
+            self.leases[lease.id] = HeldLease(lease.ttl, float("inf"), client=lease.client)
             self.holders.granted(lease.client)
         if change.revision != self.revision:
             self.revision = change.revision
@@ -352,7 +352,7 @@ class State:
                 self.data[kv.key] = kv
                 self.data_bytes += len(kv.key) + len(kv.value)
             for lease in part.leases:
-                self.leases[lease.id] = Lease(
+                self.leases[lease.id] = HeldLease(
                     lease.ttl, float("inf"), kept=lease.kept, client=lease.client
                 )
                 self.holders.granted(lease.client)

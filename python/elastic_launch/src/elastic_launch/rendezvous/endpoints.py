@@ -17,7 +17,7 @@ from elastic_launch.net import host_port, parse_endpoint
 
 
 @dataclass(frozen=True)
-class Member:
+class StoreMember:
     """One member of a store: where to connect (`host`, `port`), and the name it was resolved
     from when that is not `host` (TLS checks the member's certificate against the name)."""
 
@@ -65,12 +65,12 @@ def _normal(host: str) -> str:
         return host.lower().rstrip(".")
 
 
-def resolve(endpoints: list[tuple[str, int]]) -> list[Member]:
+def resolve(endpoints: list[tuple[str, int]]) -> list[StoreMember]:
     """The members: an address as it is, a name that resolves to one address as the name
     (gRPC resolves it again on every connection), a name that resolves to several addresses
     as one member per address. A name that does not resolve stays a member: it fails when it
     is used, with the resolver's words, and the others serve meanwhile."""
-    members: list[Member] = []
+    members: list[StoreMember] = []
     for host, port in endpoints:
         for member in _members_of(host, port):
             if member.target not in [m.target for m in members]:
@@ -78,29 +78,29 @@ def resolve(endpoints: list[tuple[str, int]]) -> list[Member]:
     return members
 
 
-def _members_of(host: str, port: int) -> list[Member]:
+def _members_of(host: str, port: int) -> list[StoreMember]:
     try:
         ipaddress.ip_address(host.split("%", 1)[0])
-        return [Member(host, port)]
+        return [StoreMember(host, port)]
     except ValueError:
         pass
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return [Member(host, port)]
+        return [StoreMember(host, port)]
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if len(addresses) <= 1 or host == "localhost":  # localhost: one host however it resolves
-        return [Member(host, port)]
-    return [Member(address, port, name=host) for address in addresses]
+        return [StoreMember(host, port)]
+    return [StoreMember(address, port, name=host) for address in addresses]
 
 
-def members_of(given: str | Sequence[Member], default_port: int = 2379) -> list[Member]:
+def members_of(given: str | Sequence[StoreMember], default_port: int = 2379) -> list[StoreMember]:
     """The members `given` as a list, or as ``HOST:PORT[,HOST:PORT...]``."""
     if isinstance(given, str):
         return resolve(split(given, "the store's address", default_port))
     return list(given)
 
 
-def written(members: Sequence[Member]) -> str:
+def written(members: Sequence[StoreMember]) -> str:
     """The members as a list in a message."""
     return ",".join(dict.fromkeys(m.written for m in members))

@@ -15,7 +15,7 @@ from typing import Any
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, join
-from elastic_launch.rendezvous.endpoints import Member, members_of, written
+from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
 from elastic_launch.rendezvous.store import (
     Change,
     Inbox,
@@ -89,7 +89,7 @@ class EtcdV2Store(Store):
 
     def __init__(
         self,
-        members: str | Sequence[Member],
+        members: str | Sequence[StoreMember],
         access: StoreAccess,
         protocol: str = "http",
         cancel: CancelToken = NEVER,
@@ -108,7 +108,7 @@ class EtcdV2Store(Store):
         }
         self.pinned = 0  # the member in use, shared by every user's clients
         self._pin_lock = threading.Lock()
-        self._cluster: tuple[str, Member] | None = None  # the first cluster id seen, where
+        self._cluster: tuple[str, StoreMember] | None = None  # the first cluster id seen, where
         self._own = Members(self)
         self._ttl = 0
         self._ephemeral: set[str] = set()

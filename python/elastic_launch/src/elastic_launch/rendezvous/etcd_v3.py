@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.rendezvous.endpoints import Member
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3_client import (
     EMBEDDED_VERSION,
     Client,
@@ -52,7 +52,7 @@ class EtcdV3Store(Store):
 
     def __init__(
         self,
-        target: str | Sequence[Member],
+        target: str | Sequence[StoreMember],
         access: StoreAccess,
         cancel: CancelToken = NEVER,
         watch_from_now: bool | None = None,

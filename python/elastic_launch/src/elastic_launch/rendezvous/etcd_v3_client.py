@@ -25,7 +25,7 @@ import grpc
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import CancelToken
 from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous.endpoints import Member, members_of, written
+from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     HistoryLostError,
@@ -92,7 +92,7 @@ class Connection:
     """One member's channel, its stubs, and the credential its requests carry. A member left
     for another is `reset`: its channel closed (what still ran on it ends), a new one made."""
 
-    def __init__(self, index: int, member: Member, tls: Tls | None) -> None:
+    def __init__(self, index: int, member: StoreMember, tls: Tls | None) -> None:
         self.index = index
         self.member = member
         self._tls = tls
@@ -132,7 +132,7 @@ class Client:
 
     def __init__(
         self,
-        targets: str | Sequence[Member],
+        targets: str | Sequence[StoreMember],
         access: StoreAccess,
         cancel: CancelToken,
         count: Callable[[], None],
