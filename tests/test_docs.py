@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from elastic_launch.launcher.cli import build_parser
+from elastic_launch.launcher.cli import get_args_parser
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted(
@@ -74,7 +74,7 @@ def shell_commands(page: Path) -> list[str]:
 def elasticrun_flags() -> dict[str, bool]:
     """Every flag elasticrun takes, and whether it takes a value."""
     flags = {}
-    for action in build_parser()._actions:
+    for action in get_args_parser()._actions:
         for name in action.option_strings:
             flags[name] = action.nargs != 0
     return flags

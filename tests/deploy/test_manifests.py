@@ -117,7 +117,7 @@ def test_the_job_runs_elasticrun_with_flags_elasticrun_accepts():
     for doc, pod, c in containers(DEPLOY / "kubernetes" / "job.yaml"):
         found = True
         args = _expand(c["args"], {e["name"] for e in c.get("env", [])})
-        config, _ = cli.config_from_args(cli.build_parser().parse_args(args))
+        config, _ = cli.launch_from_args(cli.get_args_parser().parse_args(args))
         check_config(config)
         assert config.rdzv_backend == "etcd" and config.run_id == "job-x"
         grace = pod["terminationGracePeriodSeconds"]

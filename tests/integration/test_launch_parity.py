@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from elastic_launch.launcher.cli import build_parser, config_from_args
+from elastic_launch.launcher.cli import config_from_args, get_args_parser
 from launcher_util import run, worker_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -28,7 +28,7 @@ def option_table(parser) -> dict[str, object]:
 
 def test_every_torchrun_flag_is_accepted_with_its_default():
     theirs = option_table(torchrun_parser())
-    ours = option_table(build_parser())
+    ours = option_table(get_args_parser())
     missing = sorted(set(theirs) - set(ours))
     assert not missing, f"torchrun flags elasticrun lacks: {missing}"
     for flag, default in theirs.items():
@@ -38,14 +38,14 @@ def test_every_torchrun_flag_is_accepted_with_its_default():
 
 
 def test_both_spellings_and_pet_environment(monkeypatch):
-    parser = build_parser()
+    parser = get_args_parser()
     a = parser.parse_args(["--nproc_per_node", "3", "--max-restarts", "2", "x.py"])
     config = config_from_args(a)[0]
     assert (config.nproc_per_node, config.max_restarts) == (3, 2)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
     monkeypatch.setenv("PET_MAX_RESTARTS", "5")
     monkeypatch.setenv("PET_STANDALONE", "1")
-    a = build_parser().parse_args(["x.py", "--lr", "1"])
+    a = get_args_parser().parse_args(["x.py", "--lr", "1"])
     config = config_from_args(a)[0]
     assert (config.nproc_per_node, config.max_restarts, a.standalone) == (4, 5, True)
     assert config.rdzv_backend == "embedded", "PET_STANDALONE=1 is --standalone"

@@ -13,7 +13,7 @@ from elastic_launch.launcher.config import check_config
 
 
 def config_of(*flags: str) -> LaunchConfig:
-    args = cli.build_parser().parse_args([*flags, "train.py"])
+    args = cli.get_args_parser().parse_args([*flags, "train.py"])
     return cli.config_from_args(args)[0]
 
 
@@ -192,8 +192,47 @@ def test_a_default_launch_config_is_valid_and_check_config_changes_nothing():
 @pytest.mark.parametrize("flag", ["--version", "-V"])
 def test_version_names_all_three_packages(capsys, flag):
     with pytest.raises(SystemExit) as e:
-        cli.build_parser().parse_args([flag])
+        cli.get_args_parser().parse_args([flag])
     assert e.value.code == 0
     out = capsys.readouterr().out
     for name in ("elasticrun-launch", "elasticrun-core", "elasticrun-sampler", "C ABI"):
         assert name in out
+
+
+# ---- torch.distributed.run's shape -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train.py", "--lr", "1"],
+        ["-m", "pkg.train", "--lr", "1"],
+        ["--no-python", "/bin/true", "a"],
+        ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "train.py"],
+    ],
+)
+def test_config_from_args_gives_torchs_command(argv, monkeypatch):
+    """``config_from_args`` returns torch's triple: the config, then the command and its
+    arguments as torch's own ``config_from_args`` gives them for the same command line."""
+    monkeypatch.delenv("PYTHON_EXEC", raising=False)
+    run = pytest.importorskip("torch.distributed.run")
+    config, cmd, cmd_args = cli.config_from_args(cli.parse_args(argv))
+    _, torch_cmd, torch_args = run.config_from_args(run.parse_args(argv))
+    assert (cmd, cmd_args) == (torch_cmd, torch_args)
+    assert (config.min_nodes, config.max_nodes) == ((1, 2) if "--nnodes" in argv else (1, 1))
+
+
+def test_parse_args_reads_the_command_line_and_pet_variables(monkeypatch):
+    monkeypatch.setenv("PET_MAX_RESTARTS", "4")
+    args = cli.parse_args(["--nproc-per-node", "2", "x.py", "--y"])
+    assert (args.nproc_per_node, args.max_restarts, args.training_script) == ("2", "4", "x.py")
+    assert args.training_script_args == ["--y"]
+
+
+def test_run_of_a_bad_namespace_is_a_config_error_before_anything_starts(tmp_path):
+    """``run(args)`` checks every value first: a missing script is a ConfigError naming it, and
+    nothing was started (no log directory under the one given)."""
+    args = cli.parse_args(["--log-dir", str(tmp_path), str(tmp_path / "missing.py")])
+    with pytest.raises(ConfigError, match=r"missing\.py' does not exist"):
+        cli.run(args)
+    assert list(tmp_path.iterdir()) == []

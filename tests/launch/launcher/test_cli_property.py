@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 
 def _value_flags() -> list[str]:
-    parser = cli.build_parser()
+    parser = cli.get_args_parser()
     flags = []
     for action in parser._actions:
         if action.nargs == 0 or not action.option_strings or action.dest == "help":
@@ -76,7 +76,7 @@ def configure(argv: list[str]) -> str:
     "planned" (a plan for the script), "refused" (a ConfigError that says why) or "usage"
     (argparse's exit 2); anything else fails the test."""
     try:
-        config, entrypoint = cli.config_from_args(cli.build_parser().parse_args(argv))
+        config, entrypoint = cli.launch_from_args(cli.get_args_parser().parse_args(argv))
         plan = plan_launch(config, entrypoint)
     except ConfigError as e:
         refused: BaseException = e
@@ -145,6 +145,6 @@ def test_any_pet_variable_is_a_plan_or_a_usage_error(script, variables):
 )
 def test_traps_found_before_are_usage_errors_before_anything_starts(script, flag, message):
     backend = ["--rdzv-backend=etcd"] if "rdzv" in flag else []
-    args = cli.build_parser().parse_args([*backend, "--nnodes=1:2", flag, script])
+    args = cli.get_args_parser().parse_args([*backend, "--nnodes=1:2", flag, script])
     with pytest.raises(ConfigError, match=message):
-        plan_launch(*cli.config_from_args(args))
+        plan_launch(*cli.launch_from_args(args))

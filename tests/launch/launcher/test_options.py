@@ -73,11 +73,11 @@ def test_an_option_whose_default_is_none_says_what_none_means():
 
 
 def test_help_shows_each_default_once():
-    text = cli.build_parser().format_help()
+    text = cli.get_args_parser().format_help()
     for o in OPTIONS:
         if o.kind != "switch":
             assert o.help_text().count("(default:") == 1
-    assert "(default: 0)" in cli.build_parser()._option_string_actions["--max-restarts"].help
+    assert "(default: 0)" in cli.get_args_parser()._option_string_actions["--max-restarts"].help
     assert "--stack-dump-timeout" in text
 
 
@@ -89,10 +89,10 @@ def test_a_flag_its_variable_and_the_python_api_share_one_check(monkeypatch):
             continue
         bad = str(o.bounds.high * 2 + 1)
         with pytest.raises(ConfigError, match=f"--{o.flag} '{re.escape(bad)}'"):
-            cli.config_from_args(cli.build_parser().parse_args([f"--{o.flag}", bad, "x.py"]))
+            cli.config_from_args(cli.get_args_parser().parse_args([f"--{o.flag}", bad, "x.py"]))
         monkeypatch.setenv(o.pet, bad)
         with pytest.raises(ConfigError, match=o.pet):
-            cli.config_from_args(cli.build_parser().parse_args(["x.py"]))
+            cli.config_from_args(cli.get_args_parser().parse_args(["x.py"]))
         monkeypatch.delenv(o.pet)
         field = o.config_fields[0]
         with pytest.raises(ConfigError, match=field):
@@ -140,8 +140,8 @@ def test_a_new_option_is_one_entry(monkeypatch):
     base = tuple(o for o in OPTIONS if o.flag != "monitor-interval")
     monkeypatch.setattr(cli, "OPTIONS", (*base, extra))
     argv = ["--monitor-interval-copy", "7", "x.py"]
-    config, _ = cli.config_from_args(cli.build_parser().parse_args(argv))
+    config, _ = cli.launch_from_args(cli.get_args_parser().parse_args(argv))
     assert config.monitor_interval == 7.0
     monkeypatch.setenv("PET_MONITOR_INTERVAL_COPY", "8")
-    config, _ = cli.config_from_args(cli.build_parser().parse_args(["x.py"]))
+    config, _ = cli.launch_from_args(cli.get_args_parser().parse_args(["x.py"]))
     assert config.monitor_interval == 8.0

@@ -83,8 +83,8 @@ def test_the_etcd_password_comes_from_its_file_or_the_environment(tmp_path, monk
 def test_a_secret_on_the_command_line_works_and_warns(caplog):
     from elastic_launch.launcher import cli
 
-    args = cli.build_parser().parse_args(["--rdzv-conf", "token=abc", "train.py"])
-    config, _ = cli.config_from_args(args)
+    args = cli.get_args_parser().parse_args(["--rdzv-conf", "token=abc", "train.py"])
+    config, _ = cli.launch_from_args(args)
     assert config.rdzv_configs["token"] == "abc"
     assert "puts a secret on the command line" in caplog.text
     assert f"use token_file=PATH or ${TOKEN_ENV} instead" in caplog.text

@@ -1,11 +1,24 @@
-"""``elasticrun``'s command line under its public path (:mod:`elastic_launch.launcher.cli`)."""
+"""``elasticrun``'s command line under its public path (:mod:`elastic_launch.launcher.cli`),
+in the shape of ``torch.distributed.run``."""
 
 from elastic_launch.launcher.cli import (
-    build_parser,
     config_from_args,
     console_main,
     exit_status,
+    get_args_parser,
+    launch_from_args,
     main,
+    parse_args,
+    run,
 )
 
-__all__ = ["build_parser", "config_from_args", "console_main", "exit_status", "main"]
+__all__ = [
+    "config_from_args",
+    "console_main",
+    "exit_status",
+    "get_args_parser",
+    "launch_from_args",
+    "main",
+    "parse_args",
+    "run",
+]

@@ -21,6 +21,7 @@ from elastic_launch.api import AgentState, ConfigError, LaunchConfig
 from elastic_launch.errors import record
 from elastic_launch.launcher.options import OPTIONS, Option
 from elastic_launch.launcher.parse import random_id
+from elastic_launch.processes.entrypoint import Entrypoint
 from elastic_launch.rendezvous.secrets import command_line_secrets
 
 logger = logging.getLogger("elasticrun")
@@ -130,7 +131,9 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def get_args_parser() -> argparse.ArgumentParser:
+    """torch's ``get_args_parser``: every option of :data:`~.options.OPTIONS`, then the script
+    and its arguments."""
     p = argparse.ArgumentParser(
         prog="elasticrun",
         description="Elastic, fault-tolerant launcher for PyTorch distributed training: a "
@@ -150,10 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any]:
-    """Turn parsed flags into a LaunchConfig and an Entrypoint, checking every value."""
-    from elastic_launch.processes.entrypoint import Entrypoint
+def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
+    """torch's ``parse_args``: the command line (``sys.argv[1:]`` when None), parsed."""
+    return get_args_parser().parse_args(args)
 
+
+def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any, list[Any]]:
+    """torch's ``config_from_args``: the config, the command and its arguments (the
+    interpreter with ``-u`` and the script, or ``-m`` and the module; the program itself with
+    ``--no-python``). Every value is checked."""
+    config, entrypoint = launch_from_args(args)
+    cmd, cmd_args = entrypoint.torch_command()
+    return config, cmd, cmd_args
+
+
+def launch_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Entrypoint]:
+    """The parsed flags as a LaunchConfig and an Entrypoint, every value checked."""
     _refuse_unsupported(args)
     entrypoint = Entrypoint.from_command_line(
         args.training_script,
@@ -223,6 +238,25 @@ def _rendezvous_target(args: argparse.Namespace, values: dict[str, Any]) -> None
         logger.warning("--node-rank and --master-addr are only used by the static rendezvous")
 
 
+def run(args: argparse.Namespace) -> None:
+    """torch's ``run``: launch what `args` (from :func:`parse_args`) say, on this node, until
+    the job ends. Raises as :func:`main` does."""
+    from elastic_launch.agent.summary import format_summary
+    from elastic_launch.launcher import runner
+    from elastic_launch.launcher.api import torch_catchable
+
+    config, entrypoint = launch_from_args(args)
+    result = runner.run(config, entrypoint)
+    if result.state == AgentState.SUCCEEDED:
+        return
+    if result.state == AgentState.STOPPED:
+        raise api.LauncherStopped(result.signal or 0)
+    # A caller with torch loaded (torch's test_run.py, a script that called torch's main)
+    # catches torch's ChildFailedError; the command itself never imports torch.
+    failed = torch_catchable() if "torch" in sys.modules else api.WorkerFailedError
+    raise failed(format_summary(entrypoint.name, result), result, entrypoint.name)
+
+
 @record
 def main(args: Sequence[str] | None = None) -> None:
     """Parse, launch, report, as ``torch.distributed.run.main``: None when the job succeeded.
@@ -236,20 +270,7 @@ def main(args: Sequence[str] | None = None) -> None:
     rendezvous' errors (:class:`~elastic_launch.api.LaunchError`) when it cannot be formed.
     """
     logging.basicConfig(level=logging.WARNING, format="elasticrun: %(levelname)s: %(message)s")
-    from elastic_launch.agent.summary import format_summary
-    from elastic_launch.launcher.api import torch_catchable
-    from elastic_launch.launcher.runner import run
-
-    config, entrypoint = config_from_args(build_parser().parse_args(args))
-    result = run(config, entrypoint)
-    if result.state == AgentState.SUCCEEDED:
-        return
-    if result.state == AgentState.STOPPED:
-        raise api.LauncherStopped(result.signal or 0)
-    # A caller with torch loaded (torch's test_run.py, a script that called torch's main)
-    # catches torch's ChildFailedError; the command itself never imports torch.
-    failed = torch_catchable() if "torch" in sys.modules else api.WorkerFailedError
-    raise failed(format_summary(entrypoint.name, result), result, entrypoint.name)
+    run(parse_args(args))
 
 
 def exit_status(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ and its defaults. The default is LaunchConfig's field default unless the option 
 command line's own (torchrun's), with the reason; where torch's Python API (``LaunchConfig``,
 ``WorkerSpec``) has another default, :class:`TorchDefault` says which and why.
 
-The command line's parser (:func:`elastic_launch.launcher.cli.build_parser`), the config it
+The command line's parser (:func:`elastic_launch.launcher.cli.get_args_parser`), the config it
 builds, the checks of a config built in Python (:func:`.config.check_config`), the torch-shaped
 defaults (:mod:`elastic_launch.launcher.api`, :mod:`elastic_launch.launcher.agent_api`) and the
 flag table of docs/launcher.md (``python -m elastic_launch.launcher.options``) are made from

@@ -154,6 +154,17 @@ class Entrypoint:
             return ["--function", function_spec]
         return ["--", str(self.target), *args]
 
+    def torch_command(self) -> tuple[str | Callable[..., Any], list[Any]]:
+        """What torch's ``config_from_args`` gives for this entrypoint: the program (the
+        interpreter for Python kinds, or the function) and its arguments."""
+        if self.kind == Kind.BINARY:
+            return str(self.target), list(self.args)
+        if self.kind == Kind.FUNCTION:
+            return self.target, list(self.fn_args)
+        python = python_executable(sys.executable)
+        module = ["-m"] if self.kind == Kind.MODULE else []
+        return python, ["-u", *module, str(self.target), *self.args]
+
     def command(self, argv: list[str]) -> list[str]:
         """The command of a fresh process for `argv` (from :meth:`worker_argv`)."""
         if self.kind == Kind.BINARY:
