@@ -68,3 +68,38 @@ def test_an_error_file_longer_than_the_limit_is_not_read(tmp_path, monkeypatch):
     assert read_error_file(str(path)) is None, "not read past the limit"
     path.write_text(json.dumps({"message": "x" * 500}))
     assert read_error_file(str(path)) is not None
+
+
+def test_a_childs_error_file_becomes_this_processs_with_its_exit_code(tmp_path, monkeypatch):
+    """upstream: error_handler_test.py's test_dump_error_file: a launcher run by a launcher
+    hands its child's error on as its own, with the child's exit code."""
+    from elastic_launch.errors import dump_error_file
+
+    child = tmp_path / "child.json"
+    child.write_text(json.dumps({"message": {"message": "boom", "extraInfo": {}}}))
+    mine = tmp_path / "mine.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
+    dump_error_file(str(child), 3)
+    assert json.loads(mine.read_text())["message"] == {
+        "message": "boom",
+        "extraInfo": {},
+        "errorCode": 3,
+    }
+    child.write_text("{not json")
+    mine.unlink()
+    dump_error_file(str(child), 3)  # never lets error reporting hide the error itself
+    assert not mine.exists()
+
+
+def test_child_failed_error_formats_root_cause_and_others_as_torchs():
+    """upstream: api_test.py's ChildFailedErrorTest.test_failure_format: the name, the other
+    failures, then the root cause (the earliest), each with its time as torch prints it."""
+    from elastic_launch.errors import ChildFailedError, ProcessFailure
+
+    early, late = ProcessFailure(0, 10, 1, "<N/A>"), ProcessFailure(1, 11, -9, "<N/A>")
+    early.timestamp, late.timestamp = 100, 200
+    text = ChildFailedError("train.py", {0: early, 1: late}).format_msg()
+    assert text.index("train.py FAILED") < text.index("Failures:") < text.index("Root Cause")
+    root = text[text.index("Root Cause") :]
+    assert "rank      : 0" in root and early.timestamp_isoformat() in root
+    assert "rank      : 1" in text[: text.index("Root Cause")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from elastic_launch import api
 from elastic_launch.api import AgentState, FailureKind, WorkerFailure
 from elastic_launch.launcher.agent_api import MasterOverride, RunResult, WorkerState
@@ -51,3 +52,35 @@ def test_a_master_override_changes_the_rounds_address_and_nothing_else():
     assert copy.copy(handler).next_rendezvous().master_addr == "10.0.0.7"
     handler.set_closed(CloseReason.FAILED, "both nodes failed")
     assert handler.closed() == inner.closed() and inner.closed() is not None
+
+
+def test_worker_state_is_running_as_torchs():
+    """upstream: api_test.py's WorkerStateTest.test_is_running: HEALTHY and UNHEALTHY run."""
+    running = {s for s in WorkerState if WorkerState.is_running(s)}
+    assert running == {WorkerState.HEALTHY, WorkerState.UNHEALTHY}
+
+
+def test_rendezvous_parameters_read_the_backends_configuration_as_torchs():
+    """upstream: rendezvous/api_test.py's RendezvousParametersTest (get, get_as_bool,
+    get_as_int, the bounds of min_nodes and max_nodes)."""
+    from elastic_launch.launcher.agent_api import RendezvousParameters
+
+    p = RendezvousParameters("c10d", "h:1", "r", 1, 2, a="yes", b="0", n="7", none=None)
+    assert (p.get("a"), p.get("missing", 5)) == ("yes", 5)
+    assert (p.get_as_bool("a"), p.get_as_bool("b"), p.get_as_bool("missing", True)) == (
+        True,
+        False,
+        True,
+    )
+    assert (p.get_as_int("n"), p.get_as_int("missing")) == (7, None)
+    with pytest.raises(ValueError, match="a='maybe' is not a valid boolean"):
+        RendezvousParameters("c10d", "h:1", "r", 1, 1, a="maybe").get_as_bool("a")
+    with pytest.raises(ValueError, match="1 <= min_nodes <= max_nodes"):
+        RendezvousParameters("c10d", "h:1", "r", 3, 2)
+
+
+def test_default_logs_specs_give_their_directory_as_torchs(tmp_path):
+    from elastic_launch.launcher.agent_api import DefaultLogsSpecs
+
+    assert DefaultLogsSpecs(log_dir=str(tmp_path)).root_log_dir == str(tmp_path)
+    assert DefaultLogsSpecs().root_log_dir is None

@@ -236,3 +236,19 @@ def test_a_signal_ends_a_wait_in_a_handler_that_takes_no_token():
         rdzv.next_rendezvous(cancel=token)
     assert token.wait(10) and token.signum == signal.SIGUSR1
     assert not cancel_module._foreign_calls, "outside the call, signals raise nothing"
+
+
+def test_an_object_without_torchs_methods_is_refused_naming_what_it_lacks():
+    from elastic_launch.rendezvous.api import RendezvousConfigError
+    from elastic_launch.rendezvous.torch_shaped import is_torch_shaped
+
+    class Half:
+        def next_rendezvous(self) -> None: ...
+
+        def is_closed(self) -> bool:
+            return False
+
+    params = RendezvousParameters("mine", "h:1", "r", 1, 1, 1)
+    assert not is_torch_shaped(Half())
+    with pytest.raises(RendezvousConfigError, match="lacks set_closed, num_nodes_waiting"):
+        adapt(params, Half())
