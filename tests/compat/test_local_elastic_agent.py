@@ -188,6 +188,20 @@ class Job:
     endpoint: str
     run_id: str
     log_root: str
+    torchs_handler: bool = False  # torch's own registry makes the handler, as upstream's
+
+
+def handler_for(job: Job, min_nodes: int, max_nodes: int) -> Any:
+    """The spec's rendezvous handler: elasticrun's, or torch's own (upstream's harness uses
+    torch's registry, so its agent tests run torch's handlers under the agent)."""
+    if job.torchs_handler:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters as Theirs
+        from torch.distributed.elastic.rendezvous import registry
+
+        theirs = Theirs(job.backend, job.endpoint, job.run_id, min_nodes, max_nodes)
+        return registry.get_rendezvous_handler(theirs)
+    params = RendezvousParameters(job.backend, job.endpoint, job.run_id, min_nodes, max_nodes)
+    return get_rendezvous_handler(params)
 
 
 @record
@@ -206,13 +220,12 @@ def run_agent(
 ) -> RunResult | None:
     """One agent to the end (in this process or its own); a failed run raises
     ChildFailedError. With `results` (a queue), (role, result) goes there."""
-    params = RendezvousParameters(job.backend, job.endpoint, job.run_id, min_nodes, max_nodes)
     spec = WorkerSpec(
         role=node.role,
         local_world_size=node.local_world_size,
         entrypoint=node.entrypoint,
         args=node.args,
-        rdzv_handler=get_rendezvous_handler(params),
+        rdzv_handler=handler_for(job, min_nodes, max_nodes),
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         master_addr=master_addr,
@@ -560,6 +573,20 @@ def test_workers_drift(job, late, barrier):
     results = run_job(job, nodes, exit_barrier_timeout=barrier)
     for run in results["zzz"]:
         assert not run.is_failed()
+        assert all(rank == value for rank, value in run.return_values.items())
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_workers_drift_on_torchs_own_etcd_handlers(job):
+    """upstream: test_workers_drift_fail_{etcd,etcd_v2}, with torch's own handlers as
+    upstream's harness makes them: the node that finishes first closes torch's etcd
+    rendezvous as it shuts down; the other node's worker still runs to its end"""
+    job.torchs_handler = True
+    nodes = [Node(sleep_then_rank, 1, args=(s,), role="zzz") for s in (0, 4)]
+    results = run_job(job, nodes, exit_barrier_timeout=0)
+    assert len(results["zzz"]) == 2
+    for run in results["zzz"]:
+        assert not run.is_failed(), run.failures
         assert all(rank == value for rank, value in run.return_values.items())
 
 

@@ -50,6 +50,10 @@ class Store:
             self.cond.notify_all()
             return value
 
+    def check(self, keys: list[str]) -> bool:
+        with self.cond:
+            return all(k in self.data for k in keys)
+
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         with self.cond:
             if not self.cond.wait_for(
@@ -163,17 +167,32 @@ def test_restarts_are_counted_on_the_node_and_closing_reaches_the_handler():
     assert handler.closed, "a failed job is closed for the handler's other nodes too"
 
 
-def test_a_handler_closed_elsewhere_ends_the_job_here():
-    handler = TorchShaped(Store(), 0, 1)
-    node = adapt(params(1), handler)
-    node.next_rendezvous()
-    assert not node.membership_changed()
-    handler.waiting = 1
-    assert node.membership_changed(), "a node waiting to join: a new round"
-    handler.waiting, handler.closed = 0, True
-    assert node.membership_changed()
+def test_a_handler_closed_elsewhere_because_the_job_failed_ends_the_job_here():
+    store = Store()
+    here, there = nodes = [adapt(params(1), TorchShaped(store, r, 2)) for r in range(2)]
+    form(nodes)
+    assert not here.membership_changed()
+    here.handler.waiting = 1
+    assert here.membership_changed(), "a node waiting to join: a new round"
+    here.handler.waiting = 0
+    there.set_closed(CloseReason.FAILED, "rank 1 exit code 1")
+    here.handler.closed = True  # the handlers share their state, as etcd's do
+    assert here.membership_changed()
     with pytest.raises(RendezvousClosedError):
-        node.next_rendezvous(RestartReason.MEMBERSHIP)
+        here.next_rendezvous(RestartReason.MEMBERSHIP)
+
+
+def test_a_handler_closed_by_a_node_that_finished_leaves_the_workers_running():
+    """upstream: local_elastic_agent_test.py's test_workers_drift_fail_{etcd,etcd_v2}: torch's
+    etcd handler closes the rendezvous when the first node's agent shuts down after its
+    workers succeeded; the other node's workers go on to their end, as under torch's agent."""
+    store = Store()
+    here, there = nodes = [adapt(params(1), TorchShaped(store, r, 2)) for r in range(2)]
+    form(nodes)
+    there.set_closed(CloseReason.SUCCEEDED)
+    there.shutdown()
+    here.handler.closed = True
+    assert not here.membership_changed()
 
 
 def test_the_exit_barrier_waits_for_every_node_and_never_fails_the_job():

@@ -48,6 +48,9 @@ TORCH_METHODS = (
 _NODE_KEY = "elasticrun/node/{}"
 _DONE_KEY = "elasticrun/done"
 _ALL_DONE_KEY = "elasticrun/done/all"
+#: Set by a node that closes the handler because the job failed: torch's handlers close on
+#: success too (its etcd handler's shutdown()), which must not stop the other nodes' workers.
+_FAILED_KEY = "elasticrun/failed"
 #: torch's LocalElasticAgent waits as long for the other nodes to finish.
 EXIT_BARRIER_TIMEOUT = 300.0
 
@@ -135,7 +138,19 @@ class TorchShapedRendezvous(FixedRendezvous):
         )
 
     def membership_changed(self) -> bool:
-        return self.num_nodes_waiting() > 0 or bool(self.handler.is_closed())
+        """Nodes wait to join (torch's agent restarts then), or another node closed the
+        handler because the job failed. A node that finished closes it too (torch's etcd
+        handler's ``shutdown``): its workers succeeded, and ours go on, as under torch's."""
+        return self.num_nodes_waiting() > 0 or self._failed_elsewhere()
+
+    def _failed_elsewhere(self) -> bool:
+        if not self.handler.is_closed():
+            return False
+        store = self._store
+        if store is None:
+            return True
+        with foreign_call():
+            return bool(store.check([_FAILED_KEY]))
 
     def num_nodes_waiting(self) -> int:
         return int(self.handler.num_nodes_waiting())
@@ -160,8 +175,21 @@ class TorchShapedRendezvous(FixedRendezvous):
 
     def set_closed(self, reason: CloseReason, detail: str = "") -> None:
         if reason != CloseReason.SUCCEEDED:
+            self._say_failed(detail or reason.value)
             self.handler.set_closed()
         super().set_closed(reason, detail)
+
+    def _say_failed(self, why: str) -> None:
+        """Tell the round's other nodes that the job failed, before closing the handler."""
+        if self._store is None:
+            return
+        try:
+            with foreign_call():
+                self._store.set(_FAILED_KEY, why)
+        except Cancelled:
+            raise
+        except Exception as e:  # the store may have gone with the node that hosted it
+            logger.warning("could not tell the other nodes that the job failed (%s)", e)
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
         self.handler.shutdown()
