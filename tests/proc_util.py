@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
+from elastic_launch.processes.guardian import cmdline, processes
 
 
 def children(pid: int, zombies: bool = True) -> dict[int, bytes]:
     """{pid: command line} of `pid`'s children; without `zombies`, only the living (a zombie
     has ended; its parent has not reaped it yet)."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[1]) == pid and (zombies or fields[0] not in ("Z", "X")):
-            found[int(entry)] = cmdline
+    for p in processes():
+        if p.ppid == pid and (zombies or p.alive):
+            line = cmdline(p.pid)
+            if line is not None:  # gone meanwhile
+                found[p.pid] = line
     return found

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import local_cluster
 import pytest
+from elastic_launch.net import listeners
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_roles import seen
 from elastic_launch.rendezvous.endpoints import StoreMember
@@ -175,12 +176,7 @@ def hosting(port: int, token: str) -> int:
 
 def listener(port: int, pids: dict[int, int]) -> int:
     """Which of `pids` ({node: pid}) listens on TCP `port` (both nodes are this host)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
+    inodes = {f"socket:[{inode}]" for _, inode in listeners(port)}
     for node, pid in pids.items():
         fds = Path(f"/proc/{pid}/fd")
         if any(os.readlink(fd) in inodes for fd in fds.iterdir()):

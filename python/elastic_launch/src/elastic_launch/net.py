@@ -97,10 +97,10 @@ def local_address(target_host: str) -> str:
         return socket.gethostname()
 
 
-def listener_owners(port: int) -> set[int]:
-    """The users (uids) of the sockets listening on TCP `port` of this host, on any address
-    (Linux: /proc/net/tcp and tcp6; empty elsewhere, or if none listens)."""
-    owners: set[int] = set()
+def listeners(port: int) -> list[tuple[int, int]]:
+    """(uid, socket inode) of each socket listening on TCP `port` of this host, on any
+    address (Linux: /proc/net/tcp and tcp6; empty elsewhere, or if none listens)."""
+    found: list[tuple[int, int]] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -109,12 +109,17 @@ def listener_owners(port: int) -> set[int]:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) < 8 or fields[3] != "0A":  # 0A: LISTEN
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
                 continue
             local = fields[1].rsplit(":", 1)
             if len(local) == 2 and int(local[1], 16) == port:
-                owners.add(int(fields[7]))
-    return owners
+                found.append((int(fields[7]), int(fields[9])))
+    return found
+
+
+def listener_owners(port: int) -> set[int]:
+    """The users (uids) of the sockets listening on TCP `port` of this host."""
+    return {uid for uid, _ in listeners(port)}
 
 
 def resolve_error(host: str) -> str | None:

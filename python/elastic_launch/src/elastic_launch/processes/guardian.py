@@ -24,6 +24,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 class Guardian:
@@ -97,21 +99,50 @@ class Guardian:
 # ---- the guardian process (standard library only) ---------------------------------------------
 
 
-def _sessions_of(sids: set[int]) -> list[int]:
-    """Pids of the live processes (zombies are dead) whose session is one of `sids`."""
-    found = []
+@dataclass(frozen=True)
+class Process:
+    """One process: its id and the fields of its stat line that say whose it is."""
+
+    pid: int
+    state: str  # R, S, D, ... Z (zombie: ended, not reaped), X (dead)
+    ppid: int
+    pgrp: int
+    session: int
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("Z", "X")
+
+
+def processes() -> Iterator[Process]:
+    """Every process /proc lists now (one that ends while it is read is left out): the one
+    reader of /proc/<pid>/stat, here because the guardian imports nothing of the project (the
+    tests that check what a run leaves behind use it too)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
+                # pid (comm) state ppid pgrp session ...: comm may hold spaces and ')'
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        except (OSError, IndexError):
             continue
-        # state ppid pgrp session ...
-        if len(fields) > 3 and int(fields[3]) in sids and fields[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+        if len(fields) > 3:
+            yield Process(int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
+
+
+def cmdline(pid: int) -> bytes | None:
+    """The command line of `pid` (NUL-separated), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _sessions_of(sids: set[int]) -> list[int]:
+    """Pids of the live processes (zombies are dead) whose session is one of `sids`."""
+    return [p.pid for p in processes() if p.session in sids and p.alive]
 
 
 def clean_up(groups: set[int], paths: list[str]) -> None:
