@@ -208,6 +208,7 @@ def test_every_test_module_has_its_own_basename():
 TORCH_SHAPED = {
     "python/elastic_launch/src/elastic_launch/launcher/api.py",
     "python/elastic_launch/src/elastic_launch/launcher/agent_api.py",
+    "python/elastic_launch/src/elastic_launch/launcher/rendezvous_api.py",
 }
 #: Names defined twice elsewhere because user code needs both, and why.
 NEEDED_TWICE = {

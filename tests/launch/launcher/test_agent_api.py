@@ -9,7 +9,8 @@ import copy
 import pytest
 from elastic_launch import api
 from elastic_launch.api import AgentState, FailureKind, WorkerFailure
-from elastic_launch.launcher.agent_api import MasterOverride, RunResult, WorkerState
+from elastic_launch.launcher.agent_api import RunResult, WorkerState
+from elastic_launch.launcher.rendezvous_api import MasterOverride
 from elastic_launch.rendezvous.api import CloseReason, RendezvousHandler
 from launch_fakes import FakeRendezvous
 

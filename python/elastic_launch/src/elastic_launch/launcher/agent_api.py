@@ -20,22 +20,29 @@ the spec set the workers' MASTER_ADDR/MASTER_PORT on every backend.
 
 from __future__ import annotations
 
-import dataclasses
+import abc
 import enum
 import os
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from elastic_launch import api
 from elastic_launch.api import AgentState, ConfigError, Std, process_failures
-from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.errors import ProcessFailure
 from elastic_launch.launcher.api import take_logs_specs
 from elastic_launch.launcher.options import torch_default
+from elastic_launch.launcher.rendezvous_api import (
+    RendezvousHandle,
+    RendezvousParameters,
+    backend_of,
+    get_rendezvous_handler,
+    node_handler,
+)
 from elastic_launch.rendezvous import api as rdzv
-from elastic_launch.rendezvous.registry import adapt, create_handler
-from elastic_launch.rendezvous.torch_shaped import EXIT_BARRIER_TIMEOUT, TorchShapedRendezvous
+from elastic_launch.rendezvous.torch_shaped import EXIT_BARRIER_TIMEOUT
 
 DEFAULT_ROLE = "default"
 
@@ -45,6 +52,7 @@ __all__ = [
     "LocalElasticAgent",
     "RendezvousParameters",
     "RunResult",
+    "SimpleElasticAgent",
     "Std",
     "Worker",
     "WorkerGroup",
@@ -70,111 +78,6 @@ class WorkerState(str, enum.Enum):
     @staticmethod
     def is_running(state: WorkerState) -> bool:
         return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
-
-
-# ---- the rendezvous ----------------------------------------------------------------------------
-
-
-class RendezvousParameters:
-    """torch's ``RendezvousParameters(backend, endpoint, run_id, min_nodes, max_nodes,
-    local_addr=None, **kwargs)``: the keyword arguments are the backend's configuration (what
-    ``--rdzv-conf`` gives on the command line)."""
-
-    def __init__(
-        self,
-        backend: str,
-        endpoint: str,
-        run_id: str,
-        min_nodes: int,
-        max_nodes: int,
-        local_addr: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if not backend:
-            raise ValueError("RendezvousParameters: give a backend name (c10d, etcd, static...)")
-        if not 1 <= min_nodes <= max_nodes:
-            raise ValueError(
-                f"RendezvousParameters: min_nodes {min_nodes} and max_nodes {max_nodes}: need "
-                "1 <= min_nodes <= max_nodes"
-            )
-        self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
-        self.min_nodes, self.max_nodes, self.local_addr = min_nodes, max_nodes, local_addr
-        self.config = kwargs
-
-    def ours(self, local_world_size: int = 1, role: str = "", max_restarts: int = 0) -> Any:
-        """elasticrun's parameters, once the node's workers are known."""
-        config = {k: v for k, v in self.config.items() if v is not None}
-        return rdzv.RendezvousParameters(
-            backend=self.backend,
-            endpoint=self.endpoint,
-            run_id=self.run_id,
-            min_nodes=self.min_nodes,
-            max_nodes=self.max_nodes,
-            local_world_size=local_world_size,
-            config=config,
-            local_addr=self.local_addr,
-            max_restarts=max_restarts,
-            role=role,
-            node_rank=int(config.get("rank", 0)),
-        )
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.ours().get(key, default)
-
-    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
-        value: bool | None = self.ours().get_as_bool(key, default)
-        return value
-
-    def get_as_int(self, key: str, default: int | None = None) -> int | None:
-        value: int | None = self.ours().get_as_int(key, default)
-        return value
-
-
-class RendezvousHandle:
-    """What :func:`get_rendezvous_handler` returns: a handler in torch's shape whose
-    elasticrun handler is made when an agent first runs with it (a node joins with its worker
-    count and role, which the spec gives). Shut it down once done, as torch's."""
-
-    def __init__(self, params: RendezvousParameters) -> None:
-        self.params = params
-        self.handler: rdzv.RendezvousHandler | None = None
-
-    def bind(self, local_world_size: int, role: str, max_restarts: int) -> rdzv.RendezvousHandler:
-        if self.handler is None:
-            self.handler = create_handler(self.params.ours(local_world_size, role, max_restarts))
-        return self.handler
-
-    def get_backend(self) -> str:
-        return self.params.backend
-
-    def get_run_id(self) -> str:
-        return self.params.run_id
-
-    def next_rendezvous(self) -> Any:
-        raise NotImplementedError(
-            "elasticrun's rendezvous hands out no torch store: run it through "
-            "LocalElasticAgent(spec).run(), which joins the rounds"
-        )
-
-    def is_closed(self) -> bool:
-        return self.handler is not None and self.handler.is_closed()
-
-    def set_closed(self) -> None:
-        if self.handler is not None:
-            self.handler.set_closed(rdzv.CloseReason.FAILED, "closed through the agent API")
-
-    def num_nodes_waiting(self) -> int:
-        return self.handler.num_nodes_waiting() if self.handler is not None else 0
-
-    def shutdown(self) -> bool:
-        if self.handler is not None:
-            self.handler.shutdown()
-        return True
-
-
-def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandle:
-    """torch's ``registry.get_rendezvous_handler``: any registered backend by name."""
-    return RendezvousHandle(params)
 
 
 # ---- the spec and the views --------------------------------------------------------------------
@@ -282,6 +185,115 @@ class DefaultLogsSpecs:
         return self.log_dir
 
 
+# ---- an agent of one's own ---------------------------------------------------------------------
+
+
+class SimpleElasticAgent(abc.ABC):
+    """torch's base for an agent of one's own: elasticrun's rendezvous, restart budget and exit
+    barrier, around the worker life a subclass implements (``_start_workers``,
+    ``_stop_workers``, ``_monitor_workers``, ``_shutdown``), as torch's documents it. Ranks
+    are assigned before ``_start_workers`` sees the group; workers get no agent store
+    (``worker_group.store`` is None: elasticrun's workers meet on rank 0's own)."""
+
+    def __init__(self, spec: WorkerSpec, exit_barrier_timeout: float = EXIT_BARRIER_TIMEOUT):
+        self._worker_group = WorkerGroup(spec)
+        self._remaining_restarts = spec.max_restarts
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._total_execution_time = 0
+        self._rdzv: rdzv.RendezvousHandler | None = None
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        return self._worker_group
+
+    @abc.abstractmethod
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Start the group's workers; their ids by local rank."""
+
+    @abc.abstractmethod
+    def _stop_workers(self, worker_group: WorkerGroup, is_restart: bool = False) -> None:
+        """Stop the group's workers."""
+
+    @abc.abstractmethod
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """How the group's workers are doing."""
+
+    @abc.abstractmethod
+    def _shutdown(
+        self, death_sig: signal.Signals = signal.SIGTERM, is_restart: bool = False
+    ) -> None:
+        """Release what the agent holds; called once when :meth:`run` ends."""
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Rendezvous, start, monitor, restart within the budget, until the group succeeds or
+        fails; a ``SignalException`` (:class:`~elastic_launch.api.LauncherStopped`) raised
+        meanwhile shuts down with its signal and goes on."""
+        start = time.monotonic()
+        try:
+            result = self._invoke_run(role)
+        except api.LauncherStopped as e:
+            self._shutdown(signal.Signals(e.sigval))
+            raise
+        except BaseException:
+            self._shutdown()
+            raise
+        self._total_execution_time = int(time.monotonic() - start)
+        self._shutdown()
+        return result
+
+    def _invoke_run(self, role: str) -> RunResult:
+        group = self._worker_group
+        self._initialize_workers(group)
+        while True:
+            time.sleep(group.spec.monitor_interval)
+            result = self._monitor_workers(group)
+            group.state = result.state
+            if result.state == WorkerState.SUCCEEDED:
+                self._handler().mark_done()
+                return result
+            if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                if self._remaining_restarts <= 0:
+                    self._stop_workers(group)
+                    group.state = WorkerState.FAILED
+                    self._handler().set_closed(rdzv.CloseReason.FAILED, "restarts exhausted")
+                    return result
+                self._remaining_restarts -= 1
+                self._restart_workers(group, rdzv.RestartReason.FAILURE)
+            elif result.state == WorkerState.HEALTHY and self._handler().membership_changed():
+                self._restart_workers(group, rdzv.RestartReason.MEMBERSHIP)
+            elif result.state not in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+                raise RuntimeError(f"[{role}] worker group in {result.state.name} state")
+
+    def _handler(self) -> rdzv.RendezvousHandler:
+        if self._rdzv is None:
+            self._rdzv = node_handler(self._worker_group.spec, self._exit_barrier_timeout)
+        return self._rdzv
+
+    def _initialize_workers(
+        self, group: WorkerGroup, reason: rdzv.RestartReason = rdzv.RestartReason.START
+    ) -> None:
+        self._rendezvous(group, reason)
+        for local_rank, worker_id in self._start_workers(group).items():
+            group.workers[local_rank].id = worker_id
+        group.state = WorkerState.HEALTHY
+
+    def _restart_workers(self, group: WorkerGroup, reason: rdzv.RestartReason) -> None:
+        self._stop_workers(group, is_restart=True)
+        group.state = WorkerState.STOPPED
+        self._initialize_workers(group, reason)
+
+    def _rendezvous(self, group: WorkerGroup, reason: rdzv.RestartReason) -> None:
+        """Join the next round; the group's ranks, sizes and master address from it."""
+        info = self._handler().next_rendezvous(reason)
+        group.group_rank, group.group_world_size = info.group_rank, info.group_world_size
+        group.master_addr, group.master_port = info.master_addr, info.master_port
+        role_offset = info.rank_offset if info.role_rank_offset is None else info.role_rank_offset
+        role_world = info.world_size if info.role_world_size is None else info.role_world_size
+        group.workers = [
+            Worker(i, info.rank_offset + i, role_offset + i, info.world_size, role_world)
+            for i in range(group.spec.local_world_size)
+        ]
+
+
 # ---- the agent ---------------------------------------------------------------------------------
 
 
@@ -319,7 +331,7 @@ class LocalElasticAgent:
         from elastic_launch.processes.entrypoint import Entrypoint
 
         spec = self.spec
-        handler = self._handler()
+        handler = node_handler(spec, self.exit_barrier_timeout)
         if self.log_line_prefix_template:
             os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = self.log_line_prefix_template
         agents: list[Any] = []
@@ -335,31 +347,6 @@ class LocalElasticAgent:
             raise api.LauncherStopped(result.signal or 0)
         return RunResult.of(result)
 
-    def _handler(self) -> rdzv.RendezvousHandler:
-        spec = self.spec
-        h = spec.rdzv_handler
-        if isinstance(h, RendezvousHandle):
-            handler = h.bind(spec.local_world_size, spec.role, spec.max_restarts)
-        else:
-            params = rdzv.RendezvousParameters(
-                backend=_backend_of(h),
-                endpoint="",
-                run_id=str(h.get_run_id()),
-                min_nodes=1,
-                max_nodes=1,
-                local_world_size=spec.local_world_size,
-                local_addr=spec.local_addr,
-                max_restarts=spec.max_restarts,
-                role=spec.role,
-            )
-            handler = adapt(params, h)
-        if isinstance(handler, TorchShapedRendezvous):
-            handler.exit_barrier_timeout = self.exit_barrier_timeout
-        if spec.master_addr is not None or spec.master_port is not None:
-            override = MasterOverride(handler, spec.master_addr, spec.master_port)
-            return cast(rdzv.RendezvousHandler, override)
-        return handler
-
     def _config(self) -> api.LaunchConfig:
         spec, h = self.spec, self.spec.rdzv_handler
         params = h.params if isinstance(h, RendezvousHandle) else None
@@ -369,7 +356,7 @@ class LocalElasticAgent:
             nproc_per_node=spec.local_world_size,
             run_id=str(h.get_run_id()),
             role=spec.role,
-            rdzv_backend=_backend_of(h),
+            rdzv_backend=backend_of(h),
             max_restarts=spec.max_restarts,
             monitor_interval=spec.monitor_interval,
             start_method=self.start_method,
@@ -408,39 +395,3 @@ class LocalElasticAgent:
             )
             for i in range(self.spec.local_world_size)
         ]
-
-
-def _backend_of(handler: Any) -> str:
-    name = getattr(handler, "get_backend", None)
-    return str(name()) if callable(name) else type(handler).__name__
-
-
-class MasterOverride:
-    """A handler whose rounds give the spec's MASTER_ADDR/MASTER_PORT (torch's
-    ``master_addr``/``master_port`` override), on any backend; everything else is the inner
-    handler's (delegated, so that a method the interface gains is never left out)."""
-
-    def __init__(self, inner: rdzv.RendezvousHandler, addr: str | None, port: int | None) -> None:
-        self.inner, self.addr, self.port = inner, addr, port
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (a copy being made): never recurse
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def next_rendezvous(
-        self,
-        reason: rdzv.RestartReason = rdzv.RestartReason.START,
-        *,
-        cancel: CancelToken = NEVER,
-        failure: str = "",
-    ) -> rdzv.RendezvousInfo:
-        info = self.inner.next_rendezvous(reason, cancel=cancel, failure=failure)
-        return dataclasses.replace(
-            info,
-            master_addr=info.master_addr if self.addr is None else self.addr,
-            master_port=info.master_port if self.port is None else self.port,
-        )
-
-
-rdzv.RendezvousHandler.register(MasterOverride)

@@ -100,7 +100,7 @@ class Guardian:
 
 
 @dataclass(frozen=True)
-class Process:
+class ProcStat:
     """One process: its id and the fields of its stat line that say whose it is."""
 
     pid: int
@@ -114,7 +114,7 @@ class Process:
         return self.state not in ("Z", "X")
 
 
-def processes() -> Iterator[Process]:
+def processes() -> Iterator[ProcStat]:
     """Every process /proc lists now (one that ends while it is read is left out): the one
     reader of /proc/<pid>/stat, here because the guardian imports nothing of the project (the
     tests that check what a run leaves behind use it too)."""
@@ -128,7 +128,7 @@ def processes() -> Iterator[Process]:
         except (OSError, IndexError):
             continue
         if len(fields) > 3:
-            yield Process(int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
+            yield ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
 
 
 def cmdline(pid: int) -> bytes | None:
