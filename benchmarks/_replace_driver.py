@@ -23,6 +23,7 @@ from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import LaunchConfig
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
 from elastic_launch.processes.logs import LogLayout
+from elastic_launch.processes.preload import PreloadPlan
 from elastic_launch.processes.spawn import FreshInterpreter, ZygoteFork
 from elastic_launch.rendezvous.api import RendezvousInfo
 
@@ -45,7 +46,7 @@ def main() -> None:
     config = LaunchConfig(nproc_per_node=2, preload=preload, shutdown_timeout=5.0)
     ep = Entrypoint(Kind.SCRIPT, str(HERE / "_replace_worker.py"))
     fresh = FreshInterpreter(ep)
-    spawner = ZygoteFork(preload, fresh) if preload else fresh
+    spawner = ZygoteFork(PreloadPlan(preload, zygote=True), fresh) if preload else fresh
     info = RendezvousInfo(0, 0, 1, 2, 0, "127.0.0.1", elastic_core.now_ns() % 20000 + 30000)
     table = elastic_core.HeartbeatTable.create(f"/dev/shm/bench-replace-{os.getpid()}", 2)
     with LogLayout(os.devnull, "bench") as layout, elastic_core.Watchdog() as watchdog:

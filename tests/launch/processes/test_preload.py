@@ -94,8 +94,8 @@ def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):
         "elastic_launch.train_loop",
         "elastic_launch.rendezvous.etcd_v3",
     ]
-    ep = script(tmp_path / "other.py", "import elastic_launch\nimport elastic_sampler\n")
-    assert plan(["auto"], ep).modules == []
+    ep = script(tmp_path / "other.py", "import elastic_launch\nimport elastic_core\n")
+    assert plan(["auto"], ep).modules == [], "the launcher's own packages load as needed"
 
 
 @pytest.mark.parametrize(
@@ -119,13 +119,41 @@ def test_a_script_that_builds_an_optimizer_or_ddp_gets_dynamo_preloaded(tmp_path
 
 def test_a_script_that_uses_the_sampler_or_checkpoints_gets_them_preloaded(tmp_path):
     """elastic_sampler takes 45 ms to import with torch loaded, on each new worker's way to
-    its first step; without torch it is not preloaded (nothing of torch's is)."""
+    its first step: preloaded after torch, as any installed package the script imports."""
     ep = script(
         tmp_path / "train.py", "import torch\nfrom elastic_sampler import save_checkpoint\n"
     )
     assert plan(["auto"], ep).modules == ["torch", "elastic_sampler"]
     bare = script(tmp_path / "bare.py", "import elastic_sampler\n")
-    assert plan(["auto"], bare).modules == []
+    assert plan(["auto"], bare).modules == ["elastic_sampler"]
+
+
+def test_the_installed_packages_a_script_imports_as_it_starts_are_preloaded(tmp_path, monkeypatch):
+    """Lightning, Accelerate, transformers... whatever the script imports at its top and is
+    installed: a new worker skips those imports. Not what a function imports (it may never
+    run), not the standard library, not the script's own modules (their import is the
+    script's code, which may read a worker's RANK), not what is not installed."""
+    site = tmp_path / "site"
+    for name in ("heavy_framework", "other_lib", "late_lib"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("")
+    (site / "heavy_framework" / "trainer.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "mymodel.py").write_text("import os\nRANK = os.environ['RANK']\n")
+    ep = script(
+        job / "train.py",
+        "import os, json\n"
+        "import torch\n"
+        "from heavy_framework.trainer import Trainer\n"
+        "import mymodel\n"
+        "import not_installed_anywhere\n"
+        "try:\n    import other_lib\nexcept ImportError:\n    other_lib = None\n"
+        "def main():\n    import late_lib\n"
+        "if __name__ == '__main__':\n    main()\n",
+    )
+    assert plan(["auto"], ep).modules == ["torch", "heavy_framework.trainer", "other_lib"]
 
 
 @pytest.mark.parametrize(

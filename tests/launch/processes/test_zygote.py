@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from elastic_launch.processes.preload import PreloadPlan
 from elastic_launch.processes.spawn import FreshInterpreter, SpawnRequest, ZygoteFork
 from elastic_launch.processes.worker_main import DEVNULL, KEEP
 from elastic_launch.processes.zygote import Zygote, ZygoteUnavailableError, recv, send
@@ -120,7 +121,9 @@ def test_the_spawner_falls_back_to_fresh_interpreters_and_says_why(tmp_path, cap
 
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
-    spawner = ZygoteFork([], FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    spawner = ZygoteFork(
+        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
     try:
         assert spawner.forks and spawner.zygote is not None
         os.kill(spawner.zygote.pid, signal.SIGKILL)
@@ -140,7 +143,8 @@ def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_pat
     from elastic_launch.processes.entrypoint import Entrypoint, Kind
 
     spawner = ZygoteFork(
-        ["no_such_module_here"], FreshInterpreter(Entrypoint(Kind.SCRIPT, sys.executable))
+        PreloadPlan(["no_such_module_here"], zygote=True),
+        FreshInterpreter(Entrypoint(Kind.SCRIPT, sys.executable)),
     )
     try:
         script = tmp_path / "probe.py"
@@ -162,7 +166,9 @@ def test_a_worker_environment_read_at_start_that_differs_is_not_forked(tmp_path,
 
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
-    spawner = ZygoteFork([], FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    spawner = ZygoteFork(
+        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
     try:
         out = tmp_path / "out.json"
         env = {**os.environ, "OMP_NUM_THREADS": "7", "PROBE": "fresh"}
@@ -224,3 +230,37 @@ def test_a_spare_killed_from_outside_is_reaped_and_spawns_fork_again(tmp_path):
         assert spares(z) == set(), "no spare forked again after one died unused"
     finally:
         z.close()
+
+
+def test_a_package_that_auto_added_and_that_starts_a_thread_is_left_out(
+    tmp_path, caplog, monkeypatch
+):
+    """--preload auto adds the installed packages a script imports; one that starts a thread
+    as it is imported would make forking unsafe: the zygote starts again without it (workers
+    still fork, and import it themselves), and the warning names it."""
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    site = tmp_path / "site"
+    (site / "threaded_pkg").mkdir(parents=True)
+    (site / "threaded_pkg" / "__init__.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True, name='poller').start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    chosen = PreloadPlan(["json", "threaded_pkg"], zygote=True, optional=("threaded_pkg",))
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork(chosen, FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
+    try:
+        out = tmp_path / "out.json"
+        process = spawner.spawn(
+            SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
+        )
+        assert process.reaped_by_agent is False, "still forked from a zygote"
+        process.watched()
+        assert process.reap(30) == (0, None)
+        assert spawner.chosen.modules == ["json"] and spawner.forks
+        assert "the zygote starts again without threaded_pkg" in caplog.text
+        assert "poller" in caplog.text, "the thread that made it unsafe is named"
+    finally:
+        spawner.close()

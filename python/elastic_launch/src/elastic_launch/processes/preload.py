@@ -1,9 +1,11 @@
 """What the zygote imports (``--preload``), and when workers must not be forked from it.
 
 ``--preload auto`` (the default) forks every Python worker from a zygote, and has the zygote
-import torch when the entrypoint imports torch (read from its source, never executed), and the
-classic train loop's modules when it runs the loop: a start or restart then costs a fork instead
-of a new interpreter and ``import torch``. Modules named with
+import torch when the entrypoint imports torch (read from its source, never executed), the
+classic train loop's modules when it runs the loop, and the installed packages the script
+imports at its top (Lightning, Accelerate, transformers, torchvision...; never the script's own
+modules, whose import may read a worker's environment): a start or restart then costs a fork
+instead of a new interpreter and those imports. Modules named with
 ``--preload`` are imported on top; ``--preload none`` starts fresh interpreters.
 
 Forking gives a worker what a fresh interpreter would (the parity tests prove it) except where
@@ -19,6 +21,7 @@ import ast
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -76,6 +79,9 @@ class PreloadPlan:
     modules: list[str]
     zygote: bool
     why_not: str | None = None
+    #: What ``auto`` added for the packages the script imports: left out of the zygote, rather
+    #: than giving up forking, when importing them makes forking unsafe (a thread they start).
+    optional: tuple[str, ...] = ()
 
 
 def plan(preload: list[str], entrypoint: Entrypoint) -> PreloadPlan:
@@ -93,8 +99,12 @@ def plan(preload: list[str], entrypoint: Entrypoint) -> PreloadPlan:
             why_not=f"{what}: '{entrypoint.target}' is not run by Python (a program, or "
             "--no-python); its workers start as fresh processes",
         )
-    modules = [m for m in auto_modules(entrypoint) if m not in named] if auto else []
-    return PreloadPlan(modules + named, zygote=True)
+    if not auto:
+        return PreloadPlan(named, zygote=True)
+    base, packages = _auto(read_sources(entrypoint))
+    modules = [m for m in base + packages if m not in named]
+    optional = tuple(m for m in packages if m in modules)
+    return PreloadPlan(modules + named, zygote=True, optional=optional)
 
 
 def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None, str | None]:
@@ -163,12 +173,31 @@ def _mentioned(tree: ast.AST) -> set[str]:
     return found
 
 
+def _top_level(tree: ast.AST) -> Iterable[str]:
+    """The modules a file imports when it runs: its module-level imports (inside ``if``,
+    ``try`` and ``with`` blocks too, ``if __name__ == "__main__"`` included), not those of
+    its functions and classes, which run later if at all. Absolute names only."""
+    body = list(getattr(tree, "body", []))
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            for handler in getattr(node, "handlers", []):
+                body += handler.body
+
+
 @dataclass(frozen=True)
 class Sources:
     """What the entrypoint's own source files import and mention (read, never run)."""
 
     imports: set[str]
     mentions: set[str]
+    top: set[str] = frozenset()  # type: ignore[assignment]  # what they import as they run
+    own: str | None = None  # the directory of the entrypoint's own modules
 
 
 def read_sources(entrypoint: Entrypoint) -> Sources:
@@ -181,6 +210,7 @@ def read_sources(entrypoint: Entrypoint) -> Sources:
         return Sources({str(entrypoint.target)}, set())
     found: set[str] = set()
     mentions: set[str] = set()
+    top: set[str] = set()
     seen: set[str] = set()
     while files and len(seen) < _MAX_SCANNED_FILES:
         path = files.pop()
@@ -191,6 +221,7 @@ def read_sources(entrypoint: Entrypoint) -> Sources:
         if tree is None:
             continue
         mentions |= _mentioned(tree)
+        top.update(_top_level(tree))
         here = os.path.dirname(path)
         for name, level in _imported_names(tree):
             if level == 0 and name:
@@ -207,7 +238,7 @@ def read_sources(entrypoint: Entrypoint) -> Sources:
                     continue
                 if parts and os.path.isfile(candidate):
                     files.append(candidate)
-    return Sources(found, mentions)
+    return Sources(found, mentions, top, inside or root)
 
 
 def imported_modules(entrypoint: Entrypoint) -> set[str]:
@@ -218,8 +249,14 @@ def imported_modules(entrypoint: Entrypoint) -> set[str]:
 def auto_modules(entrypoint: Entrypoint) -> list[str]:
     """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch (and
     torch._dynamo when it builds an optimizer or a DDP model, elastic_sampler when it uses
-    it), and the classic train loop with its rendezvous client (gRPC) when it runs the loop."""
-    sources = read_sources(entrypoint)
+    it), the classic train loop with its rendezvous client (gRPC) when it runs the loop, then
+    the installed packages it imports as it starts (:func:`installed_packages`)."""
+    base, packages = _auto(read_sources(entrypoint))
+    return base + packages
+
+
+def _auto(sources: Sources) -> tuple[list[str], list[str]]:
+    """(what the launcher's own knowledge picks, the script's other installed packages)."""
     names = sources.imports
     roots = {n.split(".", maxsplit=1)[0] for n in names}
     modules = [TORCH] if TORCH in roots else []
@@ -229,7 +266,41 @@ def auto_modules(entrypoint: Entrypoint) -> list[str]:
         modules.append(SAMPLER)
     if any(n == TRAIN_LOOP or n.startswith(TRAIN_LOOP + ".") for n in names):
         modules += [TRAIN_LOOP, LOOP_RENDEZVOUS]
-    return modules
+    return modules, [m for m in installed_packages(sources) if m not in modules]
+
+
+#: Never imported for a script by --preload auto: the launcher's own packages (loaded as
+#: needed), and what is not a package to import.
+_NOT_PRELOADED = {TORCH, "elastic_launch", "elastic_core", "__future__", "__main__"}
+
+
+def installed_packages(sources: Sources) -> list[str]:
+    """The modules of installed packages the entrypoint imports as it starts (sorted): not
+    the standard library (cheap), not the entrypoint's own modules (their import is the
+    script's own code, which may read a worker's environment), not what is not installed."""
+    out = []
+    for name in sorted(sources.top):
+        root = name.split(".", maxsplit=1)[0]
+        if root in _NOT_PRELOADED or root in sys.stdlib_module_names:
+            continue
+        try:
+            spec = importlib.util.find_spec(root)  # finds; imports nothing for a top name
+        except (ImportError, ValueError):
+            continue
+        origin = spec.origin if spec is not None else None
+        places = (
+            [origin] if origin else list(getattr(spec, "submodule_search_locations", None) or [])
+        )
+        if not places or any(_inside(p, sources.own) for p in places):
+            continue
+        out.append(name)
+    return out
+
+
+def _inside(path: str, directory: str | None) -> bool:
+    if directory is None:
+        return False
+    return os.path.abspath(path).startswith(os.path.abspath(directory) + os.sep)
 
 
 def _builds_dynamo_users(sources: Sources) -> bool:

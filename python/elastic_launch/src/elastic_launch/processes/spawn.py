@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -220,27 +221,32 @@ class ZygoteFork(Spawner):
 
     def __init__(
         self,
-        modules: list[str],
+        chosen: PreloadPlan,
         fallback: FreshInterpreter,
         cancel: CancelToken = NEVER,
         guardian: Guardian | None = None,
         spares: int = 0,
     ) -> None:
         """`spares`: warm spares the zygote keeps forked ahead of need (``--warm-spares``)."""
-        from elastic_launch.processes.zygote import Zygote
 
         self.fallback = fallback
         self.cancel = cancel
         self.guardian = guardian
+        self.chosen, self.spares = chosen, spares
         self.zygote: Zygote | None = None
         self.why_not: str | None = None  # why workers are not forked, once known
+        self._start(chosen.modules)
+
+    def _start(self, modules: list[str]) -> None:
+        from elastic_launch.processes.zygote import Zygote
+
         try:
-            self.zygote = Zygote(modules, spares)
+            self.zygote = Zygote(modules, self.spares)
         except OSError as e:
             self._give_up(f"the --preload zygote cannot start ({e})")
         else:
-            if guardian is not None:
-                guardian.watch_group(self.zygote.pid)
+            if self.guardian is not None:
+                self.guardian.watch_group(self.zygote.pid)
 
     @property
     def pid(self) -> int | None:
@@ -271,10 +277,31 @@ class ZygoteFork(Spawner):
         for name, error in z.failed.items():
             logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
         z.failed = {}
+        if z.unsafe and self.chosen.optional:
+            return self._without_optional(z.unsafe)
         if z.unsafe:
             self._give_up(f"--preload: {z.unsafe}")
             return None
         return z
+
+    def _without_optional(self, why: str) -> Zygote | None:
+        """A zygote without the script's packages that ``auto`` added, when importing them
+        made forking unsafe: workers still fork, and import those packages themselves."""
+        left_out = self.chosen.optional
+        logger.warning(
+            "--preload auto: %s; the zygote starts again without %s, which each worker imports "
+            "itself (name them with --preload to keep them, or --preload none)",
+            why,
+            ", ".join(left_out),
+        )
+        self.close()
+        self.chosen = dataclasses.replace(
+            self.chosen,
+            modules=[m for m in self.chosen.modules if m not in left_out],
+            optional=(),
+        )
+        self._start(self.chosen.modules)
+        return self._ready_zygote()
 
     @property
     def forks(self) -> bool:
@@ -350,7 +377,7 @@ def spawner_for(
         entrypoint.kind in (Kind.SCRIPT, Kind.MODULE) and start_method == "fork"
     )
     if entrypoint.is_python and (chosen.zygote or forked_method):
-        return ZygoteFork(chosen.modules, fresh, cancel, guardian, spares)
+        return ZygoteFork(chosen, fresh, cancel, guardian, spares)
     if chosen.why_not:
         logger.warning("%s", chosen.why_not)
     return fresh
