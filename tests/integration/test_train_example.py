@@ -49,6 +49,9 @@ def test_training_recovers_and_finishes(out, tmp_path, fault):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restarting the workers (restart 1 of 2)" in result.stderr
+    assert (
+        "printed as the launcher stopped it (SIGTERM) is its stop, not the cause" in result.stderr
+    )
     # The one restart is the injected fault's, at step 10 (not a stall before it).
     assert "simulating a" in result.stdout and "at step 10" in result.stdout, result.stderr[-3000:]
     # The last disk checkpoint is step 8; the memory tier holds step 10, where the fault

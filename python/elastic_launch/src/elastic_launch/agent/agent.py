@@ -458,8 +458,14 @@ def _log_restart(
     reason: RestartReason, failure: str, info: RendezvousInfo, restarts: int, limit: int
 ) -> None:
     if reason == RestartReason.FAILURE:
+        # A framework's SIGTERM handler (Lightning's, a DataLoader's) prints a traceback as
+        # the other workers stop: the line that follows says which one is the cause.
         logger.warning(
-            "restarting the workers (restart %d of %d) after: %s", restarts, limit, failure
+            "restarting the workers (restart %d of %d) after: %s; a traceback a worker printed "
+            "as the launcher stopped it (SIGTERM) is its stop, not the cause",
+            restarts,
+            limit,
+            failure,
         )
     elif reason == RestartReason.MEMBERSHIP:
         logger.warning(
