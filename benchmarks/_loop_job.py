@@ -5,18 +5,25 @@ DataLoader with worker processes over ElasticDistributedSampler), as a ``State``
 on every new membership ``sync`` sends the state of the rank that has taken the most steps to
 all and rebuilds the DDP model and the loader for the new world.
 
-Every completed step appends "monotonic_ns step world rank pid" to OUT/<pid>.steps.
+Every completed step appends "monotonic_ns step world rank pid" to OUT/<pid>.steps, and the
+moments of a worker's start to OUT/<pid>.marks, "monotonic_ns what": its first line, train()
+called, each sync() begun and done (benchmarks/loop_timeline.py reads them).
 
     elasticrun --standalone --nproc-per-node 2 benchmarks/_loop_job.py --out DIR
 """
 
+# ruff: noqa: E402 - the first line's time is taken before the imports, which it measures
+
 from __future__ import annotations
+
+import time
+
+FIRST_LINE_NS = time.monotonic_ns()  # before the imports: when the script began to run
 
 import argparse
 import io
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +63,11 @@ class JobState(train_loop.State):
         self.model: DistributedDataParallel | None = None
         self.world, self.rank = 1, 0
         self.log = open(args.out / f"{os.getpid()}.steps", "a", buffering=1)  # noqa: SIM115
+        self.marks = open(args.out / f"{os.getpid()}.marks", "a", buffering=1)  # noqa: SIM115
+        self.mark("first_line", FIRST_LINE_NS)
+
+    def mark(self, what: str, ns: int | None = None) -> None:
+        self.marks.write(f"{time.monotonic_ns() if ns is None else ns} {what}\n")
 
     def job_state(self) -> dict[str, Any]:
         sampler = None
@@ -71,6 +83,7 @@ class JobState(train_loop.State):
 
     def sync(self, world_size: int, rank: int) -> None:
         """The rank with the most steps sends its state (a new worker has taken none)."""
+        self.mark("sync")
         self.world, self.rank = world_size, rank
         source, _ = edist.all_gather_return_max_long(self.step)  # the lowest rank on ties
         data = None
@@ -84,6 +97,7 @@ class JobState(train_loop.State):
         else:
             state = load_checkpoint(io.BytesIO(received.tobytes()), map_location=self.device)
         self.rebuild(state)
+        self.mark("synced")
 
     def rebuild(self, state: dict[str, Any]) -> None:
         """The job's state applied; the DDP model and the loader made for this group."""
@@ -162,7 +176,9 @@ def main() -> None:
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    train_loop.train(train_loop.from_environment(args.backend), train_step, JobState(args))
+    state = JobState(args)
+    state.mark("train")
+    train_loop.train(train_loop.from_environment(args.backend), train_step, state)
 
 
 if __name__ == "__main__":
