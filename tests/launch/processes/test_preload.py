@@ -123,7 +123,11 @@ def test_a_script_that_uses_the_sampler_or_checkpoints_gets_them_preloaded(tmp_p
     ep = script(
         tmp_path / "train.py", "import torch\nfrom elastic_sampler import save_checkpoint\n"
     )
-    assert plan(["auto"], ep).modules == ["torch", "elastic_sampler"]
+    assert plan(["auto"], ep).modules == [
+        "torch",
+        "elastic_sampler",
+        "elastic_sampler:save_checkpoint",
+    ]
     bare = script(tmp_path / "bare.py", "import elastic_sampler\n")
     assert plan(["auto"], bare).modules == ["elastic_sampler"]
 
@@ -153,7 +157,11 @@ def test_the_installed_packages_a_script_imports_as_it_starts_are_preloaded(tmp_
         "def main():\n    import late_lib\n"
         "if __name__ == '__main__':\n    main()\n",
     )
-    assert plan(["auto"], ep).modules == ["torch", "heavy_framework.trainer", "other_lib"]
+    chosen = plan(["auto"], ep)
+    # MODULE:NAME: what `from MODULE import NAME` loads (a lazy package loads it only then).
+    expected = ["heavy_framework.trainer", "heavy_framework.trainer:Trainer", "other_lib"]
+    assert chosen.modules == ["torch", *expected]
+    assert chosen.optional == tuple(expected), "left out if they make forking unsafe"
 
 
 @pytest.mark.parametrize(

@@ -264,3 +264,33 @@ def test_a_package_that_auto_added_and_that_starts_a_thread_is_left_out(
         assert "poller" in caplog.text, "the thread that made it unsafe is named"
     finally:
         spawner.close()
+
+
+def test_load_gets_what_a_from_import_gets_from_a_lazy_package(tmp_path, monkeypatch):
+    """transformers loads `Trainer` only when it is asked for (a module __getattr__): the
+    zygote's `MODULE:NAME` asks, as `from MODULE import NAME` does; a NAME that is a submodule
+    is imported."""
+    from elastic_launch.processes.zygote import load
+
+    pkg = tmp_path / "lazy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import importlib\n"
+        "def __getattr__(name):\n"
+        "    if name == 'Heavy':\n"
+        "        return importlib.import_module('lazy_pkg.heavy').Heavy\n"
+        "    raise AttributeError(name)\n"
+    )
+    (pkg / "heavy.py").write_text("class Heavy: pass\n")
+    (pkg / "part.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("lazy_pkg", "lazy_pkg.heavy", "lazy_pkg.part"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    load("lazy_pkg")
+    assert "lazy_pkg.heavy" not in sys.modules
+    load("lazy_pkg:Heavy")
+    assert "lazy_pkg.heavy" in sys.modules
+    load("lazy_pkg:part")
+    assert "lazy_pkg.part" in sys.modules
+    with pytest.raises(ImportError):
+        load("lazy_pkg:nothing_of_that_name")

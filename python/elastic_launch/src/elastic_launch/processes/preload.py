@@ -184,6 +184,8 @@ def _top_level(tree: ast.AST) -> Iterable[str]:
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module
+            # What a package loads lazily (transformers' Trainer) loads only when asked for.
+            yield from (f"{node.module}:{a.name}" for a in node.names if a.name != "*")
         elif isinstance(node, (ast.If, ast.Try, ast.With)):
             body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
             for handler in getattr(node, "handlers", []):
@@ -280,7 +282,7 @@ def installed_packages(sources: Sources) -> list[str]:
     script's own code, which may read a worker's environment), not what is not installed."""
     out = []
     for name in sorted(sources.top):
-        root = name.split(".", maxsplit=1)[0]
+        root = name.split(".", maxsplit=1)[0].split(":", maxsplit=1)[0]
         if root in _NOT_PRELOADED or root in sys.stdlib_module_names:
             continue
         try:

@@ -108,6 +108,17 @@ def fork_hazard() -> str | None:
     return None
 
 
+def load(name: str) -> None:
+    """Import module `name`; ``MODULE:NAME`` also loads what ``from MODULE import NAME`` gets
+    (a package that imports its parts lazily, as transformers does, loads them only then)."""
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    module = importlib.import_module(module_name)
+    if attr and not hasattr(module, attr):  # not an attribute: a submodule
+        importlib.import_module(f"{module_name}.{attr}")
+
+
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
     sock = socket.socket(fileno=fd)
@@ -124,7 +135,7 @@ def serve(fd: int, modules: list[str]) -> None:
     failed = {}
     for name in modules:
         try:
-            __import__(name)
+            load(name)
         except BaseException as e:  # reported to the agent, which then spawns normally
             failed[name] = f"{type(e).__name__}: {e}"
     from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
