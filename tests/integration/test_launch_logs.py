@@ -128,7 +128,9 @@ def test_module_no_python_run_path_and_macro(out, tmp_path):
     assert "binary 0 arg0" in result.stdout and "binary 1 arg1" in result.stdout
 
     py = tmp_path / "runpath.py"
-    py.write_text("import sys; print('runpath', sys.argv[1:], __name__)\n")
+    # One string per print: the two workers share the console, and `python -u` writes each of
+    # print's arguments apart, so that two workers' words could interleave.
+    py.write_text("import sys; print(f'runpath {sys.argv[1:]} {__name__}')\n")
     result = run([*BASE, "--run-path", str(py), "x"], out)
     assert result.returncode == 0, result.stderr
     assert "runpath ['x'] __main__" in result.stdout
