@@ -102,7 +102,7 @@ lint: $(VENV)/.stamp-packages
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.stamp-packages cpp
-	$(PIP) install -q $(FIND_LINKS) lightning  # the Lightning row only; torch stays 2.13.0
+	$(PIP) install -q $(FIND_LINKS) lightning accelerate  # the frameworks rows; torch stays 2.13.0
 	$(VPY) benchmarks/run.py --cpp-build $(BUILD)/cpp
 
 # The real-job benchmark on this machine's GPUs over NCCL (needs 2 GPUs and a CUDA torch).

@@ -1,10 +1,12 @@
-"""A PyTorch Lightning job (benchmarks/_lightning_job.py: a Trainer, DDP on CPU, AdamW, a
-DataLoader worker, ModelCheckpoint every step, fit(ckpt_path=last)) on one node of 2 workers,
-rank 1 SIGKILLed at step 30: the kill to the restarted group's first step, elasticrun (default
-flags: --preload auto has the zygote import torch, torch._dynamo and Lightning) beside torchrun
-in the same run. `make bench` installs Lightning; the tests do not need it.
+"""Jobs written for the frameworks people use, on one node of 2 workers, rank 1 SIGKILLed at
+step 30: the kill to the restarted group's first step, elasticrun (default flags: --preload
+auto has the zygote import torch, torch._dynamo and the framework) beside torchrun in the same
+run. The jobs: PyTorch Lightning (benchmarks/_lightning_job.py: a Trainer, DDP on CPU, AdamW, a
+DataLoader worker, ModelCheckpoint every step, fit(ckpt_path=last)) and Hugging Face Accelerate
+(benchmarks/_accelerate_job.py: an Accelerator, save_state every step, load_state to resume).
+`make bench` installs both; the tests do not need them.
 
-    python benchmarks/bench_lightning.py [--runs 5]
+    python benchmarks/bench_frameworks.py [--runs 5]
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from pathlib import Path
 from common import Row, end_job, median
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE / "_lightning_job.py"
+JOBS = {
+    "PyTorch Lightning Trainer (DDP, ModelCheckpoint every step, fit(ckpt_path=last))": (
+        HERE / "_lightning_job.py"
+    ),
+    "Hugging Face Accelerate (an Accelerator, save_state every step, load_state)": (
+        HERE / "_accelerate_job.py"
+    ),
+}
 FLAGS = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
 LAUNCHERS = {
     "elasticrun": [sys.executable, "-m", "elastic_launch", *FLAGS],
@@ -32,13 +41,13 @@ LAUNCHERS = {
 RUN_TIMEOUT = 180
 
 
-def once(launcher: list[str]) -> float | None:
+def once(launcher: list[str], job: Path) -> float | None:
     """Seconds from the kill to the first step of the restarted group, or None (it failed or
     hung)."""
-    out = Path(tempfile.mkdtemp(prefix="bench-lightning-"))
+    out = Path(tempfile.mkdtemp(prefix="bench-frameworks-"))
     with open(out / "stderr", "wb") as err:
         proc = subprocess.Popen(
-            [*launcher, str(JOB), str(out)],
+            [*launcher, str(job), str(out)],
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
@@ -64,36 +73,37 @@ def once(launcher: list[str]) -> float | None:
     return (min(after) - int(killed.read_text())) / 1e9
 
 
-def measure(runs: int) -> dict[str, list[float | None]]:
-    """Each launcher `runs` times, alternating, so that both see the machine alike."""
+def measure(job: Path, runs: int) -> dict[str, list[float | None]]:
+    """Each launcher `runs` times on `job`, alternating, so that both see the machine alike."""
     found: dict[str, list[float | None]] = {name: [] for name in LAUNCHERS}
     for _ in range(runs):
         for name, launcher in LAUNCHERS.items():
-            found[name].append(once(launcher))
+            found[name].append(once(launcher, job))
     return found
 
 
 def run(cpp_build: Path | None = None, runs: int | None = None) -> list[Row]:
-    runs = runs or int(os.environ.get("BENCH_LIGHTNING_RUNS", "5"))
-    found = measure(runs)
-    ok = {name: [v for v in vs if v is not None] for name, vs in found.items()}
-    ours, theirs = ok["elasticrun"], ok["torchrun"]
-    note = (
-        f"median of {len(ours)}/{runs} recovered; torchrun {len(theirs)}/{runs}; "
-        "1 x 2, DDP on CPU, AdamW, a DataLoader worker, ModelCheckpoint every step"
-    )
-    return [
-        Row(
-            "lightning",
-            "PyTorch Lightning Trainer, rank 1 SIGKILLed: the kill to the restarted group's "
-            "first step",
-            median(ours) if ours else float("nan"),
-            median(theirs) if theirs else None,
-            "torchrun",
-            "s",
-            note,
+    runs = runs or int(os.environ.get("BENCH_FRAMEWORK_RUNS", "5"))
+    rows = []
+    for what, job in JOBS.items():
+        found = measure(job, runs)
+        ours, theirs = ([v for v in found[n] if v is not None] for n in LAUNCHERS)
+        note = (
+            f"median of {len(ours)}/{runs} recovered; torchrun {len(theirs)}/{runs}; "
+            "1 x 2 on CPU, AdamW, a DataLoader worker"
         )
-    ]
+        rows.append(
+            Row(
+                "frameworks",
+                f"{what}, rank 1 SIGKILLed: the kill to the restarted group's first step",
+                median(ours) if ours else float("nan"),
+                median(theirs) if theirs else None,
+                "torchrun",
+                "s",
+                note,
+            )
+        )
+    return rows
 
 
 def main() -> int:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_frameworks
 import bench_hang
 import bench_launch
-import bench_lightning
 import bench_memory_tier
 import bench_rdzv_scale
 import bench_real_job
@@ -44,7 +44,7 @@ SECTIONS = {
     "steps_lost": bench_steps_lost.run,
     "real_job": bench_real_job.run,  # runs per scenario: BENCH_REAL_JOB_RUNS (default 5)
     "train_loop": bench_train_loop.run,
-    "lightning": bench_lightning.run,  # needs Lightning (make bench installs it)
+    "frameworks": bench_frameworks.run,  # Lightning, Accelerate (make bench installs them)
     "slurm": bench_slurm.run,
     "hostile": hostile_load.run,
 }
