@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
-from elastic_launch.processes.preload import import_time_mismatch, imports_torch, plan
+from elastic_launch.processes.preload import import_time_mismatch, plan
+
+
+def preloads_torch(ep: Entrypoint) -> bool:
+    """Whether --preload auto has the zygote import torch for `ep` (it imports torch)."""
+    return "torch" in plan(["auto"], ep).modules
 
 
 def script(path: Path, text: str) -> Entrypoint:
@@ -29,7 +34,7 @@ def script(path: Path, text: str) -> Entrypoint:
 )
 def test_a_script_that_imports_torch_gets_it_preloaded(tmp_path, text):
     ep = script(tmp_path / "train.py", text)
-    assert imports_torch(ep)
+    assert preloads_torch(ep)
     assert plan(["auto"], ep).modules == ["torch"]
 
 
@@ -45,7 +50,7 @@ def test_a_script_that_imports_torch_gets_it_preloaded(tmp_path, text):
 )
 def test_a_script_without_torch_gets_a_zygote_without_it(tmp_path, text):
     ep = script(tmp_path / "train.py", text)
-    assert not imports_torch(ep)
+    assert not preloads_torch(ep)
     chosen = plan(["auto"], ep)
     assert chosen.zygote and chosen.modules == [] and chosen.why_not is None
 
@@ -56,11 +61,11 @@ def test_torch_imported_by_the_scripts_own_modules_is_found(tmp_path):
     script(tmp_path / "lib" / "layers.py", "import torch.nn\n")
     script(tmp_path / "helpers.py", "from lib.model import Net\n")
     ep = script(tmp_path / "train.py", "import helpers\n")
-    assert imports_torch(ep)
+    assert preloads_torch(ep)
     # a cycle ends
     script(tmp_path / "a.py", "import b\n")
     script(tmp_path / "b.py", "import a\n")
-    assert not imports_torch(script(tmp_path / "c.py", "import a\n"))
+    assert not preloads_torch(script(tmp_path / "c.py", "import a\n"))
 
 
 def test_a_module_entrypoint_and_a_directory_are_read(tmp_path, monkeypatch):
@@ -68,11 +73,11 @@ def test_a_module_entrypoint_and_a_directory_are_read(tmp_path, monkeypatch):
     script(tmp_path / "pkg" / "train.py", "from pkg import model\n")
     script(tmp_path / "pkg" / "model.py", "from torch import nn\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert imports_torch(Entrypoint(Kind.MODULE, "pkg.train"))
-    assert imports_torch(Entrypoint(Kind.MODULE, "torch.distributed.run"))
-    assert not imports_torch(Entrypoint(Kind.MODULE, "json.tool"))
+    assert preloads_torch(Entrypoint(Kind.MODULE, "pkg.train"))
+    assert preloads_torch(Entrypoint(Kind.MODULE, "torch.distributed.run"))
+    assert not preloads_torch(Entrypoint(Kind.MODULE, "json.tool"))
     script(tmp_path / "app" / "__main__.py", "import torch\n")
-    assert imports_torch(Entrypoint(Kind.SCRIPT, str(tmp_path / "app")))
+    assert preloads_torch(Entrypoint(Kind.SCRIPT, str(tmp_path / "app")))
 
 
 def test_a_function_entrypoint_is_read_from_its_module(tmp_path, monkeypatch):
@@ -82,9 +87,9 @@ def test_a_function_entrypoint_is_read_from_its_module(tmp_path, monkeypatch):
     import fn_with_torch
     import fn_without
 
-    assert imports_torch(Entrypoint(Kind.FUNCTION, fn_with_torch.train))
-    assert not imports_torch(Entrypoint(Kind.FUNCTION, fn_without.train))
-    assert not imports_torch(Entrypoint(Kind.FUNCTION, len))  # a builtin: nothing to read
+    assert preloads_torch(Entrypoint(Kind.FUNCTION, fn_with_torch.train))
+    assert not preloads_torch(Entrypoint(Kind.FUNCTION, fn_without.train))
+    assert not preloads_torch(Entrypoint(Kind.FUNCTION, len))  # a builtin: nothing to read
 
 
 def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):

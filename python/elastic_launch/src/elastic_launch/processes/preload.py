@@ -243,22 +243,12 @@ def read_sources(entrypoint: Entrypoint) -> Sources:
     return Sources(found, mentions, top, inside or root)
 
 
-def imported_modules(entrypoint: Entrypoint) -> set[str]:
-    """The modules the entrypoint imports (see :func:`read_sources`)."""
-    return read_sources(entrypoint).imports
-
-
-def auto_modules(entrypoint: Entrypoint) -> list[str]:
-    """What ``--preload auto`` imports for `entrypoint`: torch when it imports torch (and
-    torch._dynamo when it builds an optimizer or a DDP model, elastic_sampler when it uses
-    it), the classic train loop with its rendezvous client (gRPC) when it runs the loop, then
-    the installed packages it imports as it starts (:func:`installed_packages`)."""
-    base, packages = _auto(read_sources(entrypoint))
-    return base + packages
-
-
 def _auto(sources: Sources) -> tuple[list[str], list[str]]:
-    """(what the launcher's own knowledge picks, the script's other installed packages)."""
+    """What ``--preload auto`` imports, in two parts: what the launcher's own knowledge picks
+    (torch when the entrypoint imports torch, torch._dynamo when it builds an optimizer or a
+    DDP model, elastic_sampler when it uses it, the classic train loop with its rendezvous
+    client when it runs the loop), and the script's other installed packages
+    (:func:`installed_packages`)."""
     names = sources.imports
     roots = {n.split(".", maxsplit=1)[0] for n in names}
     modules = [TORCH] if TORCH in roots else []
@@ -311,11 +301,6 @@ def _builds_dynamo_users(sources: Sources) -> bool:
     if any(n.startswith(_DYNAMO_USERS) for n in sources.imports):
         return True
     return bool(sources.mentions & _DYNAMO_MENTIONS)
-
-
-def imports_torch(entrypoint: Entrypoint) -> bool:
-    """Whether the entrypoint imports torch (see :func:`imported_modules`)."""
-    return TORCH in auto_modules(entrypoint)
 
 
 def import_time_mismatch(
