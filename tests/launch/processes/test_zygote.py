@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from elastic_launch.processes.preload import PreloadPlan
@@ -139,6 +140,17 @@ def test_the_spawner_falls_back_to_fresh_interpreters_and_says_why(tmp_path, cap
         spawner.close()
 
 
+def run_forked_probe(spawner: ZygoteFork, tmp_path: Path) -> None:
+    """The probe script runs to exit 0 in a worker forked from `spawner`'s zygote."""
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    process = spawner.spawn(SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ)))
+    assert process.reaped_by_agent is False, "forked from the zygote"
+    process.watched()
+    assert process.reap(30) == (0, None)
+
+
 def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_path, caplog):
     from elastic_launch.processes.entrypoint import Entrypoint, Kind
 
@@ -147,15 +159,7 @@ def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_pat
         FreshInterpreter(Entrypoint(Kind.SCRIPT, sys.executable)),
     )
     try:
-        script = tmp_path / "probe.py"
-        script.write_text(SCRIPT)
-        out = tmp_path / "out.json"
-        process = spawner.spawn(
-            SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
-        )
-        assert process.reaped_by_agent is False, "forked from the zygote"
-        process.watched()
-        assert process.reap(30) == (0, None)
+        run_forked_probe(spawner, tmp_path)
         assert "importing 'no_such_module_here' failed" in caplog.text
     finally:
         spawner.close()
@@ -252,13 +256,7 @@ def test_a_package_that_auto_added_and_that_starts_a_thread_is_left_out(
     script.write_text(SCRIPT)
     spawner = ZygoteFork(chosen, FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
     try:
-        out = tmp_path / "out.json"
-        process = spawner.spawn(
-            SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
-        )
-        assert process.reaped_by_agent is False, "still forked from a zygote"
-        process.watched()
-        assert process.reap(30) == (0, None)
+        run_forked_probe(spawner, tmp_path)
         assert spawner.chosen.modules == ["json"] and spawner.forks
         assert "the zygote starts again without threaded_pkg" in caplog.text
         assert "poller" in caplog.text, "the thread that made it unsafe is named"
