@@ -61,7 +61,8 @@ class Node:
         self.config = LaunchConfig(**config)
         self.watchdog = FakeWatchdog()
         self.spawner = FakeSpawner(self.watchdog)
-        self._heartbeats = Heartbeats.create(2, lambda i: shm_path(f"agent{i}"))
+        slots = self.config.nproc_per_node + self.config.hot_spares
+        self._heartbeats = Heartbeats.create(slots, lambda i: shm_path(f"agent{i}"))
         self.heartbeats = self._heartbeats.__enter__()
         self.layout = LogLayout(str(tmp_path / "logs"), "run")
         context = NodeContext(
@@ -440,6 +441,80 @@ def test_a_worker_cannot_raise_the_restart_budget_beyond_the_launchers_cap(node)
     assert result.state == AgentState.FAILED and "restarts exhausted (2)" in result.message
     assert len(n.spawner.spawned) == 4, "two replacements, the cap"
     assert n.rdzv.spends == [2, 2]
+
+
+# ---- hot spares ---------------------------------------------------------------------------
+
+
+def _training(n: Node, workers: list) -> None:
+    """The workers run the loop and have made a step (their first round is theirs)."""
+    for p in workers:
+        _in_loop(p, "running 3")
+        elastic_core.Heartbeat.attach(n.heartbeats.path(p.request.local_rank), 0).beat()
+
+
+def test_hot_spares_start_once_the_workers_train_with_no_rank_of_their_own(node):
+    n = node(max_restarts=0, hot_spares=1).play()
+    first = n.running()
+    time.sleep(0.05)
+    assert len(n.spawner.spawned) == 2, "not before the workers run the loop and step"
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    spare = n.spawner.spawned[2]
+    env = spare.request.env
+    assert spare.request.local_rank == 2 and env["RANK"] == "-1"
+    assert env["ELASTICRUN_HOT_SPARE"] == "1" and "ELASTICRUN_HOT_SPARE" not in first[0].request.env
+    started = [e.data for e in n.recorder.events if e.name == "hot_spare_started"]
+    assert started == [{"local_rank": 2, "pid": spare.pid}]
+    _in_loop(spare, "waiting 3")
+    time.sleep(0.05)
+    assert len(n.spawner.spawned) == 3, "one spare, started once"
+    for p in (*first, spare):  # the job ends: the spare leaves with the workers
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_a_spare_that_dies_while_it_waits_is_replaced_without_touching_the_workers(node, caplog):
+    n = node(max_restarts=2, hot_spares=1).play()
+    first = n.running()
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    spare = n.spawner.spawned[2]
+    _in_loop(spare, "waiting 3")
+    with caplog.at_level("WARNING"):
+        n.watchdog.exit_process(spare, signal=signal.SIGKILL)
+        n.wait_for(lambda: len(n.spawner.spawned) == 4)
+    behind = n.spawner.spawned[3]
+    assert behind.request.local_rank == 2 and behind.request.env["RANK"] == "-1"
+    assert all(p.group_signals == [] and p.signals == [] for p in first), "untouched"
+    assert "replacing a hot spare (local rank 2, pid" in caplog.text
+    assert "the training workers are not touched" in caplog.text
+    assert n.rdzv.restarts == 1, "a death is one restart, a spare's too"
+    for p in (*first, behind):
+        n.watchdog.exit_process(p, code=0)
+    assert n.finish().state == AgentState.SUCCEEDED
+
+
+def test_a_dead_worker_is_replaced_behind_the_spare_that_takes_its_place(node, caplog):
+    """The budget counts the admitted spare as one replacement: one death, one restart, one
+    new process (which waits as the next spare)."""
+    n = node(max_restarts=1, loop_max_restarts=0, hot_spares=1).play()
+    first = n.running()
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    spare = n.spawner.spawned[2]
+    _in_loop(spare, "waiting 0")
+    with caplog.at_level("WARNING"):
+        n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
+        n.wait_for(lambda: len(n.spawner.spawned) == 4)
+    assert f"hot spare pid {spare.pid} takes its place at the next round" in caplog.text
+    assert n.spawner.spawned[3].request.local_rank == 1 and n.rdzv.restarts == 1
+    _in_loop(spare, "running 0")  # a round took it
+    _in_loop(n.spawner.spawned[3], "waiting 0")
+    n.watchdog.exit_process(spare, code=1)  # the budget (1) is spent
+    result = n.finish()
+    assert result.state == AgentState.FAILED and "restarts exhausted (1)" in result.message
+    assert len(n.spawner.spawned) == 4
 
 
 def test_a_train_loop_worker_that_failed_for_good_fails_the_job_at_once(node):

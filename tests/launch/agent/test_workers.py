@@ -214,3 +214,28 @@ def test_function_return_values_by_global_rank(parts, tmp_path):
         with open(group.get(0).result_file, "wb") as f:
             pickle.dump("zero", f)
         assert group.return_values() == {3: "zero", 4: None}
+
+
+def test_hot_spares_take_the_slots_beyond_the_workers_and_never_hold_up_readiness(parts):
+    """Two workers and one hot spare in three heartbeat slots: the spare has no rank, starts
+    once, and a spare that waits for a round is not a worker the group waits to beat."""
+    import elastic_core
+
+    watchdog, spawner, heartbeats, _ = parts
+    with group_of(parts, nproc_per_node=2, hot_spares=1) as group:
+        group.start_all(INFO, attempt=0, restarts=0)
+        spares = group.start_hot_spares(1)
+        assert [w.local_rank for w in spares] == [2] and group.start_hot_spares(1) == []
+        assert [w.rank for w in group.workers] == [3, 4, -1]
+        env = spawner.spawned[2].request.env
+        assert (env["RANK"], env["ROLE_RANK"], env["ELASTICRUN_HOT_SPARE"]) == ("-1", "-1", "1")
+        assert set(watchdog.watched) == {0, 1, 2}
+        for w, said in zip(group.workers, ("running", "running", "waiting"), strict=True):
+            with open(w.loop_file, "w") as f:
+                f.write(said)
+        for local_rank in (0, 1):
+            elastic_core.Heartbeat.attach(heartbeats.path(local_rank), 0).beat()
+        assert group.all_beating(), "the waiting spare is not waited for"
+        assert group.hot_spares() == [group.get(2)]
+        group.follow(INFO)
+        assert group.get(2).rank == -1, "a new round of the nodes gives a spare no rank"

@@ -24,7 +24,9 @@ from elastic_launch.rendezvous.team import (
     LOOP_FILE_ENV,
     RUNNING,
     TEAM_ENV,
+    WAITING,
     Team,
+    read_loop_file,
     resolve,
     serve_team,
 )
@@ -234,9 +236,31 @@ def test_a_retryable_failure_is_told_to_the_next_round_and_a_fatal_one_to_the_ag
         RestartReason.FAILURE,
         "rank 1: RuntimeError: Connection reset by peer",
     )
-    assert c.should_stop_training() and loop.read_text() == RUNNING
+    assert c.should_stop_training() and loop.read_text() == WAITING, "it joined no round"
     c.on_error(ValueError("a bug"))
     assert loop.read_text() == FATAL, "the agent must not replace it"
+
+
+def test_the_loop_file_says_waiting_while_the_worker_waits_for_a_round(tmp_path):
+    """What the agent tells hot spares by: waiting in the rendezvous, running once a round
+    took the worker; the failure budget travels with both."""
+    team, loop = FakeTeam(), tmp_path / "loop"
+    c = ElasticCoordinator(team, loop_file=str(loop))
+    c.set_failure_budget(5)
+    seen = []
+    answer = team.next_rendezvous
+
+    def next_rendezvous(*args, **kw):
+        seen.append(loop.read_text())
+        return answer(*args, **kw)
+
+    team.next_rendezvous = next_rendezvous
+    try:
+        c.rendezvous_barrier()
+        assert seen == ["waiting 5"] and loop.read_text() == "running 5"
+        assert read_loop_file(loop.read_text()) == (RUNNING, 5)
+    finally:
+        c.close()
 
 
 def test_the_loops_failure_budget_reaches_the_agent_through_the_loop_file(tmp_path):
@@ -258,10 +282,10 @@ def test_the_loops_failure_budget_reaches_the_agent_through_the_loop_file(tmp_pa
     c = coordinator(0, 1, team, loop_file=str(loop))
     team.raise_next = RendezvousClosedError("done", JobClosed(CloseReason.SUCCEEDED))
     train(c, lambda state: state, Nothing(), max_failures=7)
-    assert loop.read_text() == "running 7"
+    assert loop.read_text() == "waiting 7", "the job closed before a round took it"
     worker = Worker.__new__(Worker)
     worker.loop_file = str(loop)
-    assert worker.loop_budget() == 7 and worker.train_loop().value == "running"
+    assert worker.loop_budget() == 7 and worker.train_loop().value == "waiting"
     c.on_error(ValueError("a bug"))
     assert worker.loop_budget() == 0 and worker.train_loop().value == "fatal"
 
@@ -275,12 +299,12 @@ def test_the_loops_failure_budget_reaches_the_agent_through_the_loop_file(tmp_pa
         ("running 99999999999", ("running", 0)),  # out of range: not said
         ("running \u00b2", ("running", 0)),  # a Unicode digit is no number
         ("running -3", ("running", 0)),
+        ("waiting 4", ("waiting", 4)),
         ("walking 3", ("", 0)),
         ("", ("", 0)),
     ],
 )
 def test_what_a_worker_writes_to_its_loop_file_is_read_defensively(text, said):
-    from elastic_launch.rendezvous.team import read_loop_file
 
     assert read_loop_file(text) == said
 

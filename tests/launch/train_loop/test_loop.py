@@ -401,6 +401,38 @@ def test_only_rank_zero_writes_and_every_rank_meets_at_the_barrier(checkpoints):
     assert saved(checkpoints) == [] and c.calls.count("barrier") == 1 + 2
 
 
+def test_a_worker_waiting_for_a_round_neither_trains_nor_touches_checkpoints(checkpoints):
+    """A hot spare waits in rendezvous_barrier: no step, sync, checkpoint read or write
+    happens before a round takes it (and then as rank 0 it loads and saves)."""
+    import threading
+
+    admitted, waiting = threading.Event(), threading.Event()
+
+    class Spare(FakeCoordinator):
+        def rendezvous_barrier(self):
+            waiting.set()
+            assert admitted.wait(10), "never admitted"
+            return super().rendezvous_barrier()
+
+    train(FakeCoordinator(), stepper(), Saved(steps=2))  # an earlier run left checkpoint 0
+    c, s = Spare(), Saved(steps=4)
+    steps = stepper()
+    opened: list[str] = []
+    for name in ("get_latest_checkpoint", "create_checkpoint", "list_checkpoints"):
+        real = getattr(checkpoints, name)
+        setattr(checkpoints, name, lambda *a, _n=name, _r=real: opened.append(_n) or _r(*a))
+    runner = threading.Thread(target=train, args=(c, steps, s), daemon=True)
+    runner.start()
+    assert waiting.wait(10)
+    assert (s.seen, s.synced, s.applied, opened) == ([], [], [], []), "nothing before a round"
+    assert saved(checkpoints) == [0]
+    admitted.set()
+    runner.join(10)
+    assert not runner.is_alive() and s.applied[0] == {"step": 2, "seen": [0, 1]}, "loaded"
+    assert s.seen == [0, 1, 2, 3], "then trained on from it"
+    assert "get_latest_checkpoint" in opened and saved(checkpoints) == [0, 1]
+
+
 def test_a_save_that_fails_fails_at_once_and_keeps_the_last_checkpoint(checkpoints):
     c, s = FakeCoordinator(), Saved(steps=6)
 

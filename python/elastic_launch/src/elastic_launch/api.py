@@ -92,6 +92,9 @@ class LaunchConfig:
     # Workers the zygote keeps forked ahead of need, so that a start or restart skips the
     # fork (about 2 MB each, the rest shared with the zygote). None: one per local worker.
     warm_spares: int | None = None
+    # Train-loop workers per node started ahead of need: each runs the script up to train()
+    # and waits in the workers' rendezvous to take a dead worker's place at the next round.
+    hot_spares: int = 0
 
 
 class FailureKind(str, enum.Enum):

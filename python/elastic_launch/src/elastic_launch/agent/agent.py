@@ -24,7 +24,7 @@ from typing import Any
 
 import elastic_core
 
-from elastic_launch.agent.decide import Action, Decision, Happening, Snapshot, decide
+from elastic_launch.agent.decide import Action, Decision, Happening, Loop, Snapshot, decide
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
@@ -93,6 +93,7 @@ class ElasticAgent:
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
         self._failure: WorkerFailure | None = None  # what the last decision recorded
+        self._spares_failed = False  # a hot spare could not be started: none are tried again
         self.observer = Observer(group, rendezvous, cancel, self.hangs, self.failures)
 
     # ---- state -----------------------------------------------------------------------------
@@ -262,6 +263,31 @@ class ElasticAgent:
                 self.events.emit(
                     "group_ready", self.attempt, seconds=(elastic_core.now_ns() - first) / 1e9
                 )
+            if ready and self._hot_spares_due():
+                self._start_hot_spares()
+
+    def _hot_spares_due(self) -> bool:
+        """Whether hot spares are to start: the workers run the train loop and have made a
+        step (so the first round is theirs), and the node has fewer than ``--hot-spares``."""
+        wanted = self.config.nproc_per_node + self.config.hot_spares
+        return (
+            not self._spares_failed
+            and len(self.group.workers) < wanted
+            and self.group.in_train_loop()
+        )
+
+    def _start_hot_spares(self) -> None:
+        """Start the node's hot spares: each runs the script up to train() and waits in the
+        workers' rendezvous. One that cannot start is reported; the job goes on without."""
+        try:
+            started = self.group.start_hot_spares(self.config.hot_spares)
+        except SpawnError as e:
+            self._spares_failed = True
+            logger.warning("a hot spare could not be started (%s): the job goes on without", e)
+            return
+        for w in started:
+            self.events.emit("hot_spare_started", self.attempt, local_rank=w.local_rank, pid=w.pid)
+        logger.info("%d hot spare(s) started: pids %s", len(started), [w.pid for w in started])
 
     # ---- deciding --------------------------------------------------------------------------------
 
@@ -316,15 +342,7 @@ class ElasticAgent:
             exhausted = RestartBudget(budget.limit, budget.limit).exhausted(what)
             return Decision(Action.FAIL_JOB, detail=exhausted)
         self.restarts = spent.spent
-        logger.warning(
-            "replacing rank %d alone (restart %d of %d) after: rank %d %s; the other workers "
-            "keep running the train loop",
-            w.rank,
-            self.restarts,
-            budget.limit,
-            w.rank,
-            describe(failure),
-        )
+        _log_replace(w, failure, self.restarts, budget.limit, waited=self.group.hot_spares())
         t0 = elastic_core.now_ns()
         try:
             new = self.group.replace(w.local_rank)
@@ -475,6 +493,38 @@ def _log_restart(
             info.world_size,
             info.group_rank,
         )
+
+
+def _log_replace(
+    w: Worker, failure: WorkerFailure, restarts: int, limit: int, waited: list[Worker]
+) -> None:
+    """Say which worker is replaced and what takes its place in the train loop."""
+    count = f"restart {restarts} of {limit}"
+    if w.train_loop() == Loop.WAITING:
+        logger.warning(
+            "replacing a hot spare (local rank %d, pid %d) that ended while it waited (%s): "
+            "%s; the training workers are not touched",
+            w.local_rank,
+            w.pid,
+            count,
+            describe(failure),
+        )
+        return
+    spares = [x for x in waited if x is not w]
+    then = (
+        f"hot spare pid {spares[0].pid} takes its place at the next round, and the new "
+        "process waits as a spare"
+        if spares
+        else "the other workers keep running the train loop"
+    )
+    logger.warning(
+        "replacing rank %d alone (%s) after: rank %d %s; %s",
+        w.rank,
+        count,
+        w.rank,
+        describe(failure),
+        then,
+    )
 
 
 def _finite(x: float) -> float | None:

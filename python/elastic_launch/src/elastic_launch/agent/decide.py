@@ -66,6 +66,7 @@ class Loop(str, enum.Enum):
 
     NONE = ""  # it does not run it (or has not said so yet)
     RUNNING = "running"
+    WAITING = "waiting"  # for a round to take it: a hot spare, or a worker between rounds
     FATAL = "fatal"  # it failed for good: a replacement would fail the same way
 
 

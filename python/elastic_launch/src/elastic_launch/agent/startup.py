@@ -102,7 +102,7 @@ class Startup:
         function = self.entrypoint.kind == Kind.FUNCTION
         return Worker(
             local_rank=local_rank,
-            rank=self.info.rank_offset + local_rank,
+            rank=self.rank_of(local_rank),
             process=None,  # type: ignore[arg-type]  # set once started
             started_ns=0,
             rank_dir=rank_dir,
@@ -114,6 +114,14 @@ class Startup:
             result_file=os.path.join(rank_dir, "return.pkl") if function else None,
             generation=generation,
         )
+
+    def rank_of(self, local_rank: int) -> int:
+        """The global rank of worker `local_rank` in the current round; -1 for a hot spare
+        (a local rank beyond ``--nproc-per-node``), which has none until it is admitted."""
+        assert self.info is not None
+        if local_rank >= self.config.nproc_per_node:
+            return -1
+        return self.info.rank_offset + local_rank
 
     def _env(self, w: Worker) -> dict[str, str]:
         assert self.info is not None
@@ -131,7 +139,7 @@ class Startup:
                     group_world_size=info.group_world_size,
                     role=c.role,
                     role_rank=None
-                    if info.role_rank_offset is None
+                    if info.role_rank_offset is None or w.rank < 0
                     else info.role_rank_offset + w.local_rank,
                     role_world_size=info.role_world_size,
                 ),
@@ -160,6 +168,9 @@ class Startup:
                 "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
             }
         )
+        env.pop(team.HOT_SPARE_ENV, None)
+        if w.rank < 0:
+            env[team.HOT_SPARE_ENV] = "1"
         if c.virtual_local_rank:
             env.update(devices.single_device_env(w.local_rank))
             env["LOCAL_RANK"] = "0"

@@ -73,7 +73,7 @@ class Worker:
     def train_loop(self) -> Loop:
         """What the worker said of the train loop (its loop file)."""
         said, _ = self._loop_file()
-        return Loop.FATAL if said == team.FATAL else Loop.RUNNING if said else Loop.NONE
+        return Loop(said)
 
     def loop_budget(self) -> int:
         """The failure budget of the train loop this worker runs (0: not said)."""

@@ -129,12 +129,17 @@ class WorkerGroup:
         return out
 
     def all_beating(self) -> bool:
+        """Whether every worker has beaten (made a step), hot spares waiting aside."""
         beats = self.beats()
-        return (
-            bool(self._workers)
-            and len(beats) == len(self._workers)
-            and all(b.last_beat_ns != 0 for b in beats.values())
+        training = [w for w in self._workers.values() if w.train_loop() != Loop.WAITING]
+        return bool(training) and all(
+            w.local_rank in beats and beats[w.local_rank].last_beat_ns != 0 for w in training
         )
+
+    def hot_spares(self) -> list[Worker]:
+        """The live workers that wait in the train loop's rendezvous for a round to take them
+        (hot spares, and a replacement that came when a spare had taken its place)."""
+        return [w for w in self.alive() if w.train_loop() == Loop.WAITING]
 
     def gpu_of(self, local_rank: int) -> int | None:
         return devices.nvml_index(local_rank, self.gpu_count)
@@ -173,7 +178,18 @@ class WorkerGroup:
         its own groups): replacements start in it, and the workers' ranks are its own."""
         self.startup.follow(info)
         for w in self._workers.values():
-            w.rank = info.rank_offset + w.local_rank
+            w.rank = self.startup.rank_of(w.local_rank)
+
+    def start_hot_spares(self, count: int) -> list[Worker]:
+        """Start the hot spares this attempt lacks: local ranks ``nproc_per_node`` up to
+        ``nproc_per_node + count`` (rank -1: they have none until a round takes them). Raises
+        :class:`SpawnError` as :meth:`start_all` does."""
+        first = self.config.nproc_per_node
+        return [
+            self._start(local_rank, generation=0)
+            for local_rank in range(first, first + count)
+            if local_rank not in self._workers
+        ]
 
     def replace(self, local_rank: int, grace: float | None = None) -> Worker:
         """Stop worker `local_rank` if it still runs (its signal, the grace period, SIGKILL)

@@ -375,6 +375,13 @@ OPTIONS: tuple[Option, ...] = (
         shown="every worker (--nnodes MIN x --nproc-per-node)",
     ),
     _flag(
+        "hot-spares",
+        "the classic train loop: workers per node that run the script up to train() and wait "
+        "to take a dead worker's place at once (each holds what a worker holds before its "
+        "first step: its model and data); 0: none",
+        Range(0, 4096, "a number of workers", integer=True),
+    ),
+    _flag(
         "loop-max-restarts",
         "the classic train loop: the most restarts its max_failures (which the workers "
         "report) may add beyond --max-restarts",

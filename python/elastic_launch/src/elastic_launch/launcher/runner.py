@@ -71,7 +71,8 @@ def run(
             Events.open(run_id, c.event_log_handler, c.events_file, plan.metrics)
         )
         shm.sweep()  # what launchers SIGKILLed with their guardian left
-        node = stack.enter_context(watch(c.nproc_per_node, c.gpu_check_interval, guardian))
+        slots = c.nproc_per_node + c.hot_spares
+        node = stack.enter_context(watch(slots, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         chosen = preload.plan(c.preload, entrypoint)
         spares = c.nproc_per_node if c.warm_spares is None else c.warm_spares

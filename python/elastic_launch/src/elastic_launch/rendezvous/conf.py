@@ -200,6 +200,8 @@ def default_of(name: str) -> Any:
 
 #: The keys the train loop's workers take over from the agents' --rdzv-conf.
 WORKER_KEYS = frozenset(k.name for k in KEYS if k.workers)
+#: The role of a workers' rendezvous member (the train loop's team: one member per worker).
+WORKERS_ROLE = "elasticrun-workers"
 #: The keys the classic rendezvous URL takes (besides min_workers, max_workers, etcd_prefix).
 URL_KEYS = {k.name: k for k in KEYS if k.url}
 

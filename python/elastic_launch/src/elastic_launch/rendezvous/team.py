@@ -32,22 +32,27 @@ logger = logging.getLogger(__name__)
 
 TEAM_ENV = "ELASTICRUN_TEAM"
 LOOP_FILE_ENV = "ELASTICRUN_LOOP_FILE"
+#: ``1`` in a hot spare (``--hot-spares``): a worker started ahead of need, with no rank of
+#: its own (``RANK=-1``) until a round of the workers' rendezvous takes it.
+HOT_SPARE_ENV = "ELASTICRUN_HOT_SPARE"
 #: What a worker writes to its loop file: it runs the loop (``running``, then ``running N``
-#: once the loop's failure budget N is known: the agent replaces up to N workers); it failed
-#: for good (no replacement).
-RUNNING, FATAL = "running", "fatal"
+#: once the loop's failure budget N is known: the agent replaces up to N workers); it waits in
+#: the workers' rendezvous for a round to take it (``waiting`` or ``waiting N``: a hot spare,
+#: or a worker between rounds); it failed for good (no replacement).
+RUNNING, WAITING, FATAL = "running", "waiting", "fatal"
 
 
-def running(max_failures: int | None) -> str:
-    """The loop file's text for a worker that runs the loop with `max_failures` (if known)."""
-    return RUNNING if max_failures is None else f"{RUNNING} {max_failures}"
+def running(max_failures: int | None, what: str = RUNNING) -> str:
+    """The loop file's text for a worker that runs the loop (or waits for a round: `what`)
+    with `max_failures` (if known)."""
+    return what if max_failures is None else f"{what} {max_failures}"
 
 
 def read_loop_file(text: str) -> tuple[str, int]:
-    """(``running``/``fatal``/``""``, the failure budget or 0) from a loop file's text; what
-    a worker wrote is read defensively (anything else is nothing said)."""
+    """(``running``/``waiting``/``fatal``/``""``, the failure budget or 0) from a loop file's
+    text; what a worker wrote is read defensively (anything else is nothing said)."""
     said, _, budget = text.strip().partition(" ")
-    if said not in (RUNNING, FATAL):
+    if said not in (RUNNING, WAITING, FATAL):
         return "", 0
     return said, int(budget) if budget.isascii() and budget.isdigit() and len(budget) < 10 else 0
 

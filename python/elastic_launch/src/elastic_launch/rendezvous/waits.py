@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from elastic_launch.cancel import Deadline, Notice, clock
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import RendezvousParameters, RendezvousTimeoutError
-from elastic_launch.rendezvous.conf import RendezvousConf
+from elastic_launch.rendezvous.conf import WORKERS_ROLE, RendezvousConf
 from elastic_launch.rendezvous.job import Job
 from elastic_launch.rendezvous.presence import RestGone
 from elastic_launch.rendezvous.round import RoundState, Status
@@ -337,12 +337,7 @@ class RoundWaits:
         present = frozenset(kv.key[len(join) :] for kv in kvs if kv.key.startswith(join))
         p = self.params
         notice = Notice(
-            lambda: (
-                f"this node waits as a spare of run '{p.run_id}' at {job.store.name}: round {v} "
-                f"runs with {len(state.nodes)} node(s) (--nnodes {p.min_nodes}:{p.max_nodes}); "
-                "it joins when the job re-forms (a node leaves or fails) and ends with the job, "
-                "with no time limit"
-            ),
+            lambda: _spare_notice(p, job.store.name, v, len(state.nodes)),
             logger.warning,
             after=0.0,  # at once: a node should say it is a spare, not seem stuck
         )
@@ -364,3 +359,18 @@ class RoundWaits:
                 if changed is None:
                     return
                 state, version = changed, last.revision
+
+
+def _spare_notice(p: RendezvousParameters, store: str, version: int, size: int) -> str:
+    """What a spare says as it waits: a node of the job, or a worker of the train loop's."""
+    if p.role == WORKERS_ROLE:
+        return (
+            f"this worker waits as a hot spare in the train loop's rendezvous at {store}: round "
+            f"{version} trains with {size} worker(s), at most {p.max_nodes}; it takes the place "
+            "of a worker that fails or leaves, at the next round, and ends with the job"
+        )
+    return (
+        f"this node waits as a spare of run '{p.run_id}' at {store}: round {version} runs with "
+        f"{size} node(s) (--nnodes {p.min_nodes}:{p.max_nodes}); it joins when the job "
+        "re-forms (a node leaves or fails) and ends with the job, with no time limit"
+    )

@@ -38,12 +38,19 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
     RunIdInUseError,
 )
-from elastic_launch.rendezvous.conf import URL_KEYS, describe, kind_of, positive_int
+from elastic_launch.rendezvous.conf import (
+    URL_KEYS,
+    WORKERS_ROLE,
+    describe,
+    kind_of,
+    positive_int,
+)
 from elastic_launch.rendezvous.team import (
     FATAL,
     LOOP_FILE_ENV,
     RUNNING,
     TEAM_ENV,
+    WAITING,
     Team,
     resolve,
     running,
@@ -120,6 +127,7 @@ class ElasticCoordinator(Coordinator):
         self._aborter: threading.Event | None = None
         self._max_failures: int | None = None
         self._group_sockets: group_sockets.Sockets = frozenset()  # the round's gloo connections
+        self._said = RUNNING
         self._announce(RUNNING)
 
     # ---- the loop's hooks -----------------------------------------------------------------
@@ -128,6 +136,7 @@ class ElasticCoordinator(Coordinator):
         self._destroy_process_group()
         reason, self._reason = self._reason, RestartReason.MEMBERSHIP
         failure, self._failure = self._failure, ""
+        self._announce(WAITING)  # a hot spare, or a worker between rounds: not training
         try:
             info = self.rendezvous.next_rendezvous(reason, failure=failure)
         except RunIdInUseError as e:
@@ -151,6 +160,7 @@ class ElasticCoordinator(Coordinator):
                 f"rank {self.rank} cannot rejoin the workers' rendezvous: {e}"
             ) from e
         self.rank, self.world_size, self.round = info.group_rank, info.group_world_size, info.round
+        self._announce(RUNNING)
         self._step, self._reform_at, self.is_worker_straggler = 0, None, False
         self._step_started = None
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -353,10 +363,12 @@ class ElasticCoordinator(Coordinator):
 
     def set_failure_budget(self, max_failures: int) -> None:
         self._max_failures = max_failures
-        self._announce(RUNNING)
+        self._announce(self._said)
 
     def _announce(self, what: str) -> None:
-        announce(self._loop_file, running(self._max_failures) if what == RUNNING else what)
+        self._said = what
+        said = running(self._max_failures, what) if what in (RUNNING, WAITING) else what
+        announce(self._loop_file, said)
 
     def close(self) -> None:
         """Leave: the process group and the rendezvous session."""
@@ -446,6 +458,7 @@ def _workers(
         max_restarts=_NO_BUDGET,
         local_world_size=1,
         config=conf,
+        role=WORKERS_ROLE,
     )
 
 
