@@ -70,3 +70,30 @@ def test_a_host_that_does_not_answer_is_silent_not_refused():
         finally:
             for c in held:
                 c.close()
+
+
+def test_await_listening_returns_once_a_server_listens_and_gives_up_when_told():
+    """What the train loop's ranks do before their TCPStore client: a client that finds no
+    server backs off for up to a second, one that waits for the listen connects at once."""
+    from elastic_launch.net import await_listening, free_port
+
+    port = free_port()
+    server = socket.socket()
+    asked: list[int] = []
+
+    def listen_after_a_refusal() -> bool:  # called after each refused attempt
+        asked.append(1)
+        if len(asked) == 2:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+        return False
+
+    try:
+        assert await_listening("127.0.0.1", port, 30, listen_after_a_refusal)
+        assert len(asked) == 2, "refused once, then it listened"
+    finally:
+        server.close()
+    calls: list[int] = []
+    gone = free_port()
+    assert not await_listening("127.0.0.1", gone, 30, lambda: calls.append(1) or len(calls) > 3)
+    assert not await_listening("127.0.0.1", gone, 0)

@@ -12,6 +12,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from elastic_launch.api import ConfigError
 from elastic_launch.cancel import join
@@ -70,6 +71,30 @@ def port_listened(host: str, port: int) -> bool:
             s.bind((host, port))
         except OSError as e:
             return e.errno == errno.EADDRINUSE
+    return False
+
+
+#: How often await_listening tries again while a port refuses (a refusal comes back at once).
+LISTEN_POLL = 0.002
+
+
+def await_listening(
+    host: str, port: int, timeout: float, give_up: Callable[[], bool] = lambda: False
+) -> bool:
+    """Wait until something accepts connections at `host`:`port` (a connection made and closed
+    at once), up to `timeout` seconds or until `give_up()`; whether it did. A TCPStore client
+    that finds its server not yet listening backs off for up to a second before it tries
+    again: one that comes after this call connects at its first try."""
+    deadline = time.monotonic() + timeout
+    while not give_up():
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 1.0), 0.01)):
+                return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(LISTEN_POLL)
     return False
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from elastic_launch import teardown
 from elastic_launch.api import ConfigError
+from elastic_launch.net import await_listening
 from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
 from elastic_launch.rendezvous.api import (
     CloseReason,
@@ -165,6 +166,9 @@ class ElasticCoordinator(Coordinator):
         self._step_started = None
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+        if self.rank != 0:  # rank 0 starts the store as this call returns there too
+            seconds, broken = self.timeout.total_seconds(), self.rendezvous.round_broken
+            await_listening(info.master_addr, info.master_port, seconds, broken)
         self.store = TCPStore(
             info.master_addr,
             info.master_port,
