@@ -18,6 +18,7 @@ FOUNDATION = {
     "eventlog",
     "files",
     "net",
+    "spare",
     "teardown",
     "_version",
 }

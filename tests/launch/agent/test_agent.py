@@ -345,6 +345,7 @@ def test_a_dead_train_loop_worker_is_replaced_alone(node):
     replacement = n.spawner.spawned[2]
     assert replacement.request.local_rank == 1
     assert replacement.request.env["ELASTICRUN_REPLACEMENT"] == "1"
+    assert "ELASTICRUN_HOT_SPARE" not in replacement.request.env, "no spare: it trains"
     assert first[0].group_signals == [] and first[0].signals == [], "the survivor is untouched"
     assert n.rdzv.calls == [(RestartReason.START, "")], "no new round of the nodes"
     replaced = [e for e in n.recorder.events if e.name == "worker_replaced"]
@@ -486,6 +487,7 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_without_touching_the_worke
         n.wait_for(lambda: len(n.spawner.spawned) == 4)
     behind = n.spawner.spawned[3]
     assert behind.request.local_rank == 2 and behind.request.env["RANK"] == "-1"
+    assert behind.request.env["ELASTICRUN_HOT_SPARE"] == "1"
     assert all(p.group_signals == [] and p.signals == [] for p in first), "untouched"
     assert "replacing a hot spare (local rank 2, pid" in caplog.text
     assert "the training workers are not touched" in caplog.text
@@ -496,8 +498,9 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_without_touching_the_worke
 
 
 def test_a_dead_worker_is_replaced_behind_the_spare_that_takes_its_place(node, caplog):
-    """The budget counts the admitted spare as one replacement: one death, one restart, one
-    new process (which waits as the next spare)."""
+    """The spare takes the place; the one behind it starts once the re-formed group has made a
+    step (not while it re-forms). The budget counts the admitted spare as one replacement:
+    one death, one restart, one new process."""
     n = node(max_restarts=1, loop_max_restarts=0, hot_spares=1).play()
     first = n.running()
     _training(n, first)
@@ -506,11 +509,20 @@ def test_a_dead_worker_is_replaced_behind_the_spare_that_takes_its_place(node, c
     _in_loop(spare, "waiting 0")
     with caplog.at_level("WARNING"):
         n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
-        n.wait_for(lambda: len(n.spawner.spawned) == 4)
+        n.wait_for(lambda: n.rdzv.restarts == 1 and n.group.get(1) is None)
     assert f"hot spare pid {spare.pid} takes its place at the next round" in caplog.text
-    assert n.spawner.spawned[3].request.local_rank == 1 and n.rdzv.restarts == 1
-    _in_loop(spare, "running 0")  # a round took it
-    _in_loop(n.spawner.spawned[3], "waiting 0")
+    _in_loop(spare, "running 0")  # a round took it ...
+    time.sleep(0.05)
+    assert len(n.spawner.spawned) == 3, "nothing starts while the group re-forms"
+    _training(n, [first[0], spare])  # ... and the group has made a step
+    n.wait_for(lambda: len(n.spawner.spawned) == 4)
+    behind = n.spawner.spawned[3]
+    env = behind.request.env
+    assert behind.request.local_rank == 1 and env["ELASTICRUN_REPLACEMENT"] == "1"
+    assert env["ELASTICRUN_HOT_SPARE"] == "1" and env["RANK"] == "1", "a spare with a rank"
+    replaced = [e.data for e in n.recorder.events if e.name == "worker_replaced"]
+    assert [(e["local_rank"], e["pid"], e["restarts"]) for e in replaced] == [(1, behind.pid, 1)]
+    _in_loop(behind, "waiting 0")
     n.watchdog.exit_process(spare, code=1)  # the budget (1) is spent
     result = n.finish()
     assert result.state == AgentState.FAILED and "restarts exhausted (1)" in result.message

@@ -224,8 +224,8 @@ def test_hot_spares_take_the_slots_beyond_the_workers_and_never_hold_up_readines
     watchdog, spawner, heartbeats, _ = parts
     with group_of(parts, nproc_per_node=2, hot_spares=1) as group:
         group.start_all(INFO, attempt=0, restarts=0)
-        spares = group.start_hot_spares(1)
-        assert [w.local_rank for w in spares] == [2] and group.start_hot_spares(1) == []
+        spares = group.fill(1)
+        assert [w.local_rank for w in spares] == [2] and group.fill(1) == []
         assert [w.rank for w in group.workers] == [3, 4, -1]
         env = spawner.spawned[2].request.env
         assert (env["RANK"], env["ROLE_RANK"], env["ELASTICRUN_HOT_SPARE"]) == ("-1", "-1", "1")

@@ -29,6 +29,7 @@ from elastic_launch.agent.events import Events
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.observe import Observer
+from elastic_launch.agent.spares import HotSpares
 from elastic_launch.agent.summary import describe
 from elastic_launch.agent.worker import Happened, SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
@@ -93,7 +94,7 @@ class ElasticAgent:
         self._restart_reason = RestartReason.START
         self._kept = False  # train-loop workers kept running across a new round of the nodes
         self._failure: WorkerFailure | None = None  # what the last decision recorded
-        self._spares_failed = False  # a hot spare could not be started: none are tried again
+        self.spares = HotSpares(group, events, config.hot_spares)
         self.observer = Observer(group, rendezvous, cancel, self.hangs, self.failures)
 
     # ---- state -----------------------------------------------------------------------------
@@ -193,6 +194,7 @@ class ElasticAgent:
         attempt."""
         self.failures.new_attempt(self.attempt)
         self.hangs.new_attempt()
+        self.spares.new_attempt()
         self.group.set_hang_timeout(self.hangs.watchdog_timeout())
         self._transition(AgentState.STARTING, round=info.round)
         t0 = elastic_core.now_ns()
@@ -263,31 +265,8 @@ class ElasticAgent:
                 self.events.emit(
                     "group_ready", self.attempt, seconds=(elastic_core.now_ns() - first) / 1e9
                 )
-            if ready and self._hot_spares_due():
-                self._start_hot_spares()
-
-    def _hot_spares_due(self) -> bool:
-        """Whether hot spares are to start: the workers run the train loop and have made a
-        step (so the first round is theirs), and the node has fewer than ``--hot-spares``."""
-        wanted = self.config.nproc_per_node + self.config.hot_spares
-        return (
-            not self._spares_failed
-            and len(self.group.workers) < wanted
-            and self.group.in_train_loop()
-        )
-
-    def _start_hot_spares(self) -> None:
-        """Start the node's hot spares: each runs the script up to train() and waits in the
-        workers' rendezvous. One that cannot start is reported; the job goes on without."""
-        try:
-            started = self.group.start_hot_spares(self.config.hot_spares)
-        except SpawnError as e:
-            self._spares_failed = True
-            logger.warning("a hot spare could not be started (%s): the job goes on without", e)
-            return
-        for w in started:
-            self.events.emit("hot_spare_started", self.attempt, local_rank=w.local_rank, pid=w.pid)
-        logger.info("%d hot spare(s) started: pids %s", len(started), [w.pid for w in started])
+            if ready and self.spares.due():
+                self.spares.start(self.attempt)
 
     # ---- deciding --------------------------------------------------------------------------------
 
@@ -342,10 +321,14 @@ class ElasticAgent:
             exhausted = RestartBudget(budget.limit, budget.limit).exhausted(what)
             return Decision(Action.FAIL_JOB, detail=exhausted)
         self.restarts = spent.spent
-        _log_replace(w, failure, self.restarts, budget.limit, waited=self.group.hot_spares())
+        spares = [x for x in self.group.hot_spares() if x is not w]
+        _log_replace(w, failure, self.restarts, budget.limit, spares)
+        if spares:  # one takes the place; the one behind it starts once the group trains
+            self.spares.leave_place(w.local_rank, failure.time_ns, self.restarts)
+            return None
         t0 = elastic_core.now_ns()
         try:
-            new = self.group.replace(w.local_rank)
+            new = self.group.replace(w.local_rank, hot_spare=w.hot_spare)
         except SpawnError as e:
             spawn = Happened(Happening.SPAWN_FAILED, detail=str(e), rank=w.rank, replacing=True)
             return self._decide(dataclasses.replace(spawn, local_rank=w.local_rank))
@@ -496,7 +479,7 @@ def _log_restart(
 
 
 def _log_replace(
-    w: Worker, failure: WorkerFailure, restarts: int, limit: int, waited: list[Worker]
+    w: Worker, failure: WorkerFailure, restarts: int, limit: int, spares: list[Worker]
 ) -> None:
     """Say which worker is replaced and what takes its place in the train loop."""
     count = f"restart {restarts} of {limit}"
@@ -510,10 +493,9 @@ def _log_replace(
             describe(failure),
         )
         return
-    spares = [x for x in waited if x is not w]
     then = (
-        f"hot spare pid {spares[0].pid} takes its place at the next round, and the new "
-        "process waits as a spare"
+        f"hot spare pid {spares[0].pid} takes its place at the next round, and a new spare "
+        "starts behind it once the group has made a step"
         if spares
         else "the other workers keep running the train loop"
     )

@@ -15,7 +15,7 @@ from typing import IO
 
 import elastic_core
 
-from elastic_launch import compat
+from elastic_launch import compat, spare
 from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.worker import SpawnError, Worker
@@ -59,10 +59,14 @@ class Startup:
         """A new round of the nodes that the running workers keep: replacements start in it."""
         self.info = info
 
-    def start(self, local_rank: int, generation: int, spawner: Spawner) -> Worker:
-        """Start worker `local_rank` (the `generation`-th of its rank in this attempt); raises
+    def start(
+        self, local_rank: int, generation: int, spawner: Spawner, hot_spare: bool = False
+    ) -> Worker:
+        """Start worker `local_rank` (the `generation`-th of its rank in this attempt), as a
+        hot spare if `hot_spare` or its local rank is beyond the workers'; raises
         :class:`SpawnError` when it cannot be started."""
         w = self._record(local_rank, generation)
+        w.hot_spare = hot_spare or w.rank < 0
         try:
             out, err = self._streams(w)
             try:
@@ -168,9 +172,9 @@ class Startup:
                 "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
             }
         )
-        env.pop(team.HOT_SPARE_ENV, None)
-        if w.rank < 0:
-            env[team.HOT_SPARE_ENV] = "1"
+        env.pop(spare.HOT_SPARE_ENV, None)
+        if w.hot_spare:
+            env[spare.HOT_SPARE_ENV] = "1"
         if c.virtual_local_rank:
             env.update(devices.single_device_env(w.local_rank))
             env["LOCAL_RANK"] = "0"

@@ -75,6 +75,7 @@ class WorkerGroup:
         self.startup = Startup(context, self.heartbeats.path, extra_env or {})
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
+        self._generations: dict[int, int] = {}  # the next generation of a place left empty
         self._hang_timeout = 0.0  # the watchdog's heartbeat limit for every worker (0: off)
 
     # ---- reading ---------------------------------------------------------------------------
@@ -128,12 +129,13 @@ class WorkerGroup:
             )
         return out
 
-    def all_beating(self) -> bool:
-        """Whether every worker has beaten (made a step), hot spares waiting aside."""
+    def all_beating(self, since_ns: int = 0) -> bool:
+        """Whether every worker has beaten (made a step; after `since_ns` if given), hot
+        spares waiting aside."""
         beats = self.beats()
         training = [w for w in self._workers.values() if w.train_loop() != Loop.WAITING]
         return bool(training) and all(
-            w.local_rank in beats and beats[w.local_rank].last_beat_ns != 0 for w in training
+            w.local_rank in beats and beats[w.local_rank].last_beat_ns > since_ns for w in training
         )
 
     def hot_spares(self) -> list[Worker]:
@@ -158,7 +160,7 @@ class WorkerGroup:
         self._check_gpus(attempt)
         self.close()
         self.startup.begin(info, attempt, restarts)
-        self._workers, self._retired = {}, []
+        self._workers, self._retired, self._generations = {}, [], {}
         self.heartbeats.reset()
         for local_rank in range(self.config.nproc_per_node):
             self._start(local_rank, generation=0)
@@ -180,22 +182,27 @@ class WorkerGroup:
         for w in self._workers.values():
             w.rank = self.startup.rank_of(w.local_rank)
 
-    def start_hot_spares(self, count: int) -> list[Worker]:
-        """Start the hot spares this attempt lacks: local ranks ``nproc_per_node`` up to
-        ``nproc_per_node + count`` (rank -1: they have none until a round takes them). Raises
-        :class:`SpawnError` as :meth:`start_all` does."""
-        first = self.config.nproc_per_node
+    def fill(self, spares: int) -> list[Worker]:
+        """Start a hot spare in every empty place among the workers' and `spares` more (local
+        ranks from ``nproc_per_node`` on: rank -1, they have none until a round takes them).
+        Raises :class:`SpawnError` as :meth:`start_all` does."""
         return [
-            self._start(local_rank, generation=0)
-            for local_rank in range(first, first + count)
+            self._start(local_rank, self._generations.get(local_rank, 0), hot_spare=True)
+            for local_rank in range(self.config.nproc_per_node + spares)
             if local_rank not in self._workers
         ]
 
-    def replace(self, local_rank: int, grace: float | None = None) -> Worker:
+    def replace(self, local_rank: int, hot_spare: bool = False) -> Worker:
+        """Stop worker `local_rank` if it still runs and start a new one in its place, with the
+        same rank, environment and round (a hot spare if `hot_spare`); the other workers are
+        not touched."""
+        old = self.retire(local_rank)
+        return self._start(local_rank, old.generation + 1, hot_spare=hot_spare)
+
+    def retire(self, local_rank: int, grace: float | None = None) -> Worker:
         """Stop worker `local_rank` if it still runs (its signal, the grace period, SIGKILL)
-        and start a new one in its place, with the same rank, environment and round; the
-        other workers are not touched."""
-        old = self._workers.get(local_rank)
+        and leave its place empty (a hot spare took it: :meth:`fill` starts the one behind)."""
+        old = self._workers.pop(local_rank, None)
         if old is None:
             raise KeyError(f"no worker with local rank {local_rank} in this attempt")
         if not old.exited:
@@ -204,15 +211,15 @@ class WorkerGroup:
             )
         self._release(old)
         self._retired.append(old)
+        self._generations[local_rank] = old.generation + 1
         self.heartbeats.reset(local_rank)
-        new = self._start(local_rank, generation=old.generation + 1)
         # Those spared while waiting for a peer get a full period from now, when that peer
         # (if it was this one) is gone and their collective fails.
         now = elastic_core.now_ns()
         for w in self._workers.values():
             if w.spared_until_ns is not None:
                 w.spared_until_ns = now + w.spare_ns
-        return new
+        return old
 
     def spare(self, local_rank: int, seconds: float) -> None:
         """Worker `local_rank` is hung inside a collective: it waits for a peer, which is judged
@@ -239,8 +246,8 @@ class WorkerGroup:
                 return w
         return None
 
-    def _start(self, local_rank: int, generation: int) -> Worker:
-        w = self.startup.start(local_rank, generation, self.spawner)
+    def _start(self, local_rank: int, generation: int, hot_spare: bool = False) -> Worker:
+        w = self.startup.start(local_rank, generation, self.spawner, hot_spare)
         self._workers[local_rank] = w
         if self.guardian is not None:
             self.guardian.watch_group(w.pid)

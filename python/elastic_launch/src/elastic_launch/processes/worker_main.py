@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from elastic_launch import teardown
+from elastic_launch import spare, teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
 from elastic_launch.files import write_atomically
 
@@ -232,6 +232,7 @@ def become_worker(handover: Handover | None = None) -> None:
         _take_over(handover)
     _reset_signals()
     die_with_parent()
+    spare.idle_while_spare()
     install_hooks()
     sys.excepthook = _excepthook
 

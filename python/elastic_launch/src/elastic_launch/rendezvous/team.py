@@ -32,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 TEAM_ENV = "ELASTICRUN_TEAM"
 LOOP_FILE_ENV = "ELASTICRUN_LOOP_FILE"
-#: ``1`` in a hot spare (``--hot-spares``): a worker started ahead of need, with no rank of
-#: its own (``RANK=-1``) until a round of the workers' rendezvous takes it.
-HOT_SPARE_ENV = "ELASTICRUN_HOT_SPARE"
 #: What a worker writes to its loop file: it runs the loop (``running``, then ``running N``
 #: once the loop's failure budget N is known: the agent replaces up to N workers); it waits in
 #: the workers' rendezvous for a round to take it (``waiting`` or ``waiting N``: a hot spare,

@@ -28,7 +28,7 @@ import traceback
 import urllib.parse
 from typing import Any
 
-from elastic_launch import teardown
+from elastic_launch import spare, teardown
 from elastic_launch.api import ConfigError
 from elastic_launch.net import await_listening
 from elastic_launch.rendezvous import RendezvousHandler, RendezvousParameters, create_handler
@@ -162,6 +162,7 @@ class ElasticCoordinator(Coordinator):
             ) from e
         self.rank, self.world_size, self.round = info.group_rank, info.group_world_size, info.round
         self._announce(RUNNING)
+        spare.leave_idle()  # a hot spare, admitted: it trains at full priority
         self._step, self._reform_at, self.is_worker_straggler = 0, None, False
         self._step_started = None
         from torch.distributed import TCPStore  # type: ignore[attr-defined]

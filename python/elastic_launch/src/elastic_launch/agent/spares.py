@@ -1,0 +1,93 @@
+"""The hot spares of one node (``--hot-spares``): train-loop workers started ahead of need, each
+of which runs the script up to ``train()`` and waits in the workers' rendezvous beyond its
+maximum, on idle CPU (:mod:`elastic_launch.spare`), until a round takes it.
+
+They start once the workers train (each has made a step, so the first round is theirs). When a
+worker dies while a spare waits, the round that follows takes the spare at once; the dead
+worker's place is left empty until the re-formed group has made a step, and then the spare
+behind it starts, so that its start never competes with the group's re-forming for the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import elastic_core
+
+from elastic_launch.agent.events import Events
+from elastic_launch.agent.worker import SpawnError
+from elastic_launch.agent.workers import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Behind:
+    """A place a spare took: the one behind it starts later, as that worker's replacement."""
+
+    failed_ns: int  # when the worker failed
+    restarts: int  # the job's restarts once its replacement was counted
+
+
+class HotSpares:
+    """Starts and refills the node's hot spares (see the module's docstring)."""
+
+    def __init__(self, group: WorkerGroup, events: Events, count: int) -> None:
+        self.group, self.events, self.count = group, events, count
+        self._failed = False  # a spare could not be started: none are tried again
+        self._behind: dict[int, _Behind] = {}  # by local rank
+        self._since_ns = 0  # the group must have stepped after this to start the ones behind
+
+    def leave_place(self, local_rank: int, failed_ns: int, restarts: int) -> None:
+        """A spare takes the place of worker `local_rank`, which failed at `failed_ns` (its
+        replacement, counted: `restarts`): the place stays empty until the group trains."""
+        self.group.retire(local_rank)
+        self._behind[local_rank] = _Behind(failed_ns, restarts)
+        self._since_ns = elastic_core.now_ns()
+
+    def due(self) -> bool:
+        """Whether spares are to start: some are missing, the workers run the loop, and each
+        has made a step (since a spare last took a place)."""
+        missing = len(self.group.workers) < self.group.config.nproc_per_node + self.count
+        return (
+            not self._failed
+            and missing
+            and self.group.in_train_loop()
+            and self.group.all_beating(self._since_ns)
+        )
+
+    def start(self, attempt: int) -> None:
+        """Start the missing spares. One that cannot start is reported; the job goes on
+        without spares."""
+        t0 = elastic_core.now_ns()
+        try:
+            started = self.group.fill(self.count)
+        except SpawnError as e:
+            self._failed = True
+            logger.warning("a hot spare could not be started (%s): the job goes on without", e)
+            return
+        for w in started:
+            behind = self._behind.pop(w.local_rank, None)
+            if behind is None:
+                self.events.emit("hot_spare_started", attempt, local_rank=w.local_rank, pid=w.pid)
+                continue
+            now = elastic_core.now_ns()
+            self.events.emit(
+                "worker_replaced",
+                attempt,
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                generation=w.generation,
+                restarts=behind.restarts,
+                spawn_seconds=(now - t0) / 1e9,
+                recovery_seconds=(now - behind.failed_ns) / 1e9,
+                hot_spare=True,
+            )
+        logger.info("hot spare(s) started: pids %s", [w.pid for w in started])
+
+    def new_attempt(self) -> None:
+        """The group starts again: every place is filled by start_all."""
+        self._behind.clear()
+        self._since_ns = 0
