@@ -529,6 +529,39 @@ def test_a_dead_worker_is_replaced_behind_the_spare_that_takes_its_place(node, c
     assert len(n.spawner.spawned) == 4
 
 
+def test_a_worker_between_rounds_is_never_taken_for_a_spare(node):
+    """A worker that waits in the rendezvous between rounds is a member the round needs: its
+    peer's death is replaced at once, with no place left empty."""
+    n = node(max_restarts=2, hot_spares=1).play()
+    first = n.running()
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    _in_loop(n.spawner.spawned[2], "waiting 3")
+    _in_loop(first[0], "waiting 3")  # re-forming: it has stepped, it is no spare
+    n.watchdog.exit_process(n.spawner.spawned[2], signal=signal.SIGKILL)  # the only spare
+    n.wait_for(lambda: len(n.spawner.spawned) == 4)
+    n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
+    n.wait_for(lambda: len(n.spawner.spawned) == 5)
+    assert n.spawner.spawned[4].request.local_rank == 1, "replaced at once"
+    assert "ELASTICRUN_HOT_SPARE" not in n.spawner.spawned[4].request.env
+
+
+def test_a_place_a_spare_took_is_filled_anyway_when_the_group_does_not_step(node, monkeypatch):
+    """The round may need one more member than the spares could give: the place is left
+    empty for BEHIND_WAIT at most (here 0)."""
+    from elastic_launch.agent import spares
+
+    monkeypatch.setattr(spares, "BEHIND_WAIT", 0.0)
+    n = node(max_restarts=2, hot_spares=1).play()
+    first = n.running()
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 3)
+    _in_loop(n.spawner.spawned[2], "waiting 3")
+    n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
+    n.wait_for(lambda: len(n.spawner.spawned) == 4)  # no step was made
+    assert n.spawner.spawned[3].request.local_rank == 1
+
+
 def test_a_train_loop_worker_that_failed_for_good_fails_the_job_at_once(node):
     n = node(max_restarts=5).play()
     first = n.running()

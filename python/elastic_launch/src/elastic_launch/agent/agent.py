@@ -483,7 +483,7 @@ def _log_replace(
 ) -> None:
     """Say which worker is replaced and what takes its place in the train loop."""
     count = f"restart {restarts} of {limit}"
-    if w.train_loop() == Loop.WAITING:
+    if w.hot_spare and w.train_loop() == Loop.WAITING:
         logger.warning(
             "replacing a hot spare (local rank %d, pid %d) that ended while it waited (%s): "
             "%s; the training workers are not touched",

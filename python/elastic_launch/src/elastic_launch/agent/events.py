@@ -8,8 +8,10 @@ Every event goes to each configured handler: ``null``, ``console`` (the log), a 
 spawn_seconds), ``worker_failed`` (rank, kind, exit_code/signal, detection_seconds: failure to
 detection, when the failure time is known), ``membership_changed``, ``group_stopped``
 (stop_seconds), ``group_restarted`` (recovery_seconds: detection to the restarted group's workers
-all running), ``group_ready`` (seconds to every worker's first beat), ``job_succeeded``,
-``job_failed``, ``job_stopped``.
+all running), ``group_ready`` (seconds to every worker's first beat), ``worker_replaced`` (a
+train-loop worker started in a dead one's place: rank, local_rank, pid, restarts,
+recovery_seconds; ``hot_spare`` when a spare took the place and this one starts behind it),
+``hot_spare_started`` (local_rank, pid), ``job_succeeded``, ``job_failed``, ``job_stopped``.
 """
 
 from __future__ import annotations

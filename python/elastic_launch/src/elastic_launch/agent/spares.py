@@ -21,6 +21,12 @@ from elastic_launch.agent.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
+#: The longest a place a spare took stays empty (seconds). The re-formed group makes a step
+#: within a fraction of a second; if it has not by then, the round may be waiting for one
+#: more member than the spares could give (a spare that died as it was taken, say), so the
+#: one behind starts anyway.
+BEHIND_WAIT = 1.0
+
 
 @dataclass(frozen=True)
 class _Behind:
@@ -48,14 +54,12 @@ class HotSpares:
 
     def due(self) -> bool:
         """Whether spares are to start: some are missing, the workers run the loop, and each
-        has made a step (since a spare last took a place)."""
+        has made a step since a spare last took a place (or :data:`BEHIND_WAIT` passed)."""
         missing = len(self.group.workers) < self.group.config.nproc_per_node + self.count
-        return (
-            not self._failed
-            and missing
-            and self.group.in_train_loop()
-            and self.group.all_beating(self._since_ns)
-        )
+        if self._failed or not missing or not self.group.in_train_loop():
+            return False
+        waited = self._behind and elastic_core.now_ns() - self._since_ns > BEHIND_WAIT * 1e9
+        return bool(waited) or self.group.all_beating(self._since_ns)
 
     def start(self, attempt: int) -> None:
         """Start the missing spares. One that cannot start is reported; the job goes on

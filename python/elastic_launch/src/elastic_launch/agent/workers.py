@@ -139,9 +139,17 @@ class WorkerGroup:
         )
 
     def hot_spares(self) -> list[Worker]:
-        """The live workers that wait in the train loop's rendezvous for a round to take them
-        (hot spares, and a replacement that came when a spare had taken its place)."""
-        return [w for w in self.alive() if w.train_loop() == Loop.WAITING]
+        """The hot spares that wait in the train loop's rendezvous for a round to take them:
+        started as spares, never stepped (a spare a round took, and any other worker, waits
+        between rounds only as a member the round needs)."""
+        beats = self.beats()
+        return [
+            w
+            for w in self.alive()
+            if w.hot_spare
+            and w.train_loop() == Loop.WAITING
+            and (w.local_rank not in beats or beats[w.local_rank].last_beat_ns == 0)
+        ]
 
     def gpu_of(self, local_rank: int) -> int | None:
         return devices.nvml_index(local_rank, self.gpu_count)
