@@ -157,8 +157,9 @@ def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_pa
     assert len(survivors) == 1, "one of the first workers kept its process to the end"
     assert {w for *_, w, _ in job.steps()} == {2}, "the world never went on at 1"
     assert "hot spare pid" in job.text() and "takes its place at the next round" in job.text()
-    restarts = [e["restarts"] for e in job.events("worker_replaced")]
-    assert restarts == [1, 2], "one restart per death: an admitted spare counts once"
+    replaced = job.events("worker_replaced")
+    assert [e["restarts"] for e in replaced] == [1, 2], "one death, one restart: a spare's too"
+    assert all(e.get("hot_spare") for e in replaced), "started behind a spare, after a step"
     assert len(job.events("hot_spare_started")) == 1
     every_sample_once(job, epochs=6)
 

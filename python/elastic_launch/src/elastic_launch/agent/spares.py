@@ -43,7 +43,8 @@ class HotSpares:
         self.group, self.events, self.count = group, events, count
         self._failed = False  # a spare could not be started: none are tried again
         self._behind: dict[int, _Behind] = {}  # by local rank
-        self._since_ns = 0  # the group must have stepped after this to start the ones behind
+        self._since_ns = 0  # when a spare last took a place
+        self._steps: dict[int, int] = {}  # the workers' steps then: the ones behind start after
 
     def leave_place(self, local_rank: int, failed_ns: int, restarts: int) -> None:
         """A spare takes the place of worker `local_rank`, which failed at `failed_ns` (its
@@ -51,6 +52,7 @@ class HotSpares:
         self.group.retire(local_rank)
         self._behind[local_rank] = _Behind(failed_ns, restarts)
         self._since_ns = elastic_core.now_ns()
+        self._steps = self.group.steps()
 
     def due(self) -> bool:
         """Whether spares are to start: some are missing, the workers run the loop, and each
@@ -59,7 +61,7 @@ class HotSpares:
         if self._failed or not missing or not self.group.in_train_loop():
             return False
         waited = self._behind and elastic_core.now_ns() - self._since_ns > BEHIND_WAIT * 1e9
-        return bool(waited) or self.group.all_beating(self._since_ns)
+        return bool(waited) or self.group.all_stepped_past(self._steps)
 
     def start(self, attempt: int) -> None:
         """Start the missing spares. One that cannot start is reported; the job goes on
@@ -94,4 +96,4 @@ class HotSpares:
     def new_attempt(self) -> None:
         """The group starts again: every place is filled by start_all."""
         self._behind.clear()
-        self._since_ns = 0
+        self._since_ns, self._steps = 0, {}

@@ -129,26 +129,36 @@ class WorkerGroup:
             )
         return out
 
-    def all_beating(self, since_ns: int = 0) -> bool:
-        """Whether every worker has beaten (made a step; after `since_ns` if given), hot
-        spares waiting aside."""
+    def all_beating(self) -> bool:
+        """Whether every worker has beaten, hot spares waiting aside."""
         beats = self.beats()
         training = [w for w in self._workers.values() if w.train_loop() != Loop.WAITING]
         return bool(training) and all(
-            w.local_rank in beats and beats[w.local_rank].last_beat_ns > since_ns for w in training
+            w.local_rank in beats and beats[w.local_rank].last_beat_ns != 0 for w in training
+        )
+
+    def steps(self) -> dict[int, int]:
+        """Each live worker's step (its beats' count), by local rank."""
+        return {local_rank: b.step for local_rank, b in self.beats().items()}
+
+    def all_stepped_past(self, steps: dict[int, int]) -> bool:
+        """Whether every worker that trains has made a step past `steps` (by local rank; a
+        worker not in it, past 0), hot spares waiting aside."""
+        now = self.steps()
+        training = [w for w in self.alive() if w.train_loop() != Loop.WAITING]
+        return bool(training) and all(
+            now.get(w.local_rank, 0) > steps.get(w.local_rank, 0) for w in training
         )
 
     def hot_spares(self) -> list[Worker]:
         """The hot spares that wait in the train loop's rendezvous for a round to take them:
         started as spares, never stepped (a spare a round took, and any other worker, waits
-        between rounds only as a member the round needs)."""
-        beats = self.beats()
+        between rounds only as a member the round needs; a wait's own beat is no step)."""
+        steps = self.steps()
         return [
             w
             for w in self.alive()
-            if w.hot_spare
-            and w.train_loop() == Loop.WAITING
-            and (w.local_rank not in beats or beats[w.local_rank].last_beat_ns == 0)
+            if w.hot_spare and w.train_loop() == Loop.WAITING and steps.get(w.local_rank, 0) == 0
         ]
 
     def gpu_of(self, local_rank: int) -> int | None:
