@@ -60,14 +60,16 @@ def step_records(out: Path) -> list[tuple[int, int, int, int, int]]:
     return rows  # type: ignore[return-value]
 
 
-def wait_until(pred: Callable[[], Any], timeout: float) -> Any:
-    """`pred()`'s first true value within `timeout` s (polled every 2 ms), else None."""
+def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.002) -> Any:
+    """`pred()`'s first true value within `timeout` s (polled every `interval` s), else None.
+    A driver that only reads what the job records with its own timestamps polls slowly
+    (say 0.1 s): on 2 cores a 2 ms poll takes CPU time from the job it measures."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = pred()
         if found:
             return found
-        time.sleep(0.002)
+        time.sleep(interval)
     return None
 
 

@@ -5,7 +5,11 @@ flags, rank 1 SIGKILLed at step 20. From the kill: the agent's replacement (the 
 worker's first line, ``train()`` called, its ``sync()`` begun and done, and the first step
 after the kill; the survivor's ``sync()`` and first step too. Medians of the runs.
 
-    python benchmarks/loop_timeline.py [--runs 5]
+With ``--job imagenet``, torchelastic 0.1's imagenet example as bench_imagenet.py runs it (its
+data indexed from a tree of 200,000 files); with ``--hot-spares N``, the kill waits until a
+spare waits, and the new worker is the spare that takes the place.
+
+    python benchmarks/loop_timeline.py [--runs 5] [--job imagenet] [--hot-spares 1]
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -20,11 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_imagenet import image_tree
+
 from common import end_job, start_job, step_records, wait_until
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_loop_job.py"
-KILL_AT = 20
+IMAGENET = HERE / "_imagenet_job.py"
+KILL_AT = int(os.environ.get("KILL_AT", "20"))
 
 
 def marks(out: Path, pid: int) -> dict[str, list[int]]:
@@ -36,13 +44,21 @@ def marks(out: Path, pid: int) -> dict[str, list[int]]:
     return found
 
 
-def once() -> dict[str, float] | None:
+def command(job: str, out: Path, events: Path, spares: int, tree: Path | None) -> list[str]:
+    cmd = [sys.executable, "-m", "elastic_launch", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--events-file", str(events), *(["--hot-spares", str(spares)] if spares else [])]
+    if job == "imagenet":
+        return [*cmd, str(IMAGENET), str(out), "--epochs", "1", "--image-folder", str(tree)]
+    return [*cmd, str(JOB), "--out", str(out), "--epochs", "1"]
+
+
+def once(job: str, spares: int, tree: Path | None) -> dict[str, float] | None:
     out = Path(tempfile.mkdtemp(prefix="bench-loop-timeline-"))
     events = out / "events.jsonl"
-    cmd = [sys.executable, "-m", "elastic_launch", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--events-file", str(events), str(JOB), "--out", str(out), "--epochs", "1"]
-    proc = start_job(cmd, {"OMP_NUM_THREADS": "1"})
+    proc = start_job(command(job, out, events, spares, tree), {"OMP_NUM_THREADS": "1"})
     try:
+        if spares and wait_until(lambda: _waiting_spare(events), 180) is None:
+            return None  # a spare is measured ready, as it is meant to be
         victim = wait_until(
             lambda: next((r for r in step_records(out) if r[3] == 1 and r[1] >= KILL_AT), None), 180
         )
@@ -51,42 +67,70 @@ def once() -> dict[str, float] | None:
         os.kill(victim[4], signal.SIGKILL)
         kill = time.monotonic_ns()
         # A step in flight at the kill may still complete: the first after it is the next one.
-        first = wait_until(
-            lambda: [r for r in step_records(out) if r[0] > kill and r[1] > victim[1]], 120
-        )
+        before = {r[4] for r in step_records(out) if r[0] <= kill}
+
+        def after() -> list | None:
+            rows = [r for r in step_records(out) if r[0] > kill and r[1] > victim[1]]
+            return rows if {r[4] for r in rows} - before else None  # the new one stepped too
+
+        first = wait_until(after, 120, interval=0.1)  # the moments are the job's own records
         if not first:
             return None
-        data = next(
-            json.loads(line)
-            for line in events.read_text().splitlines()
-            if "worker_replaced" in line
-        )
-        survivor = next(r[4] for r in step_records(out) if r[3] == 0)
-        new, old = marks(out, int(data["pid"])), marks(out, survivor)
-
-        def at(ns: int) -> float:
-            return (ns - kill) / 1e9
-
-        return {
-            "failure seen to new worker started": float(data["recovery_seconds"]),
-            "of which the start itself": float(data["spawn_seconds"]),
-            "new worker: first line": at(new["first_line"][0]),
-            "new worker: train() called": at(new["train"][0]),
-            "new worker: sync() begun": at(new["sync"][0]),
-            "new worker: sync() done": at(new["synced"][0]),
-            "survivor: sync() begun": at(next(t for t in old["sync"] if t > kill)),
-            "survivor: sync() done": at(next(t for t in old["synced"] if t > kill)),
-            "the first step after the kill": at(min(first)[0]),
-        }
+        return _timeline(out, events, kill, min(first)[0])
     finally:
         end_job(proc, out)
+
+
+def _timeline(out: Path, events: Path, kill: int, first: int) -> dict[str, float]:
+    """The moments from the kill: the new worker's (the one that steps after the kill and
+    did not before: a replacement, or the hot spare that took the place) and the survivor's."""
+    rows = step_records(out)
+    before = {r[4] for r in rows if r[0] <= kill}
+    new_pid = next(r[4] for r in sorted(rows) if r[0] > kill and r[4] not in before)
+    survivor = next(r[4] for r in rows if r[3] == 0 and r[0] <= kill)
+    new, old = marks(out, new_pid), marks(out, survivor)
+
+    def at(ns: int) -> float:
+        return (ns - kill) / 1e9
+
+    found = {}
+    replaced = [json.loads(x) for x in events.read_text().splitlines() if "worker_replaced" in x]
+    if replaced and int(replaced[0]["pid"]) == new_pid:
+        found["failure seen to new worker started"] = float(replaced[0]["recovery_seconds"])
+        found["of which the start itself"] = float(replaced[0]["spawn_seconds"])
+    found.update(
+        {
+            "new worker: first line": at(new["first_line"][0]),
+            "new worker: train() called": at(new["train"][0]),
+            "new worker: sync() begun": at(next(t for t in new["sync"] if t > kill)),
+            "new worker: sync() done": at(next(t for t in new["synced"] if t > kill)),
+            "survivor: sync() begun": at(next(t for t in old["sync"] if t > kill)),
+            "survivor: sync() done": at(next(t for t in old["synced"] if t > kill)),
+            "the first step after the kill": at(first),
+        }
+    )
+    return found
+
+
+def _waiting_spare(events: Path) -> int | None:
+    from bench_imagenet import _waiting_spare as waiting
+
+    return waiting(events)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--job", choices=("loop", "imagenet"), default="loop")
+    p.add_argument("--hot-spares", type=int, default=0)
     args = p.parse_args()
-    runs = [r for r in (once() for _ in range(args.runs)) if r is not None]
+    root = Path(tempfile.mkdtemp(prefix="bench-loop-timeline-tree-"))
+    try:
+        tree = image_tree(root / "train") if args.job == "imagenet" else None
+        runs = [once(args.job, args.hot_spares, tree) for _ in range(args.runs)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runs = [r for r in runs if r is not None]
     print(f"| moment (from the kill; median of {len(runs)} of {args.runs} runs) | seconds |")
     print("|---|---:|")
     for key in runs[0] if runs else []:

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_frameworks
 import bench_hang
+import bench_imagenet
 import bench_launch
 import bench_memory_tier
 import bench_rdzv_scale
@@ -44,6 +45,7 @@ SECTIONS = {
     "steps_lost": bench_steps_lost.run,
     "real_job": bench_real_job.run,  # runs per scenario: BENCH_REAL_JOB_RUNS (default 5)
     "train_loop": bench_train_loop.run,
+    "imagenet": bench_imagenet.run,  # torchelastic 0.1's example: no spare, a hot spare
     "frameworks": bench_frameworks.run,  # Lightning, Accelerate (make bench installs them)
     "slurm": bench_slurm.run,
     "hostile": hostile_load.run,
