@@ -14,7 +14,6 @@ while it waits, beside a training worker's, at two widths of the model.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import Row, end_job, median, step_records, wait_until
+from common import Row, end_job, median, step_records, wait_until, waiting_spare
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_imagenet_job.py"
@@ -71,7 +70,7 @@ def once(launcher: list[str], mode: list[str], kill: bool = True) -> tuple[float
             cmd, stdout=sink, stderr=sink, env={**os.environ, **ENV}, start_new_session=True
         )
         try:
-            if spares and wait_until(lambda: _waiting_spare(events), RUN_TIMEOUT) is not None:
+            if spares and wait_until(lambda: waiting_spare(events), RUN_TIMEOUT) is not None:
                 (out / "arm").touch()
             code: int | None = proc.wait(RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -139,27 +138,6 @@ def _memory(pid: int) -> dict[str, int]:
     return {"rss": fields.get("Rss", 0), "private": private}
 
 
-def _loop_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-        with open(env[b"ELASTICRUN_LOOP_FILE"]) as f:
-            return f.read().split(" ")[0]
-    except (OSError, KeyError):
-        return ""
-
-
-def _waiting_spare(events: Path) -> int | None:
-    """The pid of a hot spare that waits in the workers' rendezvous, once one does."""
-    if not events.exists():
-        return None
-    for line in events.read_text().splitlines():
-        e = json.loads(line)
-        if e["event"] == "hot_spare_started" and _loop_state(e["pid"]) == "waiting":
-            return int(e["pid"])
-    return None
-
-
 def spare_memory(width: int) -> tuple[dict[str, int], dict[str, int]] | None:
     """A waiting hot spare's memory and a training worker's, on the job at `width`."""
     out = Path(tempfile.mkdtemp(prefix="bench-imagenet-mem-"))
@@ -174,7 +152,7 @@ def spare_memory(width: int) -> tuple[dict[str, int], dict[str, int]] | None:
         start_new_session=True,
     )
     try:
-        spare = wait_until(lambda: _waiting_spare(events), 120)
+        spare = wait_until(lambda: waiting_spare(events), 120)
         worker = wait_until(lambda: next((r[4] for r in step_records(out) if r[1] > 20), None), 120)
         if spare is None or worker is None:
             return None

@@ -143,3 +143,27 @@ def save(name: str, rows: list[Row]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
     return path
+
+
+def loop_state(pid: int) -> str:
+    """What train-loop worker `pid` says of the loop: running, waiting (for a round: a hot
+    spare, or between rounds) or fatal (its loop file, found through its environment)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        with open(env[b"ELASTICRUN_LOOP_FILE"]) as f:
+            return f.read().split(" ")[0]
+    except (OSError, KeyError):
+        return ""
+
+
+def waiting_spare(events: Path) -> int | None:
+    """The pid of a hot spare that waits in the workers' rendezvous (from the job's events
+    file), once one does."""
+    if not events.exists():
+        return None
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "hot_spare_started" and loop_state(e["pid"]) == "waiting":
+            return int(e["pid"])
+    return None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench_imagenet import image_tree
 
-from common import end_job, start_job, step_records, wait_until
+from common import end_job, start_job, step_records, wait_until, waiting_spare
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_loop_job.py"
@@ -57,7 +57,7 @@ def once(job: str, spares: int, tree: Path | None) -> dict[str, float] | None:
     events = out / "events.jsonl"
     proc = start_job(command(job, out, events, spares, tree), {"OMP_NUM_THREADS": "1"})
     try:
-        if spares and wait_until(lambda: _waiting_spare(events), 180) is None:
+        if spares and wait_until(lambda: waiting_spare(events), 180) is None:
             return None  # a spare is measured ready, as it is meant to be
         victim = wait_until(
             lambda: next((r for r in step_records(out) if r[3] == 1 and r[1] >= KILL_AT), None), 180
@@ -110,12 +110,6 @@ def _timeline(out: Path, events: Path, kill: int, first: int) -> dict[str, float
         }
     )
     return found
-
-
-def _waiting_spare(events: Path) -> int | None:
-    from bench_imagenet import _waiting_spare as waiting
-
-    return waiting(events)
 
 
 def main() -> int:

@@ -21,6 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from launcher_util import HERE, alive, free_port, start, wait_for
 
+from common import loop_state, waiting_spare
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXAMPLE = HERE.parents[1] / "examples" / "classic_train_loop.py"
@@ -83,23 +85,9 @@ def jobs():
         job.end()
 
 
-def loop_state(pid: int) -> str:
-    """What worker `pid` says of the loop (its loop file, found through its environment)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        with open(env[b"ELASTICRUN_LOOP_FILE"]) as f:
-            return f.read().split(" ")[0]
-    except (OSError, KeyError):
-        return ""
-
-
 def spare_waiting(job: Live) -> int | None:
     """The pid of a hot spare that waits in the workers' rendezvous, once there is one."""
-    for e in job.events("hot_spare_started"):
-        if loop_state(e["pid"]) == "waiting":
-            return int(e["pid"])
-    return None
+    return waiting_spare(job.events_file)
 
 
 def every_sample_once(job: Live, epochs: int = 2) -> None:
