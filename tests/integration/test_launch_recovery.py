@@ -309,3 +309,21 @@ def test_two_jobs_on_one_host_do_not_collide(tmp_path):
             kill_all(all_pids(out))
     ports = {json.loads((o / "1-0.env.json").read_text())["MASTER_PORT"] for o in outs}
     assert len(ports) == 2, "each job got its own port"
+
+
+FILE_ATTACK = HERE / "scripts" / "file_attack.py"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("what", ["error", "loop", "stack", "log"])
+def test_what_a_worker_leaves_at_a_launchers_path_never_blocks_it(out, what, kind):
+    """Rank 0 replaces its error, loop or stack file, or its stderr log, with a FIFO nobody
+    writes or a directory, then fails or hangs. The launcher reads and appends without
+    blocking (it hung in open() before), names rank 0, and restarts."""
+    logs = ["--log-dir", str(out / "logs"), "--redirects", "2"] if what == "log" else []
+    args = [*BASE, "--max-restarts", "1", "--hang-timeout", "2", *logs]
+    proc = start([*args, str(FILE_ATTACK), "--what", what, "--kind", kind])
+    code, _, err = finish(proc, 120)
+    assert code == 0, err[-3000:]
+    first = next(line for line in err.splitlines() if "restarting the workers" in line)
+    assert "after: rank 0 " in first, first

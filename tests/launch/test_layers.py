@@ -19,6 +19,7 @@ FOUNDATION = {
     "files",
     "net",
     "spare",
+    "untrusted",
     "teardown",
     "_version",
 }

@@ -239,3 +239,21 @@ def test_hot_spares_take_the_slots_beyond_the_workers_and_never_hold_up_readines
         assert group.hot_spares() == [group.get(2)]
         group.follow(INFO)
         assert group.get(2).rank == -1, "a new round of the nodes gives a spare no rank"
+
+
+def test_a_heartbeat_file_a_worker_made_a_directory_moves_to_a_new_path(tmp_path, shm_path):
+    """The table cannot be made again over a directory: the next worker gets a new path, and
+    the launcher goes on (it died here with StateError)."""
+    import os
+
+    told: list[str] = []
+    with Heartbeats.create(2, lambda i: shm_path(f"moved{i}-{len(told)}"), told.append) as hb:
+        old = hb.path(1)
+        os.unlink(old)
+        os.mkdir(old)  # what the worker left
+        try:
+            hb.reset()
+            assert hb.path(1) != old and hb.read(1) is not None and hb.path(0) == told[0]
+            assert told[-1] == hb.path(1), "the new path is told, for the guardian to remove"
+        finally:
+            os.rmdir(old)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from elastic_launch import untrusted
 from elastic_launch.files import write_atomically
 
 __all__ = [
@@ -143,8 +144,7 @@ def read_error_file(path: str) -> ErrorFileData | None:
     """Read an error file written by us or by torch; None if absent, unreadable, longer than
     :data:`ERROR_FILE_LIMIT` or not of the expected shape."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(ERROR_FILE_LIMIT + 1)
+        raw = untrusted.read(path, ERROR_FILE_LIMIT + 1)
         data = json.loads(raw) if len(raw) <= ERROR_FILE_LIMIT else None
     except (OSError, ValueError, RecursionError):
         return None
@@ -191,8 +191,7 @@ class ProcessFailure:
         self.message = ""
         self.timestamp = int(time.time())
         if os.path.isfile(self.error_file):
-            with open(self.error_file) as f:
-                self.error_file_data = json.load(f)
+            self.error_file_data = json.loads(untrusted.read(self.error_file, ERROR_FILE_LIMIT))
             message = self.error_file_data["message"]  # a file without one is not an error file
             if isinstance(message, str):
                 self.message = message

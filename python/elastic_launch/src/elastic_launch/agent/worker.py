@@ -12,6 +12,7 @@ from typing import IO, Any, Protocol
 
 import elastic_core
 
+from elastic_launch import untrusted
 from elastic_launch.agent.decide import Happening, Loop
 from elastic_launch.api import WorkerState
 from elastic_launch.processes.spawn import Process
@@ -82,8 +83,7 @@ class Worker:
 
     def _loop_file(self) -> tuple[str, int]:
         try:
-            with open(self.loop_file, "rb") as f:
-                text = f.read(64).decode("ascii", "replace")
+            text = untrusted.read(self.loop_file, 64).decode("ascii", "replace")
         except OSError:
             return "", 0
         return team.read_loop_file(text)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import elastic_core
 
-from elastic_launch import compat
+from elastic_launch import compat, untrusted
 from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.decide import Happening, Loop
@@ -436,7 +436,8 @@ class WorkerGroup:
         values: dict[int, Any] = {}
         for w in self.workers:
             if w.result_file and os.path.exists(w.result_file):
-                with open(w.result_file, "rb") as f:
+                # What the function returned (its own process wrote it, as torch's does).
+                with os.fdopen(untrusted.open_regular(w.result_file, os.O_RDONLY), "rb") as f:
                     values[w.rank] = pickle.load(f)
             else:
                 values[w.rank] = None
@@ -479,8 +480,10 @@ class WorkerGroup:
     def _append_to_log(self, w: Worker, stack: str) -> None:
         header = f"elasticrun: Python stacks of rank {w.rank} (pid {w.pid}) before stopping it:\n"
         if w.stderr_log:
-            with open(w.stderr_log, "a") as f:
-                f.write(header + stack)
+            try:
+                untrusted.append(w.stderr_log, (header + stack).encode())
+            except OSError as e:
+                logger.warning("rank %d's stacks not added to its log: %s", w.rank, e)
         else:
             prefix = compat.log_line_prefix(self.config.role, w.rank, w.local_rank, self.host)
             lines = (header + stack).splitlines()
@@ -489,10 +492,7 @@ class WorkerGroup:
 
 
 def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+    return untrusted.size(path)
 
 
 #: The most of a stack dump read: the worker writes the file, so its size is the worker's.
@@ -501,9 +501,7 @@ STACK_LIMIT = 1 << 20
 
 def _read_from(path: str, offset: int) -> str:
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(STACK_LIMIT).decode(errors="replace")
+        return untrusted.read(path, STACK_LIMIT, offset).decode(errors="replace")
     except OSError:
         return ""
 
