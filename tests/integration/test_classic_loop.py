@@ -191,21 +191,37 @@ def test_a_worker_that_fails_for_good_fails_the_job_at_once(tmp_path):
 
 
 def test_the_restart_budget_bounds_the_replacements(tmp_path):
-    """The replacements' budget is the larger of --max-restarts (0) and the loop's
-    max_failures (1): of two workers killed at once, one is replaced and the other ends the
-    job."""
+    """Without --max-restarts the replacements' budget is the loop's max_failures (1): of two
+    workers killed at once, one is replaced and the other ends the job."""
     job = standalone(
         tmp_path,
         "budget",
         "--nproc-per-node",
         "3",
-        "--max-restarts",
-        "0",
         script=("--kill-at-step", "3", "--fault-rank", "0,1", "--max-failures", "1"),
     )
     assert job.returncode == 1
     assert "(restart 1 of 1) after: rank " in job.stderr
     assert re.search(r"restarts exhausted \(1\); rank [01] killed by SIGKILL", job.stderr)
+
+
+def test_max_restarts_given_is_the_budget_whatever_the_loop_says(tmp_path):
+    """--max-restarts 0 means no restart, though the loop's max_failures is 100: the first
+    death ends the job (it gave 100 before)."""
+    job = standalone(
+        tmp_path,
+        "no-restarts",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        script=("--kill-at-step", "3"),
+    )
+    assert job.returncode == 1
+    assert "replacing" not in job.stderr
+    assert re.search(r"restarts exhausted \(0\); rank 1 killed by SIGKILL", job.stderr), job.stderr[
+        -2000:
+    ]
 
 
 def test_the_loops_failure_budget_bounds_the_rollbacks(tmp_path):

@@ -236,3 +236,23 @@ def test_run_of_a_bad_namespace_is_a_config_error_before_anything_starts(tmp_pat
     with pytest.raises(ConfigError, match=r"missing\.py' does not exist"):
         cli.run(args)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "cap"),
+    [
+        ([], {}, 100),  # nothing asked: the loop's own max_failures, up to 100
+        (["--max-restarts", "0"], {}, 0),  # asked for none: none, whatever the loop says
+        (["--max-restarts", "3"], {}, 3),
+        ([], {"PET_MAX_RESTARTS": "2"}, 2),
+        (["--max-restarts", "0", "--loop-max-restarts", "5"], {}, 5),  # both: as given
+        ([], {"PET_LOOP_MAX_RESTARTS": "7"}, 7),
+    ],
+)
+def test_the_loops_budget_is_the_users_max_restarts_when_given(argv, env, cap, monkeypatch):
+    for name in ("PET_MAX_RESTARTS", "PET_LOOP_MAX_RESTARTS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config, _ = cli.launch_from_args(cli.parse_args([*argv, "train.py"]))
+    assert config.loop_max_restarts == cap

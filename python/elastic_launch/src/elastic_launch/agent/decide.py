@@ -32,7 +32,8 @@ for a group restart too; the decision carries the budget it expects after the sp
 agent makes through the rendezvous. Its limit for replacements is the larger of
 ``--max-restarts`` and the loop's own failure budget (``max_failures``, which the worker
 reports), so the loop needs no extra flag; what the worker reports counts up to
-``--loop-max-restarts`` only (a worker cannot raise its own budget).
+``--loop-max-restarts`` only (a worker cannot raise its own budget), which is
+``--max-restarts`` when the user gave it (the command line sets it so) and 100 otherwise.
 """
 
 from __future__ import annotations

@@ -48,6 +48,11 @@ def _given(namespace: Any) -> set[str]:
     return given
 
 
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user gave `dest`: its flag, or its PET_ variable."""
+    return dest in _given(args) or compat.pet_value(dest) is not None
+
+
 def source(args: argparse.Namespace, dest: str) -> str:
     """Where a value came from, for error messages: ``--flag``, or ``PET_FLAG`` when the
     flag was absent and the variable set it."""
@@ -181,6 +186,10 @@ def launch_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Entrypoint
     for option in OPTIONS:
         values.update(option.take(getattr(args, option.dest), source(args, option.dest)))
     _rendezvous_target(args, values)
+    if given(args, "max_restarts") and not given(args, "loop_max_restarts"):
+        # The restarts the user asked for are the job's, a train loop's too: a worker's
+        # max_failures (100 by default) widens the budget only when none was asked for.
+        values["loop_max_restarts"] = values["max_restarts"]
     if source(args, "rdzv_conf") == "--rdzv-conf":
         for warning in command_line_secrets(values["rdzv_configs"]):
             logger.warning(warning)

@@ -384,8 +384,9 @@ OPTIONS: tuple[Option, ...] = (
     _flag(
         "loop-max-restarts",
         "the classic train loop: the most restarts its max_failures (which the workers "
-        "report) may add beyond --max-restarts",
+        "report) may give the job beyond --max-restarts",
         RESTARTS,
+        shown="--max-restarts when given, else 100",
     ),
     _flag("events-file", "append agent events as JSON lines to this file", shown="none"),
     _flag("metrics-port", "serve Prometheus metrics on [HOST:]PORT", shown="none"),
