@@ -67,3 +67,26 @@ def test_training_recovers_and_finishes(out, tmp_path, fault):
     # zero, so its rate counts the resumed run's steps over the resumed run's time.
     resumed = result.stdout.split("attempt 1: resumed from", 1)[1]
     assert f"{step}/16 [00:00<" in resumed, resumed[:2000]
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_one_line_before_training(tmp_path):
+    """Under a regular file: each worker says so in one line as the manager is made, before a
+    step, and the summary's root cause is that line, with no traceback."""
+    (tmp_path / "file").write_text("")
+    result = run(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLE),
+            "--checkpoint-dir",
+            str(tmp_path / "file" / "checkpoints"),
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    line = "CheckpointDirectoryError: cannot write checkpoints to"
+    assert f"error      : {line}" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "traceback  :" not in result.stderr
+    assert "step" not in result.stdout.lower(), "no step was taken"

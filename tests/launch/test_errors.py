@@ -103,3 +103,22 @@ def test_child_failed_error_formats_root_cause_and_others_as_torchs():
     root = text[text.index("Root Cause") :]
     assert "rank      : 0" in root and early.timestamp_isoformat() in root
     assert "rank      : 1" in text[: text.index("Root Cause")]
+
+
+def test_an_error_whose_message_is_all_is_reported_without_its_traceback(tmp_path, monkeypatch):
+    """A setting to fix (ConfigError, elastic_sampler's CheckpointDirectoryError: their
+    classes say show_traceback = False) is recorded as such: the summary shows its line."""
+    from elastic_launch.api import ConfigError
+    from elastic_sampler import CheckpointDirectoryError
+
+    for error, shown in (
+        (ConfigError("--x 3: give 1"), False),
+        (CheckpointDirectoryError("cannot write checkpoints to '/ro'"), False),
+        (ValueError("a bug"), True),
+    ):
+        path = tmp_path / f"{type(error).__name__}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        assert write_error_file(error)
+        parsed = read_error_file(str(path))
+        assert parsed is not None and parsed.show_traceback is shown
+        assert parsed.message.startswith(type(error).__name__)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_sampler import (
+    CheckpointDirectoryError,
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
@@ -109,9 +110,13 @@ def test_background_errors_surface_on_the_next_call(tmp_path):
         m.save({"w": torch.ones(3)}, 2)
 
 
-def test_unwritable_directory_is_a_clear_error():
+def test_unwritable_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="cannot write checkpoints to '/proc/elastic-x'"):
         CheckpointManager("/proc/elastic-x")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointDirectoryError, match="Not a directory; choose a writable") as e:
+        CheckpointManager(tmp_path / "file" / "checkpoints")  # under a regular file
+    assert e.value.show_traceback is False, "a setting to fix: the launcher shows the line"
 
 
 @pytest.mark.slow  # a real process

@@ -224,7 +224,10 @@ class LaunchError(Exception):
 
 
 class ConfigError(LaunchError, ValueError):
-    """A bad flag, value or setting; the message quotes it and says what to do."""
+    """A bad flag, value or setting; the message quotes it and says what to do (raised in a
+    worker, the launcher shows the message without a traceback)."""
+
+    show_traceback = False
 
 
 class WorkerFailedError(ChildFailedError, LaunchError):

@@ -70,11 +70,20 @@ def write_error_file(error: BaseException, tb: types.TracebackType | None = None
             },
         }
     }
+    if not shows_traceback(error):
+        data["message"]["extraInfo"]["show_traceback"] = "false"  # type: ignore[index]
     try:
         write_atomically(path, json.dumps(data))
     except OSError:
         return False  # never let error reporting hide the error itself
     return True
+
+
+def shows_traceback(error: BaseException) -> bool:
+    """Whether `error`'s traceback helps: not for an exception whose class says its message
+    is all (``show_traceback = False``: a setting to fix, as ConfigError or elastic_sampler's
+    CheckpointDirectoryError), which a report shows as its one line."""
+    return getattr(error, "show_traceback", True) is not False
 
 
 def record(fn: F) -> F:
@@ -133,6 +142,7 @@ class ErrorFileData:
     traceback: str
     timestamp: float | None
     monotonic_ns: int | None
+    show_traceback: bool = True  # False: the message is all (a setting to fix)
 
 
 #: The most of a worker's error file the launcher reads: the worker writes it, so its size and
@@ -163,6 +173,7 @@ def read_error_file(path: str) -> ErrorFileData | None:
         traceback=str(extra.get("py_callstack", "")),
         timestamp=_number(extra.get("timestamp")),
         monotonic_ns=int(monotonic) if monotonic is not None and abs(monotonic) < 2**63 else None,
+        show_traceback=extra.get("show_traceback") != "false",
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from elastic_sampler._files import verify
 from elastic_sampler.api import (
+    CheckpointDirectoryError,
     CheckpointError,
     CheckpointMismatchError,
     ElasticSamplerError,
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointDirectoryError",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMismatchError",

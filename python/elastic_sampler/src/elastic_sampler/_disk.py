@@ -34,7 +34,7 @@ from elastic_sampler._files import (
     write_verified,
 )
 from elastic_sampler._snapshot import snapshot
-from elastic_sampler.api import CheckpointError
+from elastic_sampler.api import CheckpointDirectoryError, CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class DiskTier:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise CheckpointError(
+            raise CheckpointDirectoryError(
                 f"cannot write checkpoints to '{directory}': {why(e)}; choose a writable directory"
             ) from None  # the reason is in the message; pathlib's chain of mkdirs adds nothing
         self._staging: Any = None  # the last background copy, once written: the next one's buffers

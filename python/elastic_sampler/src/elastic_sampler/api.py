@@ -34,6 +34,14 @@ class CheckpointError(ElasticSamplerError, OSError):
     """A checkpoint could not be written or read; the message says which file and why."""
 
 
+class CheckpointDirectoryError(CheckpointError):
+    """The checkpoint directory cannot be made or written (read-only, under a file, no
+    permission): a setting to fix, which the message names and says how. Raised when the
+    manager is made, before training; a launcher shows its message without a traceback."""
+
+    show_traceback = False
+
+
 class CheckpointMismatchError(ElasticSamplerError, ValueError):
     """A checkpoint that does not fit the model it is loaded into."""
 

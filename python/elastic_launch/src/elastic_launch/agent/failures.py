@@ -103,7 +103,7 @@ class FailureLog:
         data = read_error_file(w.error_file)
         if data is not None:
             failure.message = data.message
-            failure.traceback = data.traceback
+            failure.traceback = data.traceback if data.show_traceback else ""
             failure.failed_at_ns = data.monotonic_ns
         if kind == FailureKind.HUNG:
             failure.failed_at_ns = last_beat_ns or None

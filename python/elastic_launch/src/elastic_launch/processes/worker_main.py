@@ -255,6 +255,11 @@ def _trim(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _excepthook(
     kind: type[BaseException], value: BaseException, tb: types.TracebackType | None
 ) -> None:
+    from elastic_launch.errors import shows_traceback
+
+    if not shows_traceback(value):  # a setting to fix: its message says all
+        sys.stderr.write(f"{kind.__name__}: {value}\n")
+        return
     tb = _trim(tb) or tb
     # The default hook prints value.__traceback__, not its `tb` argument.
     sys.__excepthook__(kind, value.with_traceback(tb), tb)
