@@ -134,3 +134,41 @@ def test_what_is_not_a_message_is_never_acted_on():
     assert not orders.take(b'up", "arg": 7}\n{"op": "group", "arg": "x"}\n')
     assert orders.groups == {7}, "a message split across reads; a bad one skipped"
     assert orders.take(b'{"op": "done", "arg": null}\n')
+
+
+STOPPED = textwrap.dedent("""
+    import os, signal, sys, time
+    from elastic_launch.processes import guardian as module
+    module.SEND_DEADLINE = 0.2
+    g = module.Guardian()
+    g.remove_path(sys.argv[1])
+    first = g.pid
+    os.kill(first, signal.SIGSTOP)  # stopped: its socket fills, and a send would block
+    began = time.monotonic()
+    while g.pid == first:  # paths nobody has: each message is 4 KiB
+        g.remove_path("/nonexistent/" + "x" * 4096)
+        assert time.monotonic() - began < 60, "never replaced"
+    print(first, g.pid, flush=True)
+    time.sleep(60)  # SIGKILLed by the test: the new guardian cleans up
+""")
+
+
+def test_a_stopped_guardian_is_replaced_and_the_new_one_cleans_up(tmp_path):
+    """A SIGSTOPped guardian takes no message: at the send deadline the launcher replaces it
+    and tells the new one again what it must clean up (it blocked forever in send() before)."""
+    leftover = tmp_path / "heartbeat"
+    leftover.write_text("x")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STOPPED, str(leftover)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        first, second = (int(x) for x in proc.stdout.readline().split())
+        assert first != second and wait(lambda: not alive(first), 5.0), "the stuck one is gone"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert wait(lambda: not leftover.exists(), 5.0), "the new guardian was told the path"
+        assert wait(lambda: not alive(second), 5.0)
+    finally:
+        proc.kill()
+        proc.stdout.close()

@@ -27,14 +27,25 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+#: The longest a message to the guardian may wait to be taken (seconds). Its socket buffers
+#: thousands of messages; one that is full means the guardian is stopped or stuck: it is
+#: replaced, and told again what it must clean up.
+SEND_DEADLINE = 2.0
+
 
 class Guardian:
     """The launcher's handle on its guardian. Messages are JSON lines on a socket; each is
-    acted on only if the launcher dies without :meth:`done`."""
+    acted on only if the launcher dies without :meth:`done`. No send waits longer than
+    :data:`SEND_DEADLINE`: a guardian that takes nothing for that long is replaced."""
 
     def __init__(self) -> None:
+        self._groups: set[int] = set()  # what a replacement is told again
+        self._paths: list[str] = []
+        self._given_up = False  # a replacement was stuck too: nothing more is sent
+        self._start()
+
+    def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock = parent
         try:
             self._proc = subprocess.Popen(
                 [
@@ -54,29 +65,75 @@ class Guardian:
             raise
         finally:
             child.close()
+        parent.settimeout(SEND_DEADLINE)
+        self._sock = parent
         self.pid = self._proc.pid
 
-    def _send(self, op: str, arg: int | str | None = None) -> None:
+    def _send(self, op: str, arg: int | str | None = None, replaying: bool = False) -> None:
+        if self._given_up:
+            return
         # One JSON object a line: a path with a newline (or any character) stays one path.
         line = json.dumps({"op": op, "arg": arg}).encode() + b"\n"
-        with contextlib.suppress(OSError):  # a dead guardian cannot help; never fail for it
+        try:
             self._sock.sendall(line)
+        except TimeoutError:
+            self._replace(replaying)
+        except OSError:
+            pass  # a dead guardian cannot help; never fail for it
+
+    def _replace(self, replaying: bool) -> None:
+        """The guardian took nothing for SEND_DEADLINE (stopped, or stuck): a new one, told
+        again every live process group and path. A second stuck one is reported, and the
+        launcher goes on without."""
+        log = logging.getLogger("elastic_launch")
+        stuck = self.pid
+        self._proc.kill()  # a stopped process dies of SIGKILL too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+        self._sock.close()
+        if replaying:
+            self._given_up = True
+            log.warning(
+                "the new guardian (pid %d) took nothing within %g s either: a SIGKILL of the "
+                "launcher may now leave what the workers started",
+                stuck,
+                SEND_DEADLINE,
+            )
+            return
+        self._start()
+        log.warning(
+            "the guardian (pid %d) took nothing within %g s (stopped?): replaced by pid %d",
+            stuck,
+            SEND_DEADLINE,
+            self.pid,
+        )
+        for group in sorted(self._groups):
+            self._send("group", group, replaying=True)
+        for path in self._paths:
+            self._send("path", path, replaying=True)
 
     def watch_group(self, pgid: int) -> None:
         """Kill process group (and session) `pgid` if the launcher dies."""
+        self._groups.add(pgid)
         self._send("group", pgid)
 
     def forget_group(self, pgid: int) -> None:
         """`pgid` ended normally: its number may be reused, never kill it."""
+        self._groups.discard(pgid)
         self._send("forget", pgid)
 
     def remove_path(self, path: str) -> None:
         """Remove `path` (a file or a directory tree) if the launcher dies."""
+        self._paths.append(path)
         self._send("path", path)
 
     def done(self) -> None:
         """The launcher cleaned up itself: the guardian exits without doing anything."""
+        if self._given_up:
+            return
         self._send("done")
+        if self._given_up:
+            return
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
         try:
