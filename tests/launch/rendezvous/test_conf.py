@@ -126,3 +126,13 @@ def test_the_workers_and_the_url_read_the_same_table():
     assert WORKER_KEYS == {k.name for k in KEYS if k.workers}
     assert "token" in WORKER_KEYS and "join_timeout" not in WORKER_KEYS, "the agents' own"
     assert set(URL_KEYS) == {"timeout", "last_call_timeout", "protocol", "cacert", "cert", "key"}
+
+
+def test_the_embedded_services_longest_lease_bounds_heartbeat_timeout():
+    from elastic_launch.rendezvous.api import RendezvousConfigError
+    from elastic_launch.rendezvous.conf import parse_conf
+    from elastic_launch.rendezvous.embedded_bounds import MAX_TTL
+
+    with pytest.raises(RendezvousConfigError, match=f"last {MAX_TTL} s at most; give {MAX_TTL}"):
+        parse_conf("embedded", {"heartbeat_timeout": str(MAX_TTL + 1)})
+    assert parse_conf("embedded", {"heartbeat_timeout": str(MAX_TTL)}).lease_ttl == MAX_TTL

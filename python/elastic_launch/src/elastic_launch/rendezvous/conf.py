@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from elastic_launch.rendezvous.api import RendezvousConfigError
+from elastic_launch.rendezvous.embedded_bounds import MAX_TTL
 from elastic_launch.rendezvous.secrets import (
     PASSWORD_ENV,
     TOKEN_ENV,
@@ -330,6 +331,11 @@ def parse_conf(backend: str, raw: Mapping[str, Any]) -> RendezvousConf:
     if kind in ELASTIC and conf.lease_ttl < 2.0:
         raise RendezvousConfigError(
             f"--rdzv-conf heartbeat_timeout={conf.lease_ttl:g}: the lease needs at least 2 seconds"
+        )
+    if kind == EMBEDDED and conf.lease_ttl > MAX_TTL:
+        raise RendezvousConfigError(
+            f"--rdzv-conf heartbeat_timeout={conf.lease_ttl:g}: the embedded service's leases "
+            f"last {MAX_TTL} s at most; give {MAX_TTL} or less"
         )
     if (conf.user is None) != (conf.password is None):
         raise RendezvousConfigError(

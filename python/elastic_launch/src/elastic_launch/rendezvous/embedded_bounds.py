@@ -2,13 +2,15 @@
 to that.
 
 Every dimension is capped: keys and their bytes, the history kept for watches that start in
-the past, the streams open, the watches on one stream, the leases (per connection and in all),
-and the bytes of answers not yet taken by the network: a watch stream's queued and unsent
-events (per stream and for all streams), and the answers to reads. A write past a cap is
-refused with RESOURCE_EXHAUSTED; a watch stream past its share is cut off (as etcd cancels a
-slow watcher); a read that would pass the answers' cap is refused (it may be tried again), and
-one that could never fit is refused naming the limit. A round of 1,024 nodes uses a few
-thousand keys, a lease per node and well under a MiB, far inside every cap.
+the past, the streams open, the watches on one stream, the leases (per connection and in all;
+a few of each connection's are its own, whatever the others hold, and none outlives
+:data:`MAX_TTL` unrenewed), and the bytes of answers not yet taken by the network: a watch
+stream's queued and unsent events (per stream and for all streams), and the answers to
+reads. A write past a cap is refused with RESOURCE_EXHAUSTED; a watch stream past its share
+is cut off (as etcd cancels a slow watcher); a read that would pass the answers' cap is
+refused (it may be tried again), and one that could never fit is refused naming the limit.
+A round of 1,024 nodes uses a few thousand keys, a lease per node and well under a MiB, far
+inside every cap.
 
 So, whatever clients do, the service holds at most the data cap (64 MiB) plus the history
 (16 MiB), the watches' bytes (12 MiB), the reads' bytes (16 MiB) and the leases (a few MiB), and
@@ -33,9 +35,14 @@ MAX_DATA_BYTES = 64 << 20  # keys and values held
 MAX_REQUEST = 4 << 20  # one request (gRPC's default, said explicitly)
 EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
 HANDSHAKE_MS = 5000  # a connection that has not said it speaks HTTP/2 (or TLS) by then is closed
-MAX_TTL = 9_000_000_000  # etcd's longest lease, in seconds
+#: The longest lease, in seconds (etcd's is 9e9): a departed client's leases end within it.
+#: A rendezvous asks for its heartbeat_timeout (5 s by default), which may not be longer.
+MAX_TTL = 3600
 MAX_LEASES = 10_000
 LEASES_PER_CLIENT = 256  # a client: one connection (an agent holds one or two)
+#: Leases a connection is granted whatever the others hold: however many leases one client
+#: takes, an honest agent (which needs one or two) can still join.
+RESERVED_PER_CLIENT = 4
 
 
 class Account:
@@ -64,10 +71,10 @@ class Leases:
 
     def room(self, client: str) -> str | None:
         """Why `client` may not be granted another lease, or None."""
-        if self.count >= MAX_LEASES:
-            return f"it holds {MAX_LEASES} leases already"
         if self.per_client[client] >= LEASES_PER_CLIENT:
             return f"this connection holds {LEASES_PER_CLIENT} leases already"
+        if self.count >= MAX_LEASES and self.per_client[client] >= RESERVED_PER_CLIENT:
+            return f"it holds {MAX_LEASES} leases already"
         return None
 
     def granted(self, client: str) -> None:
