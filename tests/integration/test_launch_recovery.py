@@ -327,3 +327,35 @@ def test_what_a_worker_leaves_at_a_launchers_path_never_blocks_it(out, what, kin
     assert code == 0, err[-3000:]
     first = next(line for line in err.splitlines() if "restarting the workers" in line)
     assert "after: rank 0 " in first, first
+
+
+DAEMON = HERE / "scripts" / "daemon.py"
+
+
+@pytest.mark.parametrize("end", ["exit", "SIGTERM", "SIGKILL"])
+def test_a_daemon_a_worker_starts_ends_with_the_job(out, end):
+    """A daemon (setsid, double fork) left the worker's process group and session; it is in
+    the workers' cgroup, which the launcher kills as it ends (the guardian, when the launcher
+    is SIGKILLed). Without a cgroup v2 subtree to make, the launcher says so and this is
+    skipped (the process groups are all it can end)."""
+    from elastic_launch.processes.cgroup import Container
+
+    probe = Container.make()
+    if probe.path is None:
+        pytest.skip(probe.why)
+    probe.kill()
+    pid_file = out / "daemon.pid"
+    seconds = "1" if end == "exit" else "300"
+    proc = start([*BASE, str(DAEMON), str(pid_file), seconds])
+    try:
+        assert wait_for(pid_file.exists, 60), "the daemon never started"
+        daemon = int(pid_file.read_text())
+        assert alive(daemon)
+        if end != "exit":
+            os.kill(proc.pid, getattr(signal, end))
+        proc.wait(60)
+        assert wait_gone([daemon], 10) == [], f"the daemon outlived the launcher ({end})"
+    finally:
+        kill_all([proc.pid])
+        if pid_file.exists():
+            kill_all([int(pid_file.read_text())])

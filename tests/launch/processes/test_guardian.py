@@ -172,3 +172,23 @@ def test_a_stopped_guardian_is_replaced_and_the_new_one_cleans_up(tmp_path):
     finally:
         proc.kill()
         proc.stdout.close()
+
+
+def test_a_cgroup_to_kill_is_an_absolute_path_only():
+    from elastic_launch.processes.guardian import _Orders
+
+    orders = _Orders()
+    orders.take(b'{"op": "cgroup", "arg": "relative/x"}\n{"op": "cgroup", "arg": 3}\n')
+    orders.take(b'{"op": "cgroup", "arg": "/sys/fs/cgroup/elasticrun-1-abc"}\n')
+    assert orders.cgroups == ["/sys/fs/cgroup/elasticrun-1-abc"]
+
+
+def test_without_a_cgroup_v2_hierarchy_the_container_says_why(monkeypatch):
+    from elastic_launch.processes import cgroup
+
+    monkeypatch.setattr(cgroup, "_mount", lambda: None)
+    container = cgroup.Container.make()
+    assert container.path is None and container.env() == {}
+    assert "no cgroup v2 hierarchy is mounted" in container.describe()
+    assert "a daemon that left both can outlive the job" in container.describe()
+    container.kill()  # nothing to do

@@ -36,6 +36,7 @@ from elastic_launch.cancel import CancelToken, SignalRelay
 from elastic_launch.launcher.config import plan_launch
 from elastic_launch.launcher.parse import random_id
 from elastic_launch.processes import preload
+from elastic_launch.processes.cgroup import Container
 from elastic_launch.processes.entrypoint import Entrypoint
 from elastic_launch.processes.guardian import Guardian
 from elastic_launch.processes.logs import LogLayout
@@ -71,6 +72,7 @@ def run(
             Events.open(run_id, c.event_log_handler, c.events_file, plan.metrics)
         )
         shm.sweep()  # what launchers SIGKILLed with their guardian left
+        container = contained(stack, guardian)
         slots = c.nproc_per_node + c.hot_spares
         node = stack.enter_context(watch(slots, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
@@ -85,6 +87,7 @@ def run(
             rdzv = create_handler(plan.rendezvous)
             stack.callback(rdzv.shutdown, cancel)
         env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
+        env.update(container.env())
         context = NodeContext(c, run_id, entrypoint, layout)
         group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env))
         agent = ElasticAgent(group, rdzv, events, cancel, team)
@@ -94,6 +97,18 @@ def run(
             on_agent(agent)
         return agent.run()
     raise AssertionError("unreachable")  # pragma: no cover - the with block returns
+
+
+def contained(stack: contextlib.ExitStack, guardian: Guardian) -> Container:
+    """The workers' cgroup (or why there is none): what it holds is killed when the launch
+    ends (after the workers are stopped: the callback is registered first), and by the
+    guardian should the launcher be SIGKILLed."""
+    container = Container.make()
+    (logger.info if container.path else logger.debug)("%s", container.describe())
+    if container.path:
+        guardian.kill_cgroup(container.path)
+    stack.callback(container.kill)
+    return container
 
 
 def launch(

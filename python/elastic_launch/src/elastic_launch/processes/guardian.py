@@ -41,6 +41,7 @@ class Guardian:
     def __init__(self) -> None:
         self._groups: set[int] = set()  # what a replacement is told again
         self._paths: list[str] = []
+        self._cgroups: list[str] = []
         self._given_up = False  # a replacement was stuck too: nothing more is sent
         self._start()
 
@@ -111,6 +112,8 @@ class Guardian:
             self._send("group", group, replaying=True)
         for path in self._paths:
             self._send("path", path, replaying=True)
+        for cgroup in self._cgroups:
+            self._send("cgroup", cgroup, replaying=True)
 
     def watch_group(self, pgid: int) -> None:
         """Kill process group (and session) `pgid` if the launcher dies."""
@@ -126,6 +129,11 @@ class Guardian:
         """Remove `path` (a file or a directory tree) if the launcher dies."""
         self._paths.append(path)
         self._send("path", path)
+
+    def kill_cgroup(self, path: str) -> None:
+        """Kill everything in cgroup `path` and remove it if the launcher dies."""
+        self._cgroups.append(path)
+        self._send("cgroup", path)
 
     def done(self) -> None:
         """The launcher cleaned up itself: the guardian exits without doing anything."""
@@ -202,8 +210,11 @@ def _sessions_of(sids: set[int]) -> list[int]:
     return [p.pid for p in processes() if p.session in sids and p.alive]
 
 
-def clean_up(groups: set[int], paths: list[str]) -> None:
-    """Kill `groups` and everything in their sessions, then remove `paths`."""
+def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) -> None:
+    """Kill everything in `cgroups` (and remove them), `groups` and everything in their
+    sessions, then remove `paths`."""
+    for cgroup in cgroups:
+        _kill_cgroup(cgroup)
     for _ in range(3):  # a process may fork while we kill: look again
         for pgid in groups:
             with contextlib.suppress(OSError):
@@ -223,12 +234,29 @@ def clean_up(groups: set[int], paths: list[str]) -> None:
                 os.unlink(path)
 
 
+def _kill_cgroup(path: str, timeout: float = 5.0) -> None:
+    """``cgroup.kill``, then remove the emptied cgroup (processes.cgroup.kill_tree's twin: the
+    guardian imports nothing of the project)."""
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
 class _Orders:
     """What the launcher asked the guardian to clean up, should it die."""
 
     def __init__(self) -> None:
         self.groups: set[int] = set()
         self.paths: list[str] = []
+        self.cgroups: list[str] = []
         self._buffer = b""
 
     def take(self, data: bytes) -> bool:
@@ -250,6 +278,8 @@ class _Orders:
             (self.groups.add if op == "group" else self.groups.discard)(arg)
         elif op == "path" and isinstance(arg, str):
             self.paths.append(arg)
+        elif op == "cgroup" and isinstance(arg, str) and arg.startswith("/"):
+            self.cgroups.append(arg)
 
 
 def _pidfd(launcher: int) -> int:
@@ -284,7 +314,7 @@ def serve(fd: int, launcher: int) -> None:
             if orders.take(data):
                 return
         if launcher_gone and (eof or sock not in readable):
-            clean_up(orders.groups, orders.paths)
+            clean_up(orders.groups, orders.paths, tuple(orders.cgroups))
             return
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from elastic_launch import spare, teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
 from elastic_launch.files import write_atomically
+from elastic_launch.processes import cgroup
 
 if TYPE_CHECKING:
     import importlib.machinery
@@ -230,6 +231,7 @@ def become_worker(handover: Handover | None = None) -> None:
     which got its session, environment and streams from its parent already."""
     if handover is not None:
         _take_over(handover)
+    cgroup.join()  # first: what it starts from here on is inside too
     _reset_signals()
     die_with_parent()
     spare.idle_while_spare()

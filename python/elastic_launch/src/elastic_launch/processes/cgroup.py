@@ -1,0 +1,126 @@
+"""What a worker starts ends with the job, daemons too: the workers run in a cgroup v2 subtree
+the launcher makes under its own cgroup, and at the end the kernel kills everything in it at
+once (``cgroup.kill``). A process that left its process group and session (``setsid``, a
+double fork) cannot leave its cgroup. Should the launcher be SIGKILLed, its guardian does the
+same.
+
+Where no such subtree can be made (no cgroup v2 hierarchy mounted, no write permission to the
+launcher's cgroup, a kernel before 5.14 without ``cgroup.kill``), the workers' process groups
+and sessions are what the launcher ends, as before; it says why, once.
+
+A worker joins the subtree itself, first thing (:func:`join`, from ``$ELASTICRUN_CGROUP``),
+so that what it starts is inside from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+CGROUP_ENV = "ELASTICRUN_CGROUP"
+#: How long the kill waits for the kernel to empty the subtree (seconds).
+KILL_WAIT = 5.0
+
+
+def _mount() -> str | None:
+    """Where the cgroup v2 hierarchy is mounted, if it is."""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "cgroup2":
+                    return parts[1]
+    except OSError:
+        pass
+    return None
+
+
+def _own() -> str | None:
+    """This process's cgroup in the v2 hierarchy ("0::/path")."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class Container:
+    """The workers' cgroup (`path`), or None and why there is none."""
+
+    path: str | None
+    why: str = ""
+
+    @classmethod
+    def make(cls) -> Container:
+        """A new subtree under this process's cgroup; one without a path where none can be."""
+        mount, own = _mount(), _own()
+        if mount is None or own is None:
+            return cls(None, "no cgroup v2 hierarchy is mounted")
+        path = os.path.join(
+            mount, own.lstrip("/"), f"elasticrun-{os.getpid()}-{os.urandom(3).hex()}"
+        )
+        try:
+            os.mkdir(path)
+        except OSError as e:
+            return cls(None, f"cannot make {path}: {e.strerror}")
+        if not os.path.exists(os.path.join(path, "cgroup.kill")):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return cls(None, "the kernel has no cgroup.kill (Linux 5.14 or later has it)")
+        return cls(path)
+
+    def env(self) -> dict[str, str]:
+        """What a worker is told, to join the subtree."""
+        return {CGROUP_ENV: self.path} if self.path else {}
+
+    def describe(self) -> str:
+        if self.path:
+            return f"the workers' cgroup {self.path} (all it holds ends with the job)"
+        return (
+            f"no cgroup for the workers ({self.why}): what they start is ended by process "
+            "group and session, so a daemon that left both can outlive the job"
+        )
+
+    def kill(self, timeout: float = KILL_WAIT) -> None:
+        """End everything in the subtree and remove it."""
+        if not self.path:
+            return
+        kill_tree(self.path, timeout)
+        self.path = None
+
+
+def kill_tree(path: str, timeout: float = KILL_WAIT) -> bool:
+    """Kill everything in cgroup `path`, wait (up to `timeout`) for it to empty, remove it;
+    whether it is gone. (The guardian does the same with the standard library alone.)"""
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.rmdir(path)  # refused while a process is still inside (EBUSY)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.01)
+    logger.warning("the workers' cgroup %s did not empty within %g s", path, timeout)
+    return False
+
+
+def join() -> None:
+    """In a worker: move into the workers' cgroup (``$ELASTICRUN_CGROUP``), if there is one;
+    a worker that cannot stays where it is."""
+    path = os.environ.get(CGROUP_ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
