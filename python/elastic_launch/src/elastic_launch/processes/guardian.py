@@ -211,10 +211,12 @@ def _sessions_of(sids: set[int]) -> list[int]:
 
 
 def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) -> None:
-    """Kill everything in `cgroups` (and remove them), `groups` and everything in their
-    sessions, then remove `paths`."""
+    """Kill everything in `cgroups`, `groups` and everything in their sessions, remove
+    `paths` (again while a dying process may still write into them), then the emptied
+    cgroups."""
     for cgroup in cgroups:
-        _kill_cgroup(cgroup)
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
     for _ in range(3):  # a process may fork while we kill: look again
         for pgid in groups:
             with contextlib.suppress(OSError):
@@ -226,19 +228,23 @@ def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) 
         if not left:
             break
         time.sleep(0.01)
-    for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    for _ in range(50):
+        for path in paths:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        if not any(os.path.lexists(path) for path in paths):
+            break
+        time.sleep(0.01)
+    for cgroup in cgroups:
+        _remove_cgroup(cgroup)
 
 
-def _kill_cgroup(path: str, timeout: float = 5.0) -> None:
-    """``cgroup.kill``, then remove the emptied cgroup (processes.cgroup.kill_tree's twin: the
-    guardian imports nothing of the project)."""
-    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
-        f.write("1")
+def _remove_cgroup(path: str, timeout: float = 5.0) -> None:
+    """Remove cgroup `path` once the kernel has emptied it (``rmdir`` is refused until
+    then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
