@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -100,18 +99,13 @@ class Container:
 
 def kill_tree(path: str, timeout: float = KILL_WAIT) -> bool:
     """Kill everything in cgroup `path`, wait (up to `timeout`) for it to empty, remove it;
-    whether it is gone. (The guardian does the same with the standard library alone.)"""
-    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
-        f.write("1")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.rmdir(path)  # refused while a process is still inside (EBUSY)
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            time.sleep(0.01)
+    whether it is gone (the guardian's functions: one way for both)."""
+    # Here, not at the top: a worker imports this module to join, and needs none of it.
+    from elastic_launch.processes.guardian import remove_cgroup, signal_cgroup
+
+    signal_cgroup(path)
+    if remove_cgroup(path, timeout):
+        return True
     logger.warning("the workers' cgroup %s did not empty within %g s", path, timeout)
     return False
 

@@ -215,8 +215,7 @@ def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) 
     `paths` (again while a dying process may still write into them), then the emptied
     cgroups."""
     for cgroup in cgroups:
-        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-            f.write("1")
+        signal_cgroup(cgroup)
     for _ in range(3):  # a process may fork while we kill: look again
         for pgid in groups:
             with contextlib.suppress(OSError):
@@ -239,21 +238,29 @@ def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) 
             break
         time.sleep(0.01)
     for cgroup in cgroups:
-        _remove_cgroup(cgroup)
+        remove_cgroup(cgroup)
 
 
-def _remove_cgroup(path: str, timeout: float = 5.0) -> None:
+def signal_cgroup(path: str) -> None:
+    """Kill everything in cgroup `path` at once (``cgroup.kill``)."""
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+
+
+def remove_cgroup(path: str, timeout: float = 5.0) -> bool:
     """Remove cgroup `path` once the kernel has emptied it (``rmdir`` is refused until
-    then)."""
+    then), waiting up to `timeout`; whether it is gone. The launcher's way too
+    (processes.cgroup): the guardian imports nothing of the project."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             os.rmdir(path)
-            return
+            return True
         except FileNotFoundError:
-            return
+            return True
         except OSError:
             time.sleep(0.01)
+    return False
 
 
 class _Orders:
