@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from classic_example import EXAMPLE, SAMPLES, STEP, assert_every_sample_once
 from launcher_util import HERE, finish, free_port, kill_all, start, wait_for
 
 from common import step_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-EXAMPLE = HERE.parents[1] / "examples" / "classic_train_loop.py"
-STEP = re.compile(r"^step (\d+) rank (\d+) world (\d+) pid (\d+)$", re.MULTILINE)
-SAMPLES, EPOCHS = 96, 2
+EPOCHS = 2
 EPOCHS_JOIN = 8  # the first node alone trains long enough for the second to come, even when busy
 
 
@@ -55,14 +54,7 @@ class Job:
         return json.loads((self.out / "final.json").read_text())
 
     def assert_every_sample_once_per_epoch(self) -> None:
-        history = self.result()["history"]
-        for epoch in range(EPOCHS):
-            spans = sorted((first, n) for e, first, n in history if e == epoch)
-            at = 0
-            for first, n in spans:
-                assert first == at, f"epoch {epoch}: samples {at}..{first} skipped or repeated"
-                at += n
-            assert at == SAMPLES, f"epoch {epoch} ended at sample {at}"
+        assert_every_sample_once(self.result()["history"], EPOCHS, SAMPLES)
 
 
 def launch(tmp_path: Path, name: str, *flags: str, script: tuple[str, ...] = ()) -> Job:

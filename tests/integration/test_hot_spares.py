@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,15 +18,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from launcher_util import HERE, alive, free_port, start, wait_for
+from classic_example import EXAMPLE, STEP, assert_every_sample_once
+from launcher_util import alive, free_port, start, wait_for
 
 from common import loop_state, waiting_spare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-EXAMPLE = HERE.parents[1] / "examples" / "classic_train_loop.py"
-STEP = re.compile(r"^step (\d+) rank (\d+) world (\d+) pid (\d+)$", re.MULTILINE)
-SAMPLES = 96
 
 
 class Live:
@@ -91,14 +87,7 @@ def spare_waiting(job: Live) -> int | None:
 
 
 def every_sample_once(job: Live, epochs: int = 2) -> None:
-    history = json.loads((job.out / "final.json").read_text())["history"]
-    for epoch in range(epochs):
-        spans = sorted((first, n) for e, first, n in history if e == epoch)
-        at = 0
-        for first, n in spans:
-            assert first == at, f"epoch {epoch}: samples {at}..{first} skipped or repeated"
-            at += n
-        assert at == SAMPLES
+    assert_every_sample_once(json.loads((job.out / "final.json").read_text())["history"], epochs)
 
 
 @pytest.fixture(scope="module")
