@@ -18,6 +18,7 @@ import pickle
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import elastic_core
@@ -129,10 +130,15 @@ class WorkerGroup:
             )
         return out
 
+    @staticmethod
+    def _training(workers: Iterable[Worker]) -> list[Worker]:
+        """`workers`, those waiting for a round of the train loop aside."""
+        return [w for w in workers if w.train_loop() != Loop.WAITING]
+
     def all_beating(self) -> bool:
         """Whether every worker has beaten, hot spares waiting aside."""
         beats = self.beats()
-        training = [w for w in self._workers.values() if w.train_loop() != Loop.WAITING]
+        training = self._training(self._workers.values())
         return bool(training) and all(
             w.local_rank in beats and beats[w.local_rank].last_beat_ns != 0 for w in training
         )
@@ -145,7 +151,7 @@ class WorkerGroup:
         """Whether every worker that trains has made a step past `steps` (by local rank; a
         worker not in it, past 0), hot spares waiting aside."""
         now = self.steps()
-        training = [w for w in self.alive() if w.train_loop() != Loop.WAITING]
+        training = self._training(self.alive())
         return bool(training) and all(
             now.get(w.local_rank, 0) > steps.get(w.local_rank, 0) for w in training
         )
