@@ -29,7 +29,7 @@ from elastic_launch.agent.events import Events
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.observe import Observer
-from elastic_launch.agent.spares import HotSpares
+from elastic_launch.agent.spares import HotSpares, emit_replaced
 from elastic_launch.agent.summary import describe
 from elastic_launch.agent.worker import Happened, SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
@@ -332,17 +332,7 @@ class ElasticAgent:
         except SpawnError as e:
             spawn = Happened(Happening.SPAWN_FAILED, detail=str(e), rank=w.rank, replacing=True)
             return self._decide(dataclasses.replace(spawn, local_rank=w.local_rank))
-        self.events.emit(
-            "worker_replaced",
-            self.attempt,
-            rank=new.rank,
-            local_rank=new.local_rank,
-            pid=new.pid,
-            generation=new.generation,
-            restarts=self.restarts,
-            spawn_seconds=(elastic_core.now_ns() - t0) / 1e9,
-            recovery_seconds=(elastic_core.now_ns() - failure.time_ns) / 1e9,
-        )
+        emit_replaced(self.events, self.attempt, new, self.restarts, t0, failure.time_ns)
         return None
 
     def _end_attempt(self, decision: Decision) -> RunResult | tuple[RestartReason, str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import elastic_core
 
 from elastic_launch.agent.events import Events
-from elastic_launch.agent.worker import SpawnError
+from elastic_launch.agent.worker import SpawnError, Worker
 from elastic_launch.agent.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,32 @@ class _Behind:
 
     failed_ns: int  # when the worker failed
     restarts: int  # the job's restarts once its replacement was counted
+
+
+def emit_replaced(
+    events: Events,
+    attempt: int,
+    w: Worker,
+    restarts: int,
+    started_ns: int,
+    failed_ns: int,
+    **extra: object,
+) -> None:
+    """The ``worker_replaced`` event of `w`, started at `started_ns` in the place of a worker
+    that failed at `failed_ns` (the job's restarts then: `restarts`)."""
+    now = elastic_core.now_ns()
+    events.emit(
+        "worker_replaced",
+        attempt,
+        rank=w.rank,
+        local_rank=w.local_rank,
+        pid=w.pid,
+        generation=w.generation,
+        restarts=restarts,
+        spawn_seconds=(now - started_ns) / 1e9,
+        recovery_seconds=(now - failed_ns) / 1e9,
+        **extra,
+    )
 
 
 class HotSpares:
@@ -78,18 +104,8 @@ class HotSpares:
             if behind is None:
                 self.events.emit("hot_spare_started", attempt, local_rank=w.local_rank, pid=w.pid)
                 continue
-            now = elastic_core.now_ns()
-            self.events.emit(
-                "worker_replaced",
-                attempt,
-                rank=w.rank,
-                local_rank=w.local_rank,
-                pid=w.pid,
-                generation=w.generation,
-                restarts=behind.restarts,
-                spawn_seconds=(now - t0) / 1e9,
-                recovery_seconds=(now - behind.failed_ns) / 1e9,
-                hot_spare=True,
+            emit_replaced(
+                self.events, attempt, w, behind.restarts, t0, behind.failed_ns, hot_spare=True
             )
         logger.info("hot spare(s) started: pids %s", [w.pid for w in started])
 
