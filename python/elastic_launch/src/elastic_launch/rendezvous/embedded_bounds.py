@@ -1,38 +1,66 @@
 """What a client can make the embedded rendezvous service hold, and the accounts that keep it
 to that.
 
-Every dimension is capped: keys and their bytes, the history kept for watches that start in
-the past, the streams open, the watches on one stream, the leases (per connection and in all;
-a few of each connection's are its own, whatever the others hold, and none outlives
-:data:`MAX_TTL` unrenewed), and the bytes of answers not yet taken by the network: a watch
-stream's queued and unsent events (per stream and for all streams), and the answers to
-reads. A write past a cap is refused with RESOURCE_EXHAUSTED; a watch stream past its share
-is cut off (as etcd cancels a slow watcher); a read that would pass the answers' cap is
-refused (it may be tried again), and one that could never fit is refused naming the limit.
-A round of 1,024 nodes uses a few thousand keys, a lease per node and well under a MiB, far
-inside every cap.
+Every dimension is capped, and what a caller holds is counted against its connection's share
+as well as the service's total (:class:`Shares`): the streams open, the events queued on
+them and not yet taken by the network, the ranges its watches hold, the answers to its reads
+being sent, its leases (none outlives :data:`MAX_TTL` unrenewed). A connection's first few of
+each are its own whatever the others hold, so that no caller can use up a total and keep an
+honest agent out. Requests are read in turns (:class:`Turns`): a unary request is read only
+once its turn comes, so that however many arrive at once, a bounded number of bytes is being
+read. Keys and their bytes, and the history kept for watches that start in the past, are
+capped for the service.
+
+A write past a cap is refused with RESOURCE_EXHAUSTED; a watch past its connection's share
+of ranges is refused naming the share; a watch stream past its share of events is cut off
+(as etcd cancels a slow watcher); a read that would pass the answers' cap is refused (it may
+be tried again), and one that could never fit is refused naming the limit. A round of 1,024
+nodes uses a few thousand keys, a lease per node and well under a MiB, far inside every cap.
 
 So, whatever clients do, the service holds at most the data cap (64 MiB) plus the history
-(16 MiB), the watches' bytes (12 MiB), the reads' bytes (16 MiB) and the leases (a few MiB), and
-gRPC's own copy of what it is writing: ``tests/launch/rendezvous/test_embedded_bounds.py``
-measures it under each attack."""
+(16 MiB), the events queued (12 MiB), the ranges watched (8 MiB), the answers being sent
+(16 MiB), the requests being read (16 MiB, held two or three times over while parsed), the
+leases (a few MiB) and gRPC's own buffers: the window of each request waiting its turn
+(64 KiB), and what gRPC keeps per open connection (about half a MiB once it has read a request
+at the limit). ``tests/launch/rendezvous/test_embedded_bounds.py`` measures it under each
+attack. A request arriving on a stream (a watch's, a keep-alive's) is read as it comes: each
+open stream may have one arriving at once; the job's token is what keeps strangers from
+opening streams at all."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 HISTORY = 100_000  # events kept for watches that start in the past
 HISTORY_BYTES = 16 << 20
-STREAM_BYTES = 8 << 20  # queued or being sent on one watch stream
-WATCH_BYTES = 12 << 20  # queued or being sent on all watch streams together
-READ_BYTES = 16 << 20  # answers to reads being sent, together
-MAX_STREAMS = 8192  # watch and keep-alive streams at once
-WATCHERS_PER_STREAM = 256
 MAX_KEYS = 100_000
 MAX_DATA_BYTES = 64 << 20  # keys and values held
-MAX_REQUEST = 4 << 20  # one request (gRPC's default, said explicitly)
+MAX_REQUEST = 2 << 20  # one request: etcd's (its 1.5 MiB request limit, and 512 KiB for gRPC)
+#: Requests being read at once, by their largest size: a request's size is known only once
+#: it has arrived, so each is counted at MAX_REQUEST, and REQUEST_BYTES // MAX_REQUEST are
+#: read at a time, one per connection, the others waiting their turn in the order they came.
+REQUEST_BYTES = 16 << 20
+TURN_WAIT = 30.0  # seconds a request waits for its turn before it is refused
+RECEIVE_TIMEOUT = 10.0  # seconds a request, once its turn came, has to arrive
+STREAM_BYTES = 4 << 20  # events queued or being sent on one watch stream
+WATCH_BYTES = 12 << 20  # ... on all watch streams together
+EVENTS_PER_CLIENT = 4 << 20  # ... on one connection's streams
+RESERVED_EVENTS = 64 << 10  # ... each connection's own, whatever the others hold
+#: Bytes of the ranges watched: what a watch's key and range end hold while it lives.
+RANGE_BYTES = 8 << 20
+RANGES_PER_CLIENT = 1 << 20
+RESERVED_RANGES = 16 << 10  # an agent's few watches always fit
+WATCH_OVERHEAD = 256  # bytes a watch costs beyond its key and range end
+READ_BYTES = 16 << 20  # answers to reads being sent, together
+RESERVED_READS = 256 << 10  # each connection's own
+MAX_STREAMS = 8192  # watch and keep-alive streams at once
+STREAMS_PER_CLIENT = 64
+RESERVED_STREAMS = 4  # an agent's watch and keep-alive streams always open
+WATCHERS_PER_STREAM = 256
 EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
 HANDSHAKE_MS = 5000  # a connection that has not said it speaks HTTP/2 (or TLS) by then is closed
 #: The longest lease, in seconds (etcd's is 9e9): a departed client's leases end within it.
@@ -45,59 +73,64 @@ LEASES_PER_CLIENT = 256  # a client: one connection (an agent holds one or two)
 RESERVED_PER_CLIENT = 4
 
 
-class Account:
-    """Bytes held against a limit."""
+class Shares:
+    """What each caller (a connection) holds of one thing, against its share and the service's
+    total: a take past either is refused, naming the limit. A caller's first `reserved` are its
+    own whatever the others hold, so that no caller can use up the total and keep an honest
+    agent out; the total can pass its cap by at most those reserves."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.bytes = 0
-
-    def take(self, n: int) -> bool:
-        if self.bytes + n > self.limit:
-            return False
-        self.bytes += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.bytes -= n
-
-
-class Leases:
-    """Who holds how many leases: a grant past either cap is refused."""
-
-    def __init__(self) -> None:
+    def __init__(self, unit: str, per_client: int, total: int, reserved: int = 0) -> None:
+        self.unit = unit
+        self.per_client = per_client
+        self.total = total
+        self.reserved = reserved
         self.count = 0
-        self.per_client: collections.Counter[str] = collections.Counter()
+        self.held: collections.Counter[str] = collections.Counter()
 
-    def room(self, client: str) -> str | None:
-        """Why `client` may not be granted another lease, or None."""
-        if self.per_client[client] >= LEASES_PER_CLIENT:
-            return f"this connection holds {LEASES_PER_CLIENT} leases already"
-        if self.count >= MAX_LEASES and self.per_client[client] >= RESERVED_PER_CLIENT:
-            return f"it holds {MAX_LEASES} leases already"
+    def room(self, client: str, n: int = 1) -> str | None:
+        """Why `client` may not take `n` more, or None."""
+        mine = self.held[client] + n
+        if mine > self.per_client:
+            return (
+                f"this connection would hold {mine} {self.unit}; one connection may hold "
+                f"{self.per_client}"
+            )
+        if self.count + n > self.total and mine > self.reserved:
+            return (
+                f"the service holds {self.count} {self.unit} already and may hold "
+                f"{self.total} (each connection's first {self.reserved} are its own)"
+            )
         return None
 
-    def granted(self, client: str) -> None:
-        self.count += 1
-        self.per_client[client] += 1
+    def take(self, client: str, n: int = 1) -> None:
+        self.count += n
+        self.held[client] += n
 
-    def ended(self, client: str) -> None:
-        self.count -= 1
-        self.per_client[client] -= 1
-        if self.per_client[client] <= 0:
-            del self.per_client[client]
+    def give(self, client: str, n: int = 1) -> None:
+        self.count -= n
+        self.held[client] -= n
+        if self.held[client] <= 0:
+            del self.held[client]
+
+
+def leases() -> Shares:
+    return Shares("leases", LEASES_PER_CLIENT, MAX_LEASES, RESERVED_PER_CLIENT)
 
 
 class Outbox:
-    """A watch stream's queue, which counts the bytes of its events from the moment they are
-    queued until the network has taken them: a stream whose client stops reading is cut off
-    at :data:`STREAM_BYTES`, or when all streams together hold :data:`WATCH_BYTES`, instead of
-    growing."""
+    """A watch stream's queue and what the stream holds: the bytes of its events from the
+    moment they are queued until the network has taken them, and of the ranges it watches.
+    Events are counted against the stream's :data:`STREAM_BYTES` and its connection's share
+    of `events`: a stream whose client stops reading is cut off instead of growing. Ranges
+    are counted against the connection's share of `ranges`: a watch past it is refused."""
 
-    def __init__(self, total: Account) -> None:
+    def __init__(self, events: Shares, ranges: Shares, client: str) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.total = total
+        self.events = events
+        self.ranges = ranges
+        self.client = client
         self.bytes = 0
+        self.watched = 0  # bytes of the ranges this stream's watches hold
         self.overflowed = False
 
     def put(self, item: Any) -> None:
@@ -108,10 +141,11 @@ class Outbox:
         the stream is then cut off."""
         if self.overflowed:
             return False
-        if self.bytes + size > STREAM_BYTES or not self.total.take(size):
+        if self.bytes + size > STREAM_BYTES or self.events.room(self.client, size) is not None:
             self.overflowed = True
             self.queue.put_nowait(("overflow", None))
             return False
+        self.events.take(self.client, size)
         self.bytes += size
         return True
 
@@ -127,10 +161,72 @@ class Outbox:
         """The network took `size` bytes of this stream's."""
         if not self.overflowed or self.bytes:
             self.bytes -= size
-            self.total.give(size)
+            self.events.give(self.client, size)
+
+    def watch(self, cost: int) -> str | None:
+        """Hold `cost` bytes for a watch's range; why not, if it does not fit."""
+        full = self.ranges.room(self.client, cost)
+        if full is None:
+            self.ranges.take(self.client, cost)
+            self.watched += cost
+        return full
+
+    def unwatch(self, cost: int) -> None:
+        cost = min(cost, self.watched)
+        self.ranges.give(self.client, cost)
+        self.watched -= cost
 
     def drop(self) -> None:
         """The stream ended: what it still held is no longer held."""
-        self.total.give(self.bytes)
+        self.events.give(self.client, self.bytes)
+        self.unwatch(self.watched)
         self.bytes = 0
         self.overflowed = True
+
+
+def watch_cost(key: bytes, end: bytes) -> int:
+    """What a watch of [key, end) holds while it lives."""
+    return len(key) + len(end) + WATCH_OVERHEAD
+
+
+class NoTurnError(Exception):
+    """A request waited :data:`TURN_WAIT` seconds and its turn did not come."""
+
+
+class Turns:
+    """Whose requests are read now: :data:`REQUEST_BYTES` // :data:`MAX_REQUEST` at once, one
+    per connection; the others wait in the order they came. A connection's second request
+    waits behind its first, so that a connection with many requests waits its turn as one
+    with one does, and no connection keeps the others out."""
+
+    def __init__(self) -> None:
+        self._all: asyncio.Semaphore | None = None  # made on the service's loop
+        self._mine: dict[str, list[Any]] = {}  # a connection's lock, and how many use it
+
+    @contextlib.asynccontextmanager
+    async def turn(self, client: str) -> AsyncIterator[None]:
+        """Hold a turn for `client`; raises :class:`NoTurnError` past :data:`TURN_WAIT`."""
+        if self._all is None:
+            self._all = asyncio.Semaphore(max(1, REQUEST_BYTES // MAX_REQUEST))
+        every, entry = self._all, self._mine.setdefault(client, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            try:
+                async with asyncio.timeout(TURN_WAIT):
+                    await entry[0].acquire()
+                    try:
+                        await every.acquire()
+                    except BaseException:
+                        entry[0].release()
+                        raise
+            except TimeoutError:
+                raise NoTurnError from None
+            try:
+                yield
+            finally:
+                every.release()
+                entry[0].release()
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._mine[client]

@@ -67,13 +67,15 @@ def _answering(method: Any) -> Any:
         try:
             self._check(context)
             self._hosting()
-            self._answer_bytes = 0  # the method runs to its end without yielding the loop
+            # The method runs to its end without yielding the loop: these are its call's.
+            self._answer_bytes, self._client = 0, context.peer() or ""
             try:
                 reply = method(self, request)
             finally:
                 taken, self._answer_bytes = self._answer_bytes, 0
                 if taken:
-                    context.add_done_callback(lambda _: self.s.read_bytes.give(taken))
+                    client = self._client
+                    context.add_done_callback(lambda _: self.s.read_bytes.give(client, taken))
             await self._durable()
             return reply
         except _RefusedError as e:
@@ -102,6 +104,7 @@ class _Service(
         self.streams: set[Outbox] = set()  # the watch streams open, told when it steps down
         self._watch_ids = iter(range(1, 1 << 62))
         self._answer_bytes = 0  # of the unary call being answered
+        self._client = ""  # the connection that made it
 
     def _hosting(self) -> None:
         """Refuse the request unless this service hosts (a standby's client moves on)."""
@@ -150,12 +153,13 @@ class _Service(
                 "embedded rendezvous service sends at once: read fewer keys at a time (a "
                 "limit, or a narrower range)",
             )
-        if not self.s.read_bytes.take(size):
+        full = self.s.read_bytes.room(self._client, size)
+        if full is not None:
             raise _RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the embedded rendezvous service is sending {self.s.read_bytes.bytes} bytes "
-                f"of answers already (at most {bounds.READ_BYTES}): try again",
+                f"the embedded rendezvous service is sending answers: {full}; try again",
             )
+        self.s.read_bytes.take(self._client, size)
         self._answer_bytes += size
 
     async def Authenticate(  # noqa: N802 - gRPC's name
@@ -179,26 +183,24 @@ class _Service(
             token=challenge.answer(self.token, request.password, time.time()),
         )
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        """A stream starts only with the job's token, and while fewer than
-        :data:`bounds.MAX_STREAMS` are open."""
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """A stream starts only with the job's token, and within its connection's share of
+        streams (:data:`bounds.STREAMS_PER_CLIENT`) and the service's. The connection."""
+        client = context.peer() or ""
         try:
             self._check(context)
             self._hosting()
-            if self.s.streams >= bounds.MAX_STREAMS:
+            full = self.s.streams.room(client)
+            if full is not None:
                 raise _RefusedError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the embedded rendezvous service has {bounds.MAX_STREAMS} streams open "
-                    "already",
+                    f"the embedded rendezvous service opens no more streams: {full}",
                 )
         except _RefusedError as e:
             await context.abort(e.code, e.details)
-        self.s.streams += 1
-
-        def closed(_: Any) -> None:
-            self.s.streams -= 1
-
-        context.add_done_callback(closed)
+        self.s.streams.take(client)
+        context.add_done_callback(lambda _: self.s.streams.give(client))
+        return client
 
     # ---- KV ----------------------------------------------------------------------------------
 
@@ -328,13 +330,15 @@ class _Service(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._admit(context)
-        async for request in request_iterator:
+        async for request in _requests(context):
             try:
                 self._hosting()
             except _RefusedError as e:
                 await context.abort(e.code, e.details)
-            ttl = self.s.renew(request.ID)
-            yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=request.ID, TTL=ttl)
+            lease_id = request.ID
+            del request  # not held while the next is awaited
+            ttl = self.s.renew(lease_id)
+            yield rpc_pb2.LeaseKeepAliveResponse(header=self.s.header(), ID=lease_id, TTL=ttl)
 
     @_answering
     def LeaseTimeToLive(self, request: Any) -> Any:  # noqa: N802
@@ -351,8 +355,8 @@ class _Service(
     async def Watch(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        await self._admit(context)
-        out = Outbox(self.s.watch_bytes)
+        client = await self._admit(context)
+        out = Outbox(self.s.watch_bytes, self.s.watched, client)
         self.streams.add(out)
 
         def ended(_: Any) -> None:
@@ -361,7 +365,7 @@ class _Service(
 
         context.add_done_callback(ended)
         mine: dict[int, ServedWatch] = {}
-        reader = asyncio.ensure_future(_read_watch_requests(request_iterator, out))
+        reader = asyncio.ensure_future(_read_watch_requests(_requests(context), out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
         # runs its finally only when it is collected.
         context.add_done_callback(lambda _: self.s.remove_watchers(list(mine.values())))
@@ -406,15 +410,28 @@ class _Service(
             gone = mine.pop(arg, None)
             if gone is not None:
                 self.s.remove_watchers([gone])
+                out.unwatch(gone.cost)
             return [(rpc_pb2.WatchResponse(header=header, watch_id=arg, canceled=True), 0)]
-        return self._create(arg, header, out, mine)
+        if kind == "refuse":  # its range did not fit the connection's share
+            reply = rpc_pb2.WatchResponse(
+                header=header,
+                watch_id=next(self._watch_ids),
+                created=True,
+                canceled=True,
+                cancel_reason=f"the embedded rendezvous service watches no more ranges: {arg}",
+            )
+            return [(reply, 0)]
+        create, cost = arg
+        return self._create(create, cost, header, out, mine)
 
     def _create(
-        self, create: Any, header: Any, out: Outbox, mine: dict[int, ServedWatch]
+        self, create: Any, cost: int, header: Any, out: Outbox, mine: dict[int, ServedWatch]
     ) -> Iterable[tuple[Any, int]]:
-        w = ServedWatch(create.key, create.range_end, out, next(self._watch_ids))
+        """A watch whose range holds `cost` bytes of the stream's share already."""
+        w = ServedWatch(create.key, create.range_end, out, next(self._watch_ids), cost)
 
         def refused(**why: Any) -> list[tuple[Any, int]]:
+            out.unwatch(cost)
             reply = rpc_pb2.WatchResponse(
                 header=header, watch_id=w.watch_id, created=True, canceled=True, **why
             )
@@ -486,7 +503,7 @@ class _Service(
             self._hosting()
         except _RefusedError as e:
             await context.abort(e.code, e.details)
-        async for update in self.replicas.follow(request_iterator, context):
+        async for update in self.replicas.follow(_requests(context), context):
             yield update
 
 
@@ -573,14 +590,22 @@ class EmbeddedServer:
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", bounds.MAX_REQUEST),
                 ("grpc.server_handshake_timeout_ms", bounds.HANDSHAKE_MS),
+                # A request waiting for its turn (bounds.Turns) holds at most this window:
+                # without them, gRPC grows each stream's window and takes it whole.
+                ("grpc.http2.bdp_probe", 0),
+                ("grpc.http2.lookahead_bytes", 64 << 10),
             ]
         )
-        rpc_pb2_grpc.add_KVServicer_to_server(self._service, server)
-        rpc_pb2_grpc.add_LeaseServicer_to_server(self._service, server)
-        rpc_pb2_grpc.add_WatchServicer_to_server(self._service, server)
-        rpc_pb2_grpc.add_MaintenanceServicer_to_server(self._service, server)
-        rpc_pb2_grpc.add_AuthServicer_to_server(self._service, server)
-        replica_pb2_grpc.add_ReplicaServicer_to_server(self._service, server)
+        in_turns = _InTurns(server, bounds.Turns())
+        for add in (
+            rpc_pb2_grpc.add_KVServicer_to_server,
+            rpc_pb2_grpc.add_LeaseServicer_to_server,
+            rpc_pb2_grpc.add_WatchServicer_to_server,
+            rpc_pb2_grpc.add_MaintenanceServicer_to_server,
+            rpc_pb2_grpc.add_AuthServicer_to_server,
+            replica_pb2_grpc.add_ReplicaServicer_to_server,
+        ):
+            add(self._service, in_turns)
         try:
             if self._tls is None:
                 port = server.add_insecure_port(self._address)
@@ -672,6 +697,71 @@ class EmbeddedServer:
         self._stop_loop()
 
 
+class _InTurns:
+    """Stands for the server while the generated code adds a service: each unary method is
+    added as one that reads its request itself, in its turn (:class:`bounds.Turns`). gRPC
+    would read a unary request whole before the method runs, so that requests at its 4 MiB
+    limit on many connections at once were all held at once."""
+
+    def __init__(self, server: grpc.aio.Server, turns: bounds.Turns) -> None:
+        self.server = server
+        self.turns = turns
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the same methods come, by name, to :meth:`add_registered_method_handlers`."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        handlers = {
+            name: h if h.request_streaming or h.response_streaming else self._in_turn(h)
+            for name, h in handlers.items()
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, handlers),)
+        )
+        self.server.add_registered_method_handlers(service, handlers)
+
+    def _in_turn(self, handler: Any) -> Any:
+        behaviour, turns = handler.unary_unary, self.turns
+
+        async def read_in_turn(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async with turns.turn(context.peer() or ""):
+                    request = await _one_request(requests, context)
+            except bounds.NoTurnError:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the embedded rendezvous service reads "
+                    f"{bounds.REQUEST_BYTES // bounds.MAX_REQUEST} requests at a time and this "
+                    f"one waited {bounds.TURN_WAIT:g} s for its turn: try again",
+                )
+            return await behaviour(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            read_in_turn,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def _one_request(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    """A unary call's request, which has :data:`bounds.RECEIVE_TIMEOUT` to arrive. The reader
+    is closed once it has: gRPC's would hold the request until the call's objects are
+    collected, which their cycles put off until a collection that may come late."""
+    reader = requests.__aiter__()
+    try:
+        async with asyncio.timeout(bounds.RECEIVE_TIMEOUT):
+            return await reader.__anext__()
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request did not arrive within {bounds.RECEIVE_TIMEOUT:g} s of its turn",
+        )
+    except StopAsyncIteration:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request")
+    finally:
+        await reader.aclose()
+
+
 def _server_credentials(ca: str | None, cert: str | None, key: str | None) -> Any:
     if not (cert and key):
         raise OSError("serving over TLS needs cert= and key= (this node hosts the service)")
@@ -698,15 +788,33 @@ async def _keep_running(step: Callable[[], Awaitable[None]], what: str) -> None:
             await asyncio.sleep(0.5)
 
 
+async def _requests(context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """A stream's requests, none of them held while the next is awaited (gRPC's iterator holds
+    the last one until the next arrives: a megabyte a stream, on streams that go quiet)."""
+    while True:
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            return
+        yield request
+        del request
+
+
 async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> None:
-    """A watch stream's requests into its queue; however the reading ends, the stream ends."""
+    """A watch stream's requests into its queue; however the reading ends, the stream ends.
+    A watch's range counts against the stream's share as it is read: requests that wait in
+    the queue (a stream not read waits to send) are counted too."""
     try:
         async for request in requests:
             kind = request.WhichOneof("request_union")
             if kind == "create_request":
-                out.put(("create", request.create_request))
+                create = request.create_request
+                cost = bounds.watch_cost(create.key, create.range_end)
+                full = out.watch(cost)
+                out.put(("refuse", full) if full else ("create", (create, cost)))
+                del create  # a refused one is not held while the next is awaited
             elif kind == "cancel_request":
                 out.put(("cancel", request.cancel_request.watch_id))
+            del request
     except (grpc.RpcError, asyncio.CancelledError):
         pass
     finally:

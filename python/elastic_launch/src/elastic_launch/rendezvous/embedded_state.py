@@ -37,6 +37,7 @@ class ServedWatch:
     end: bytes
     out: Outbox  # (watch_id, [events of one revision]) for the stream's sender
     watch_id: int
+    cost: int = 0  # bytes of the stream's share of watched ranges it holds
 
     def matches(self, key: bytes) -> bool:
         if not self.end:
@@ -71,10 +72,27 @@ class ServiceState:
         self.compacted = 0  # the newest revision with events dropped from the history
         self.history_bytes = 0
         self.data_bytes = 0  # keys and values held
-        self.streams = 0  # watch and keep-alive streams open
-        self.watch_bytes = bounds.Account(bounds.WATCH_BYTES)  # queued or being sent
-        self.read_bytes = bounds.Account(bounds.READ_BYTES)  # answers being sent
-        self.holders = bounds.Leases()
+        # What each connection holds: streams open, events queued or being sent, the ranges
+        # its watches hold, answers being sent, leases (embedded_bounds says why each).
+        self.streams = bounds.Shares(
+            "streams", bounds.STREAMS_PER_CLIENT, bounds.MAX_STREAMS, bounds.RESERVED_STREAMS
+        )
+        self.watch_bytes = bounds.Shares(
+            "bytes of events not yet sent",
+            bounds.EVENTS_PER_CLIENT,
+            bounds.WATCH_BYTES,
+            bounds.RESERVED_EVENTS,
+        )
+        self.watched = bounds.Shares(
+            "bytes of watched ranges",
+            bounds.RANGES_PER_CLIENT,
+            bounds.RANGE_BYTES,
+            bounds.RESERVED_RANGES,
+        )
+        self.read_bytes = bounds.Shares(
+            "bytes of answers", bounds.READ_BYTES, bounds.READ_BYTES, bounds.RESERVED_READS
+        )
+        self.holders = bounds.leases()
         self.pending: list[kv_pb2.Event] = []  # the current revision's events
         # Watchers by the range they watch, then by id: many nodes watch the same few ranges
         # (the state, the shared keys), so a commit matches each event against ranges, not
@@ -269,14 +287,14 @@ class ServiceState:
 
     def grant(self, lease_id: int, ttl: int, client: str) -> None:
         self.leases[lease_id] = HeldLease(ttl, time.monotonic() + ttl, client=client)
-        self.holders.granted(client)
+        self.holders.take(client)
         self.granted.append(replica_pb2.Lease(id=lease_id, ttl=ttl, client=client))
         self.flush()
 
     def revoke(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
-            self.holders.ended(lease.client)
+            self.holders.give(lease.client)
             self.revoked.append(lease_id)
         if lease is not None and lease.kept:
             self._tell_kept()
@@ -296,7 +314,7 @@ class ServiceState:
         versions), and keep its events in the history."""
         for lease in change.granted:
             self.leases[lease.id] = HeldLease(lease.ttl, float("inf"), client=lease.client)
-            self.holders.granted(lease.client)
+            self.holders.take(lease.client)
         if change.revision != self.revision:
             self.revision = change.revision
             for event in change.events:
@@ -309,7 +327,7 @@ class ServiceState:
         for lease_id in change.revoked:
             gone = self.leases.pop(lease_id, None)
             if gone is not None:
-                self.holders.ended(gone.client)
+                self.holders.give(gone.client)
         for lease_id in change.kept:
             if lease_id in self.leases:
                 self.leases[lease_id].kept = True
@@ -346,7 +364,7 @@ class ServiceState:
         self.keys, self.data, self.leases = [], {}, {}
         self.history.clear()
         self.history_bytes = self.data_bytes = 0
-        self.holders = bounds.Leases()
+        self.holders = bounds.leases()
         for part in parts:
             for kv in part.kvs:
                 self.data[kv.key] = kv
@@ -355,7 +373,7 @@ class ServiceState:
                 self.leases[lease.id] = HeldLease(
                     lease.ttl, float("inf"), kept=lease.kept, client=lease.client
                 )
-                self.holders.granted(lease.client)
+                self.holders.take(lease.client)
             for past in part.history:
                 self.history.append((past.revision, past.event))
                 self.history_bytes += size_of(past.event)

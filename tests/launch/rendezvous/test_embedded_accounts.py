@@ -1,0 +1,115 @@
+"""The embedded service's accounts, alone: shares per connection with a total and a reserve,
+requests read in turns, and a watch stream's holdings given back when it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from elastic_launch.rendezvous import embedded_bounds as bounds
+
+
+def test_a_share_refuses_past_the_connections_part_and_the_total_naming_each():
+    shares = bounds.Shares("widgets", per_client=3, total=5, reserved=1)
+    for _ in range(3):
+        assert shares.room("a") is None
+        shares.take("a")
+    assert shares.room("a") == "this connection would hold 4 widgets; one connection may hold 3"
+    shares.take("b", 2)
+    assert shares.count == 5
+    # The total is reached: b is past its reserve, c is not.
+    assert "the service holds 5 widgets already and may hold 5" in str(shares.room("b"))
+    assert shares.room("c") is None
+    shares.take("c")
+    assert shares.room("c") is not None  # its reserve is one
+    for client, n in (("a", 3), ("b", 2), ("c", 1)):
+        shares.give(client, n)
+    assert shares.count == 0 and not shares.held
+
+
+def test_a_watch_streams_events_and_ranges_are_given_back_when_it_ends():
+    events = bounds.Shares("bytes", per_client=100, total=150, reserved=10)
+    ranges = bounds.Shares("bytes", per_client=50, total=60, reserved=5)
+    out = bounds.Outbox(events, ranges, "a")
+    assert out.watch(30) is None
+    assert "one connection may hold 50" in str(out.watch(30))
+    assert out.watch(20) is None and ranges.count == 50
+    out.unwatch(20)
+    assert ranges.count == 30
+    assert out.charge(60) and events.count == 60
+    assert not out.charge(60)  # past the connection's share: cut off
+    assert out.overflowed
+    out.drop()
+    assert events.count == 0 and ranges.count == 0 and not events.held and not ranges.held
+
+
+@pytest.fixture
+def two_turns(monkeypatch):
+    monkeypatch.setattr(bounds, "REQUEST_BYTES", 2 * bounds.MAX_REQUEST)
+    return bounds.Turns()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_turns_are_taken_a_bounded_number_at_once_one_per_connection_in_order(two_turns):
+    async def scenario() -> list[str]:
+        inside: list[str] = []
+        leave = {name: asyncio.Event() for name in ("a1", "a2", "b", "c", "d")}
+
+        async def request(name: str) -> None:
+            async with two_turns.turn(name[0]):
+                inside.append(name)
+                await leave[name].wait()
+
+        async def settle() -> None:
+            for _ in range(10):
+                await asyncio.sleep(0)
+
+        tasks = []
+        for name in ("a1", "a2", "b", "c", "d"):
+            tasks.append(asyncio.ensure_future(request(name)))
+            await settle()
+        # Two at once; a's second waits behind its first although it came before b.
+        assert inside == ["a1", "b"]
+        leave["a1"].set()
+        await settle()
+        assert inside == ["a1", "b", "c"]
+        leave["b"].set()
+        await settle()
+        # a's second joined the queue when its first left: behind d, which waited already.
+        # A connection with many requests waits its turn as one with one does.
+        assert inside == ["a1", "b", "c", "d"]
+        for event in leave.values():
+            event.set()
+        await asyncio.gather(*tasks)
+        assert not two_turns._mine
+        return inside
+
+    assert _run(scenario()) == ["a1", "b", "c", "d", "a2"]
+
+
+def test_a_request_whose_turn_does_not_come_is_refused(two_turns, monkeypatch):
+    monkeypatch.setattr(bounds, "TURN_WAIT", 0.05)
+
+    async def scenario() -> None:
+        never = asyncio.Event()
+
+        async def hold(client: str) -> None:
+            async with two_turns.turn(client):
+                await never.wait()
+
+        holders = [asyncio.ensure_future(hold(c)) for c in ("a", "b")]
+        await asyncio.sleep(0)
+        with pytest.raises(bounds.NoTurnError):
+            async with two_turns.turn("c"):
+                pass
+        for h in holders:
+            h.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+        assert not two_turns._mine
+        async with two_turns.turn("c"):  # every turn was given back
+            pass
+
+    _run(scenario())
