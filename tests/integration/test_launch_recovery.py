@@ -329,6 +329,34 @@ def test_what_a_worker_leaves_at_a_launchers_path_never_blocks_it(out, what, kin
     assert "after: rank 0 " in first, first
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+@pytest.mark.parametrize("what", ["next-attempt", "next-log", "memory"])
+def test_what_a_worker_leaves_where_the_launcher_makes_or_removes_is_moved_aside(out, what, kind):
+    """Rank 0 leaves a FIFO, or a link to a directory of the user's, where the launcher will
+    make the next attempt's directory or its stderr log, or in place of the node's memory-tier
+    directory, then fails. The launcher moves it aside (it crashed at the restart, or blocked
+    in open(), before), restarts, and at its end removes the memory tier's path without
+    following the link."""
+    elsewhere = out / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("mine")
+    logs = ["--log-dir", str(out / "logs"), "--redirects", "2"]
+    args = [*BASE, "--max-restarts", "1", *logs]
+    command = [*args, str(FILE_ATTACK), "--what", what, "--kind", kind]
+    proc = start(command, env={"ELSEWHERE": str(elsewhere)})
+    code, said, err = finish(proc, 120)
+    assert code == 0, err[-3000:]
+    planted = next(line for line in said.splitlines() if "rank 0 left a" in line).split(" at ")[1]
+    if what == "memory":
+        assert not os.path.lexists(planted), "the memory tier's path is removed"
+    else:
+        assert (
+            f"a worker left a {'FIFO' if kind == 'fifo' else 'symbolic link'} at {planted}" in err
+        )
+        assert os.path.isdir(os.path.dirname(planted))
+    assert sorted(os.listdir(elsewhere)) == ["keep"], "the link was never followed"
+
+
 DAEMON = HERE / "scripts" / "daemon.py"
 
 

@@ -94,3 +94,73 @@ def test_a_regular_file_reads_whole_and_appends(tmp_path):
     untrusted.append(path, b"two\n")
     assert untrusted.read(path, 1 << 20) == b"one\ntwo\n" and untrusted.size(path) == 8
     assert untrusted.read(path, 3, offset=4) == b"two"
+
+
+def _plant(place, kind: str, tmp_path, at) -> None:
+    """Put `kind` at path `at` (a symbolic link to a directory, or any of KINDS)."""
+    if kind == "symlink to a directory":
+        target = tmp_path / "elsewhere"
+        target.mkdir()
+        (target / "keep").write_text("mine")
+        os.symlink(target, at)
+    else:
+        os.rename(place(kind), at)
+
+
+PLANTED = (*KINDS, "symlink to a directory")
+
+
+@pytest.mark.parametrize("kind", PLANTED)
+@pytest.mark.parametrize("where", ["top", "middle", "last"])
+def test_a_directory_is_made_whatever_a_worker_left_in_its_way(place, tmp_path, kind, where):
+    top = tmp_path / "run"
+    top.mkdir()
+    path = top / "attempt_1" / "0"
+    at = {"top": top, "middle": top / "attempt_1", "last": path}[where]
+    if where != "top":
+        at.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        top.rmdir()
+    _plant(place, kind, tmp_path, at)
+    moved = untrusted.make_dir(str(path), str(top))
+    assert os.path.isdir(path) and not os.path.islink(path) and not os.path.islink(at)
+    if kind == "directory":
+        assert moved == [], "a directory is a directory: kept"
+        return
+    assert len(moved) == 1 and str(at) in moved[0], moved
+    aside = [p for p in os.listdir(at.parent) if p.startswith(at.name + ".moved-")]
+    assert len(aside) == 1, "what was there is kept, beside"
+    if kind == "symlink to a directory":
+        assert os.listdir(tmp_path / "elsewhere") == ["keep"], "the link was never followed"
+
+
+@pytest.mark.parametrize("kind", PLANTED)
+def test_a_log_is_opened_whatever_a_worker_left_at_its_path(place, tmp_path, kind):
+    path = tmp_path / "stderr.log"
+    _plant(place, kind, tmp_path, path)
+    fd, moved = untrusted.open_log(str(path))
+    try:
+        assert os.get_blocking(fd), "a worker writes its log as a blocking file"
+        os.write(fd, b"line\n")
+    finally:
+        os.close(fd)
+    if kind == "huge":
+        assert moved == [] and os.path.getsize(path) == (1 << 40) + 5
+        return
+    assert len(moved) == 1 and str(path) in moved[0], moved
+    assert not os.path.islink(path) and path.read_bytes() == b"line\n"
+    if kind == "symlink":
+        assert (tmp_path / "target").read_text() == "{}", "the link's target is untouched"
+    if kind == "symlink to a directory":
+        assert os.listdir(tmp_path / "elsewhere") == ["keep"]
+
+
+@pytest.mark.parametrize("kind", PLANTED)
+def test_a_tree_is_removed_whatever_a_worker_put_in_its_place(place, tmp_path, kind):
+    path = tmp_path / "memory"
+    _plant(place, kind, tmp_path, path)
+    untrusted.remove_tree(str(path))
+    assert not os.path.lexists(path)
+    if kind == "symlink to a directory":
+        assert os.listdir(tmp_path / "elsewhere") == ["keep"], "the link was never followed"
+    untrusted.remove_tree(str(path))  # nothing there: no error

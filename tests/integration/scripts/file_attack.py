@@ -2,7 +2,10 @@
 rank 0 replaces the file ``--what`` names (its error file, its loop file, its stack file, or
 the stderr log the launcher appends its stacks to) with ``--kind`` (a FIFO nobody writes, a
 directory), then fails (error, loop) or beats once and hangs (stack, log: the launcher asks
-for its stacks). Rank 1 waits. From the first restart on, both exit 0."""
+for its stacks). Or it leaves ``--kind`` (a FIFO, a symbolic link to a directory) where the
+launcher will make the next attempt's directory, or the next attempt's stderr log, or in place
+of the node's memory-tier directory, then fails. Rank 1 waits. From the first restart on, both
+exit 0."""
 
 from __future__ import annotations
 
@@ -22,16 +25,45 @@ PATHS = {
 }
 
 
+def _next_attempt() -> str:
+    """Where the launcher will make the next attempt's directory: <run>/attempt_1."""
+    run = os.path.dirname(os.path.dirname(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])))
+    return os.path.join(run, "attempt_1")
+
+
+AHEAD = {
+    "next-attempt": _next_attempt,
+    "next-log": lambda: os.path.join(_next_attempt(), "0", "stderr.log"),
+    "memory": lambda: os.environ["ELASTICRUN_MEMORY_DIR"],
+}
+
+
+def _plant(path: str, kind: str) -> None:
+    """Leave `kind` at `path`, where the launcher will make or remove something, and fail."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:  # a link to a directory of the user's, which the launcher must not follow
+        elsewhere = os.environ["ELSEWHERE"]
+        os.symlink(elsewhere, path)
+    print(f"rank 0 left a {kind} at {path}", flush=True)  # stdout: stderr is in a log
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--what", choices=sorted(PATHS), required=True)
-    p.add_argument("--kind", choices=("fifo", "directory"), required=True)
+    p.add_argument("--what", choices=sorted([*PATHS, *AHEAD]), required=True)
+    p.add_argument("--kind", choices=("fifo", "directory", "symlink"), required=True)
     args = p.parse_args()
     if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
         return 0
     if os.environ["RANK"] != "0":
         time.sleep(600)  # stopped by the launcher once rank 0 fails
         return 0
+    if args.what in AHEAD:
+        _plant(AHEAD[args.what](), args.kind)
+        return 1
     path = PATHS[args.what]()
     if args.what == "loop":
         with open(path, "w") as f:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from elastic_launch import untrusted
 from elastic_launch.agent.shm import own_name
 
 if TYPE_CHECKING:
@@ -37,4 +37,4 @@ def memory_tier(guardian: Guardian, limit: int | None) -> Iterator[dict[str, str
             env[MEMORY_LIMIT_ENV] = str(limit)
         yield env
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        untrusted.remove_tree(path)  # or what a worker put in its place

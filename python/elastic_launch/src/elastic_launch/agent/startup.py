@@ -9,13 +9,14 @@ running workers keep), and it owns what outlives one worker: the tee pump and th
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import IO
 
 import elastic_core
 
-from elastic_launch import compat, spare
+from elastic_launch import compat, spare, untrusted
 from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.worker import SpawnError, Worker
@@ -26,6 +27,8 @@ from elastic_launch.processes.logs import OutputPump, console_streams
 from elastic_launch.processes.spawn import Spawner, SpawnRequest
 from elastic_launch.rendezvous import team
 from elastic_launch.rendezvous.api import RendezvousInfo
+
+logger = logging.getLogger(__name__)
 
 
 class Startup:
@@ -53,7 +56,10 @@ class Startup:
     def begin(self, info: RendezvousInfo, attempt: int, restarts: int) -> None:
         """Workers from now on start in round `info`, as attempt `attempt`."""
         self.info, self.attempt, self.restarts = info, attempt, restarts
-        os.makedirs(self.layout.attempt_dir(attempt), exist_ok=True)
+        try:
+            self.layout.make_attempt_dir(attempt)
+        except OSError as e:
+            raise SpawnError(0, e) from e
 
     def follow(self, info: RendezvousInfo) -> None:
         """A new round of the nodes that the running workers keep: replacements start in it."""
@@ -65,7 +71,10 @@ class Startup:
         """Start worker `local_rank` (the `generation`-th of its rank in this attempt), as a
         hot spare if `hot_spare` or its local rank is beyond the workers'; raises
         :class:`SpawnError` when it cannot be started."""
-        w = self._record(local_rank, generation)
+        try:
+            w = self._record(local_rank, generation)
+        except OSError as e:  # its directory cannot be made
+            raise SpawnError(local_rank, e) from e
         w.hot_spare = hot_spare or w.rank < 0
         try:
             out, err = self._streams(w)
@@ -205,14 +214,14 @@ class Startup:
         ):
             tee = bool(std_for(c.tee, w.local_rank) & which)
             if path is not None and tee:
-                log = open(path, "ab")  # noqa: SIM115 - closed with the worker
+                log = os.fdopen(self._open_log(path), "ab")
                 w._files.append(log)
                 r, fd = os.pipe()
                 filtered = self._filtered_file(name) if filters else None
                 self._pump.add(r, log, console if shown else None, prefix, filtered, filters)
                 targets.append(fd)
             elif path is not None:
-                targets.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+                targets.append(self._open_log(path))
             else:
                 targets.append(worker_main.KEEP if shown else worker_main.DEVNULL)
         return targets[0], targets[1]
@@ -221,5 +230,14 @@ class Startup:
         f = self._filtered.get(name)
         if f is None:
             path = os.path.join(self.layout.attempt_dir(self.attempt), f"filtered_{name}.log")
-            f = self._filtered[name] = open(path, "ab")  # noqa: SIM115 - closed by close()
+            f = self._filtered[name] = os.fdopen(self._open_log(path), "ab")
         return f
+
+    @staticmethod
+    def _open_log(path: str) -> int:
+        """A log to append to. A worker may have left something else at its path (a FIFO
+        would block the launcher's open): that is moved aside, and said."""
+        fd, moved = untrusted.open_log(path)
+        for what in moved:
+            logger.warning("a worker left %s: the log is made anew", what)
+        return fd

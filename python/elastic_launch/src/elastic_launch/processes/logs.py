@@ -17,14 +17,18 @@ and stack files then live in a temporary directory removed at exit.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import selectors
-import shutil
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from typing import IO
+
+from elastic_launch import untrusted
+
+logger = logging.getLogger(__name__)
 
 
 class LogLayout:
@@ -69,11 +73,21 @@ class LogLayout:
     def attempt_dir(self, attempt: int) -> str:
         return os.path.join(self.run_dir, f"attempt_{attempt}")
 
+    def make_attempt_dir(self, attempt: int) -> str:
+        """Make attempt `attempt`'s directory (raises OSError if it cannot be made)."""
+        return self._make(self.attempt_dir(attempt))
+
     def rank_dir(self, attempt: int, local_rank: int, generation: int = 0) -> str:
-        """A worker's directory; a replacement within the attempt gets ``<rank>_r<n>``."""
+        """Make a worker's directory; a replacement within the attempt gets ``<rank>_r<n>``
+        (raises OSError if it cannot be made)."""
         name = str(local_rank) if generation == 0 else f"{local_rank}_r{generation}"
-        path = os.path.join(self.attempt_dir(attempt), name)
-        os.makedirs(path, exist_ok=True)
+        return self._make(os.path.join(self.attempt_dir(attempt), name))
+
+    def _make(self, path: str) -> str:
+        """Workers can write in the run directory: what one left where the launcher makes a
+        directory is moved aside, and said."""
+        for what in untrusted.make_dir(path, self.run_dir):
+            logger.warning("a worker left %s: the launcher's directory is made anew", what)
         return path
 
     @property
@@ -84,7 +98,7 @@ class LogLayout:
     def close(self) -> None:
         """Remove the temporary directory unless it holds requested logs; safe twice."""
         if self.temporary is not None and not self.keep_temporary:
-            shutil.rmtree(self.temporary, ignore_errors=True)
+            untrusted.remove_tree(self.temporary)
 
     def __enter__(self) -> LogLayout:
         return self
