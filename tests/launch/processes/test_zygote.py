@@ -140,6 +140,49 @@ def test_the_spawner_falls_back_to_fresh_interpreters_and_says_why(tmp_path, cap
         spawner.close()
 
 
+def test_a_message_not_taken_within_its_deadline_is_a_timeout():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        # Nobody reads b: its buffer fills, then a send waits its deadline.
+        with pytest.raises(TimeoutError, match=r"took no message within 0\.05 s"):
+            _fill(a, {"pad": "x" * 60_000})
+        message, _ = recv(b)
+        assert message == {"pad": "x" * 60_000}, "what was taken arrives whole"
+
+
+def _fill(sock: socket.socket, message: dict) -> None:
+    """Send `message` until one is not taken within 0.05 s (TimeoutError)."""
+    while True:
+        send(sock, message, deadline=0.05)
+
+
+def test_a_stopped_zygote_is_given_up_for_fresh_interpreters(tmp_path, caplog):
+    """A zygote SIGSTOPped with its socket full: the spawn's send waits its deadline (it waited
+    forever before), the spawner says why and starts a fresh interpreter."""
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork(
+        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
+    try:
+        z = spawner.zygote
+        assert z is not None and z.wait_ready(30)
+        os.kill(z.pid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError):
+            _fill(z._sock, {"op": "watched", "pid": 0, "pad": "x" * 60_000})
+        out = tmp_path / "out.json"
+        request = SpawnRequest(0, ["--", str(script), str(out), "0"], dict(os.environ))
+        process = spawner.spawn(request)
+        assert process.reap(30) == (0, None)
+        assert json.loads(out.read_text())["pid"] == process.pid
+        assert not spawner.forks and spawner.zygote is None, "the stopped zygote is gone"
+        assert "took no message within" in caplog.text and "fresh interpreters" in caplog.text
+    finally:
+        spawner.close()
+
+
 def run_forked_probe(spawner: ZygoteFork, tmp_path: Path) -> None:
     """The probe script runs to exit 0 in a worker forked from `spawner`'s zygote."""
     script = tmp_path / "probe.py"

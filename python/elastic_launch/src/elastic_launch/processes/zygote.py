@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -47,17 +48,38 @@ logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 1 << 20
 _SPAWN_ANSWER_TIMEOUT = 30.0
+#: The longest a message to the zygote may wait to be taken (seconds): one that waits longer
+#: means the zygote is stopped or stuck, and the agent gives it up for fresh interpreters.
+SEND_DEADLINE = 2.0
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    """One message (JSON), with file descriptors attached."""
+def send(
+    sock: socket.socket,
+    message: dict[str, Any],
+    fds: list[int] | None = None,
+    deadline: float | None = None,
+) -> None:
+    """One message (JSON), with file descriptors attached. With a `deadline` (seconds), one
+    not taken within it raises TimeoutError; the socket stays blocking for its other users
+    (the agent's reader thread)."""
     data = json.dumps(message).encode()
     if len(data) > _MAX_MESSAGE:
         raise OSError(f"a zygote message of {len(data)} bytes is over {_MAX_MESSAGE}")
-    if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.send(data)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    if deadline is None:
+        sock.sendmsg([data], rights)
+        return
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            sock.sendmsg([data], rights, socket.MSG_DONTWAIT)
+            return
+        except BlockingIOError:
+            left = end - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise TimeoutError(f"the zygote took no message within {deadline:g} s") from None
 
 
 def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
@@ -326,7 +348,7 @@ class Zygote:
         self._reader.start()
         if spares:
             with contextlib.suppress(OSError):  # a zygote gone already is found at the spawn
-                send(self._sock, {"op": "spares", "count": spares})
+                send(self._sock, {"op": "spares", "count": spares}, deadline=SEND_DEADLINE)
 
     def _read(self) -> None:
         while True:
@@ -396,8 +418,8 @@ class Zygote:
             "title": title,
         }
         try:
-            send(self._sock, request, fds)
-        except OSError as e:
+            send(self._sock, request, fds, deadline=SEND_DEADLINE)
+        except OSError as e:  # TimeoutError among them: stopped or stuck
             raise ZygoteUnavailableError(f"the zygote cannot take the request: {e}") from None
         with self._cond:
             if not self._cond.wait_for(
@@ -412,8 +434,8 @@ class Zygote:
 
     def acknowledge(self, pid: int) -> None:
         """The agent watches `pid` now: the zygote may reap it when it exits."""
-        with contextlib.suppress(OSError):
-            send(self._sock, {"op": "watched", "pid": pid})
+        with contextlib.suppress(OSError):  # a stuck zygote is given up at the next spawn
+            send(self._sock, {"op": "watched", "pid": pid}, deadline=SEND_DEADLINE)
 
     def wait_status(self, pid: int, timeout: float) -> int | None:
         """A child's wait status, once the zygote reaped it (None: not within `timeout`)."""
