@@ -113,3 +113,27 @@ def test_a_request_whose_turn_does_not_come_is_refused(two_turns, monkeypatch):
             pass
 
     _run(scenario())
+
+
+def test_the_keys_a_connection_wrote_count_against_its_shares_until_another_writes_them(
+    monkeypatch,
+):
+    from elastic_launch.rendezvous.embedded_state import ServiceState
+
+    monkeypatch.setattr(bounds, "DATA_PER_CLIENT", 100)
+    monkeypatch.setattr(bounds, "KEYS_PER_CLIENT", 3)
+    state = ServiceState()
+    for i in range(3):
+        assert state.room_for(b"k%d" % i, b"v" * 10, "a") is None
+        state.put(b"k%d" % i, b"v" * 10, 0, "a")
+    assert "one connection may hold 3" in str(state.room_for(b"k9", b"v", "a"))
+    assert state.room_for(b"k0", b"v" * 20, "a") is None, "its own key, rewritten: no new key"
+    assert "one connection may hold 100" in str(state.room_for(b"k0", b"v" * 98, "a"))
+    assert state.room_for(b"k9", b"v", "b") is None, "another connection has its own shares"
+    state.put(b"k0", b"w", 0, "b")  # b wrote it last: it counts against b's shares now
+    assert state.room_for(b"k9", b"v", "a") is None
+    state.delete(b"k1")
+    state.delete(b"k2")
+    state.delete(b"k0")
+    assert state.writers.bytes.count == 0 and state.writers.keys.count == 0
+    assert not state.writers.of

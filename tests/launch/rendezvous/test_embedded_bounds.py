@@ -157,11 +157,12 @@ def test_concurrent_reads_of_the_whole_store_hold_a_bounded_amount(service):
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
     proc, client = service
-    kv, _, _ = client()
+    writers = [client()[0] for _ in range(bounds.MAX_DATA_BYTES // bounds.DATA_PER_CLIENT + 1)]
     value = os.urandom(MB + MB // 2)
     stored = 0
     while stored + len(value) < bounds.MAX_DATA_BYTES - MB:
-        kv.Put(rpc_pb2.PutRequest(key=b"/r%03d" % (stored // len(value)), value=value))
+        n = stored // len(value)  # one connection holds a quarter at most: several write
+        writers[n % len(writers)].Put(rpc_pb2.PutRequest(key=b"/r%03d" % n, value=value))
         stored += len(value)
     before = rss_mb(proc)
     everything = rpc_pb2.RangeRequest(key=b"\0", range_end=b"\0")
@@ -339,3 +340,27 @@ def test_concurrent_requests_at_the_message_limit_hold_a_bounded_amount(service)
     assert held_mb(proc, before) < bound, hostile_load.memory(proc.pid)
     assert [a.count for a in answers[:64]] == [0] * 64
     assert all(a.succeeded for a in answers[64:])
+
+
+def test_one_connection_cannot_fill_the_store(service):
+    """A connection writing values until refused stops at its share of the stored bytes (a
+    quarter); another connection still writes. Before, one connection filled all 64 MiB."""
+    import grpc
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    proc, client = service
+    before = rss_mb(proc)
+    kv, _, _ = client()
+    value = os.urandom(MB)
+    written, refused = 0, ""
+    while not refused and written < bounds.MAX_DATA_BYTES:
+        try:
+            kv.Put(rpc_pb2.PutRequest(key=b"/fill/%d" % written, value=value), timeout=30)
+            written += len(value)
+        except grpc.RpcError as e:
+            refused = e.details()
+    assert f"one connection may hold {bounds.DATA_PER_CLIENT}" in refused, refused
+    assert written <= bounds.DATA_PER_CLIENT
+    honest, _, _ = client()
+    honest.Put(rpc_pb2.PutRequest(key=b"/rdzv/state", value=value), timeout=30)
+    assert held_mb(proc, before) < BOUND_MB + written / MB, hostile_load.memory(proc.pid)

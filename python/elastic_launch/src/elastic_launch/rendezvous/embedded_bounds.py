@@ -39,6 +39,8 @@ HISTORY = 100_000  # events kept for watches that start in the past
 HISTORY_BYTES = 16 << 20
 MAX_KEYS = 100_000
 MAX_DATA_BYTES = 64 << 20  # keys and values held
+KEYS_PER_CLIENT = MAX_KEYS // 4  # the keys one connection wrote last
+DATA_PER_CLIENT = MAX_DATA_BYTES // 4  # ... and their bytes
 MAX_REQUEST = 2 << 20  # one request: etcd's (its 1.5 MiB request limit, and 512 KiB for gRPC)
 #: Requests being read at once, by their largest size: a request's size is known only once
 #: it has arrived, so each is counted at MAX_REQUEST, and REQUEST_BYTES // MAX_REQUEST are
@@ -111,6 +113,44 @@ class Shares:
         self.held[client] -= n
         if self.held[client] <= 0:
             del self.held[client]
+
+
+class Writers:
+    """Who wrote each key last, and what that holds of their connection's shares of keys and
+    of bytes: one connection cannot fill the store alone. (Stored data outlives connections,
+    so no connection has a part of its own beyond the total; a standby's copy, and a new
+    host's after a takeover, count only in the total.)"""
+
+    def __init__(self) -> None:
+        self.bytes = Shares("bytes of keys and values", DATA_PER_CLIENT, MAX_DATA_BYTES)
+        self.keys = Shares("keys", KEYS_PER_CLIENT, MAX_KEYS)
+        self.of: dict[bytes, tuple[str, int]] = {}  # key: (its writer, its size)
+
+    def room(self, client: str, key: bytes, size: int) -> str | None:
+        """Why `client` may not write `key` with `size` bytes in all, or None."""
+        if not client:
+            return None
+        was = self.of.get(key)
+        mine = was is not None and was[0] == client
+        if not mine:
+            full = self.keys.room(client)
+            if full is not None:
+                return full
+        grows = size - (was[1] if was is not None and mine else 0)
+        return self.bytes.room(client, grows) if grows > 0 else None
+
+    def wrote(self, client: str, key: bytes, size: int) -> None:
+        self.forget(key)
+        if client:
+            self.of[key] = (client, size)
+            self.keys.take(client)
+            self.bytes.take(client, size)
+
+    def forget(self, key: bytes) -> None:
+        was = self.of.pop(key, None)
+        if was is not None:
+            self.keys.give(was[0])
+            self.bytes.give(was[0], was[1])
 
 
 def leases() -> Shares:

@@ -222,7 +222,7 @@ class _Service(
         return self._range(request)
 
     def _put(self, r: rpc_pb2.PutRequest) -> rpc_pb2.PutResponse:
-        self.s.put(r.key, r.value, r.lease)
+        self.s.put(r.key, r.value, r.lease, self._client)
         return rpc_pb2.PutResponse(header=self.s.header())
 
     def _check_put(self, r: rpc_pb2.PutRequest) -> None:
@@ -232,7 +232,7 @@ class _Service(
             self.s.check_lease(r.lease)
         except KeyError as e:
             raise _RefusedError(grpc.StatusCode.NOT_FOUND, str(e.args[0])) from None
-        full = self.s.room_for(r.key, r.value)
+        full = self.s.room_for(r.key, r.value, self._client)
         if full is not None:
             raise _RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

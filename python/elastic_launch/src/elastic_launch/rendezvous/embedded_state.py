@@ -93,6 +93,7 @@ class ServiceState:
             "bytes of answers", bounds.READ_BYTES, bounds.READ_BYTES, bounds.RESERVED_READS
         )
         self.holders = bounds.leases()
+        self.writers = bounds.Writers()  # who wrote each key, against their shares
         self.pending: list[kv_pb2.Event] = []  # the current revision's events
         # Watchers by the range they watch, then by id: many nodes watch the same few ranges
         # (the state, the shared keys), so a commit matches each event against ranges, not
@@ -195,8 +196,9 @@ class ServiceState:
         if lease and lease not in self.leases:
             raise KeyError("etcdserver: requested lease not found")
 
-    def room_for(self, key: bytes, value: bytes) -> str | None:
-        """Why a put of `key` cannot be held (the caps on keys and bytes), or None."""
+    def room_for(self, key: bytes, value: bytes, client: str = "") -> str | None:
+        """Why a put of `key` by `client` cannot be held (the caps on keys and bytes, the
+        connection's shares of them), or None."""
         old = self.data.get(key)
         grows = len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
         if old is None and len(self.data) >= bounds.MAX_KEYS:
@@ -204,9 +206,11 @@ class ServiceState:
         if self.data_bytes + grows > bounds.MAX_DATA_BYTES:
             held, most = self.data_bytes, bounds.MAX_DATA_BYTES
             return f"it holds {held} bytes of keys and values (at most {most})"
-        return None
+        return self.writers.room(client, key, len(key) + len(value))
 
-    def put(self, key: bytes, value: bytes, lease: int) -> None:
+    def put(self, key: bytes, value: bytes, lease: int, client: str = "") -> None:
+        """Write `key` (as `client`, whose shares it then counts against)."""
+        self.writers.wrote(client, key, len(key) + len(value))
         old = self.data.get(key)
         self.data_bytes += len(key) + len(value) - (len(old.key) + len(old.value) if old else 0)
         if old is not None and old.lease and old.lease in self.leases:
@@ -227,6 +231,7 @@ class ServiceState:
         self._emit(kv_pb2.Event(type=kv_pb2.Event.PUT, kv=entry))
 
     def delete(self, key: bytes) -> None:
+        self.writers.forget(key)
         entry = self.data.pop(key)
         self.data_bytes -= len(entry.key) + len(entry.value)
         self.keys.pop(bisect.bisect_left(self.keys, key))
@@ -365,6 +370,7 @@ class ServiceState:
         self.history.clear()
         self.history_bytes = self.data_bytes = 0
         self.holders = bounds.leases()
+        self.writers = bounds.Writers()
         for part in parts:
             for kv in part.kvs:
                 self.data[kv.key] = kv
