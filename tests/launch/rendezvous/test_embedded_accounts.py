@@ -44,9 +44,8 @@ def test_a_watch_streams_events_and_ranges_are_given_back_when_it_ends():
 
 
 @pytest.fixture
-def two_turns(monkeypatch):
-    monkeypatch.setattr(bounds, "REQUEST_BYTES", 2 * bounds.MAX_REQUEST)
-    return bounds.Turns()
+def two_turns():
+    return bounds.Turns(2)
 
 
 def _run(coro):
@@ -105,11 +104,15 @@ def test_a_request_whose_turn_does_not_come_is_refused(two_turns, monkeypatch):
         with pytest.raises(bounds.NoTurnError):
             async with two_turns.turn("c"):
                 pass
+        waiting = asyncio.ensure_future(hold("d"))  # its call is cancelled while it waits
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
         for h in holders:
             h.cancel()
         await asyncio.gather(*holders, return_exceptions=True)
         assert not two_turns._mine
-        async with two_turns.turn("c"):  # every turn was given back
+        async with two_turns.turn("c"), two_turns.turn("d"):  # every turn was given back
             pass
 
     _run(scenario())
@@ -137,3 +140,77 @@ def test_the_keys_a_connection_wrote_count_against_its_shares_until_another_writ
     state.delete(b"k0")
     assert state.writers.bytes.count == 0 and state.writers.keys.count == 0
     assert not state.writers.of
+
+
+def test_a_watch_stream_whose_queue_is_not_taken_stops_being_read():
+    """The watch stream's reader stops reading once UNHANDLED_REQUESTS wait in its queue (a
+    stream whose client reads no answer blocks the loop that takes them): a client sending
+    creates past its share without end holds a bounded queue, not one that grows."""
+    from elastic_launch.rendezvous.embedded_server import _read_watch_requests
+    from elastic_launch.rendezvous.etcdpb import rpc_pb2
+
+    async def scenario() -> None:
+        pulled = 0
+
+        async def creates():
+            nonlocal pulled
+            while True:
+                pulled += 1
+                yield rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"k"))
+
+        ranges = bounds.Shares("bytes", per_client=0, total=0)  # every create is refused
+        out = bounds.Outbox(bounds.Shares("bytes", 1, 1), ranges, "a")
+        reader = asyncio.ensure_future(_read_watch_requests(creates(), out))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert pulled == bounds.UNHANDLED_REQUESTS and out.queue.qsize() == pulled
+        kind, _ = await out.get()  # the stream takes one, as its loop does
+        assert kind == "refuse"
+        out.unhandled.release()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert pulled == bounds.UNHANDLED_REQUESTS + 1
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    _run(scenario())
+
+
+def test_a_watch_range_is_not_held_by_a_stream_that_has_ended():
+    out = bounds.Outbox(bounds.Shares("b", 10, 10), bounds.Shares("b", 100, 100), "a")
+    out.drop()
+    assert out.watch(10) == "the stream has ended" and out.ranges.count == 0
+
+
+def test_generated_code_of_either_kind_adds_unary_methods_that_read_in_turns():
+    """Code generated with gRPC's registered methods, and without (it adds a generic
+    handler only): either way a unary method reads its request in turns."""
+    import grpc
+    from elastic_launch.rendezvous.embedded_server import _InTurns
+
+    class Server:
+        def __init__(self) -> None:
+            self.generic: list = []
+            self.registered: dict = {}
+
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            self.generic.extend(handlers)
+
+        def add_registered_method_handlers(self, service, handlers) -> None:
+            self.registered.update(handlers)
+
+    def handlers() -> dict:
+        return {"Range": grpc.unary_unary_rpc_method_handler(lambda r, c: r)}
+
+    server = Server()
+    in_turns = _InTurns(server, service=None)  # type: ignore[arg-type]
+    in_turns.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("kv", handlers())])
+    in_turns.add_registered_method_handlers("kv", handlers())
+
+    class Details:
+        method = "/kv/Range"
+
+    by_generic = server.generic[0].service(Details())
+    for h in (by_generic, server.registered["Range"]):
+        assert h.request_streaming and not h.response_streaming and h.stream_unary is not None
+    assert server.generic[0].service(Details()) is by_generic

@@ -338,6 +338,7 @@ class Zygote:
         self._cond = threading.Condition()
         self._ready = False
         self._dead = False
+        self._stuck = False  # a message was not taken within SEND_DEADLINE
         self._statuses: dict[int, int] = {}
         self._spawned: dict[int, int] = {}
         self._next_id = 0
@@ -406,6 +407,10 @@ class Zygote:
         with self._cond:
             if self._dead:
                 raise ZygoteUnavailableError("the zygote has exited")
+            if self._stuck:
+                raise ZygoteUnavailableError(
+                    f"the zygote took no message within {SEND_DEADLINE:g} s (stopped?)"
+                )
             request_id = self._next_id
             self._next_id += 1
         request = {
@@ -434,8 +439,18 @@ class Zygote:
 
     def acknowledge(self, pid: int) -> None:
         """The agent watches `pid` now: the zygote may reap it when it exits."""
-        with contextlib.suppress(OSError):  # a stuck zygote is given up at the next spawn
+        try:
             send(self._sock, {"op": "watched", "pid": pid}, deadline=SEND_DEADLINE)
+        except TimeoutError:
+            with self._cond:
+                self._stuck = True  # given up at the next spawn
+            logger.warning(
+                "the zygote took no message within %g s (stopped?): workers will start as "
+                "fresh interpreters",
+                SEND_DEADLINE,
+            )
+        except OSError:
+            pass  # gone: found at the next spawn
 
     def wait_status(self, pid: int, timeout: float) -> int | None:
         """A child's wait status, once the zygote reaped it (None: not within `timeout`)."""

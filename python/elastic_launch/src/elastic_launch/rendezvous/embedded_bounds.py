@@ -20,12 +20,13 @@ nodes uses a few thousand keys, a lease per node and well under a MiB, far insid
 So, whatever clients do, the service holds at most the data cap (64 MiB) plus the history
 (16 MiB), the events queued (12 MiB), the ranges watched (8 MiB), the answers being sent
 (16 MiB), the requests being read (16 MiB, held two or three times over while parsed), the
-leases (a few MiB) and gRPC's own buffers: the window of each request waiting its turn
-(64 KiB), and what gRPC keeps per open connection (about half a MiB once it has read a request
-at the limit). ``tests/launch/rendezvous/test_embedded_bounds.py`` measures it under each
-attack. A request arriving on a stream (a watch's, a keep-alive's) is read as it comes: each
-open stream may have one arriving at once; the job's token is what keeps strangers from
-opening streams at all."""
+leases (a few MiB) and, for each open connection, its own parts of the shares, the window of
+each of its calls waiting a turn (64 KiB, at most CALLS_PER_CONNECTION) and what gRPC keeps
+(about half a MiB once it has read a request at the limit).
+``tests/launch/rendezvous/test_embedded_bounds.py`` measures it under each attack. A request
+arriving on a stream (a watch's, a keep-alive's) is read as it comes: each open stream may
+have one arriving at once; the job's token is what keeps strangers from opening streams at
+all."""
 
 from __future__ import annotations
 
@@ -47,7 +48,12 @@ MAX_REQUEST = 2 << 20  # one request: etcd's (its 1.5 MiB request limit, and 512
 #: read at a time, one per connection, the others waiting their turn in the order they came.
 REQUEST_BYTES = 16 << 20
 TURN_WAIT = 30.0  # seconds a request waits for its turn before it is refused
-RECEIVE_TIMEOUT = 10.0  # seconds a request, once its turn came, has to arrive
+#: Seconds a request, once its turn came, has to arrive: a unary call's client sends it with
+#: the call's headers, and one that does not holds a turn no longer than this.
+RECEIVE_TIMEOUT = 2.0
+PROBE_SLOTS = 2  # Status requests (the services' probes of each other) have turns of their own
+CALLS_PER_CONNECTION = 128  # HTTP/2 streams at once: each waiting call holds a 64 KiB window
+UNHANDLED_REQUESTS = 16  # a watch stream's requests read and not yet handled
 STREAM_BYTES = 4 << 20  # events queued or being sent on one watch stream
 WATCH_BYTES = 12 << 20  # ... on all watch streams together
 EVENTS_PER_CLIENT = 4 << 20  # ... on one connection's streams
@@ -172,6 +178,10 @@ class Outbox:
         self.bytes = 0
         self.watched = 0  # bytes of the ranges this stream's watches hold
         self.overflowed = False
+        self.closed = False
+        # Requests read and not yet handled: the reader waits while there are many, so that
+        # a stream whose answers are not read stops being read too.
+        self.unhandled = asyncio.Semaphore(UNHANDLED_REQUESTS)
 
     def put(self, item: Any) -> None:
         self.queue.put_nowait(item)
@@ -205,6 +215,8 @@ class Outbox:
 
     def watch(self, cost: int) -> str | None:
         """Hold `cost` bytes for a watch's range; why not, if it does not fit."""
+        if self.closed:
+            return "the stream has ended"
         full = self.ranges.room(self.client, cost)
         if full is None:
             self.ranges.take(self.client, cost)
@@ -221,7 +233,7 @@ class Outbox:
         self.events.give(self.client, self.bytes)
         self.unwatch(self.watched)
         self.bytes = 0
-        self.overflowed = True
+        self.overflowed = self.closed = True
 
 
 def watch_cost(key: bytes, end: bytes) -> int:
@@ -234,12 +246,13 @@ class NoTurnError(Exception):
 
 
 class Turns:
-    """Whose requests are read now: :data:`REQUEST_BYTES` // :data:`MAX_REQUEST` at once, one
-    per connection; the others wait in the order they came. A connection's second request
-    waits behind its first, so that a connection with many requests waits its turn as one
-    with one does, and no connection keeps the others out."""
+    """Whose requests are read now: `slots` at once, one per connection; the others wait in
+    the order they came. A connection's second request waits behind its first, so that a
+    connection with many requests waits its turn as one with one does, and no connection
+    keeps the others out."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
         self._all: asyncio.Semaphore | None = None  # made on the service's loop
         self._mine: dict[str, list[Any]] = {}  # a connection's lock, and how many use it
 
@@ -247,20 +260,19 @@ class Turns:
     async def turn(self, client: str) -> AsyncIterator[None]:
         """Hold a turn for `client`; raises :class:`NoTurnError` past :data:`TURN_WAIT`."""
         if self._all is None:
-            self._all = asyncio.Semaphore(max(1, REQUEST_BYTES // MAX_REQUEST))
+            self._all = asyncio.Semaphore(self.slots)
         every, entry = self._all, self._mine.setdefault(client, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
+            end = asyncio.get_running_loop().time() + TURN_WAIT
+            if not await _acquire(entry[0], TURN_WAIT):
+                raise NoTurnError
             try:
-                async with asyncio.timeout(TURN_WAIT):
-                    await entry[0].acquire()
-                    try:
-                        await every.acquire()
-                    except BaseException:
-                        entry[0].release()
-                        raise
-            except TimeoutError:
-                raise NoTurnError from None
+                if not await _acquire(every, end - asyncio.get_running_loop().time()):
+                    raise NoTurnError
+            except BaseException:
+                entry[0].release()
+                raise
             try:
                 yield
             finally:
@@ -270,3 +282,27 @@ class Turns:
             entry[1] -= 1
             if not entry[1]:
                 del self._mine[client]
+
+
+async def _acquire(held: asyncio.Lock | asyncio.Semaphore, timeout: float) -> bool:
+    """Acquire `held` within `timeout` seconds; False if not. Whether it times out or is
+    cancelled, nothing is left held (an acquire that completes as it is given up is undone)."""
+    task = asyncio.ensure_future(held.acquire())
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(timeout, 0.0))
+    except BaseException:
+        _abandon(task, held)
+        raise
+    if done:
+        return True
+    _abandon(task, held)
+    return False
+
+
+def _abandon(task: asyncio.Future[Any], held: asyncio.Lock | asyncio.Semaphore) -> None:
+    def undo(t: asyncio.Future[Any]) -> None:
+        if not t.cancelled() and t.exception() is None:
+            held.release()
+
+    task.cancel()
+    task.add_done_callback(undo)  # called at once if it is done already

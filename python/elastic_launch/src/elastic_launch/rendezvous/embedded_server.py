@@ -372,6 +372,8 @@ class _Service(
         try:
             while True:
                 kind, arg = await out.get()
+                if kind in ("create", "refuse", "cancel"):
+                    out.unhandled.release()  # the reader may read the next
                 if kind == "end":
                     return
                 if kind == "create":
@@ -594,9 +596,10 @@ class EmbeddedServer:
                 # without them, gRPC grows each stream's window and takes it whole.
                 ("grpc.http2.bdp_probe", 0),
                 ("grpc.http2.lookahead_bytes", 64 << 10),
+                ("grpc.max_concurrent_streams", bounds.CALLS_PER_CONNECTION),
             ]
         )
-        in_turns = _InTurns(server, bounds.Turns())
+        in_turns = _InTurns(server, self._service)
         for add in (
             rpc_pb2_grpc.add_KVServicer_to_server,
             rpc_pb2_grpc.add_LeaseServicer_to_server,
@@ -700,39 +703,45 @@ class EmbeddedServer:
 class _InTurns:
     """Stands for the server while the generated code adds a service: each unary method is
     added as one that reads its request itself, in its turn (:class:`bounds.Turns`). gRPC
-    would read a unary request whole before the method runs, so that requests at its 4 MiB
-    limit on many connections at once were all held at once."""
+    would read a unary request whole before the method runs, so that requests at the size
+    limit on many connections at once were all held at once. A call without the job's token
+    is refused before it takes a turn (Authenticate, which earns it, excepted); the services'
+    probes of each other (Status) have turns of their own."""
 
-    def __init__(self, server: grpc.aio.Server, turns: bounds.Turns) -> None:
+    def __init__(self, server: grpc.aio.Server, service: _Service) -> None:
         self.server = server
-        self.turns = turns
+        self.service = service
+        self.turns = bounds.Turns(bounds.REQUEST_BYTES // bounds.MAX_REQUEST)
+        self.probes = bounds.Turns(bounds.PROBE_SLOTS)
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        """Ignored: the same methods come, by name, to :meth:`add_registered_method_handlers`."""
+        """Code generated before gRPC's registered methods adds its services this way."""
+        self.server.add_generic_rpc_handlers([_Converted(h, self._convert) for h in handlers])
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        handlers = {
-            name: h if h.request_streaming or h.response_streaming else self._in_turn(h)
-            for name, h in handlers.items()
-        }
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service, handlers),)
-        )
+        handlers = {name: self._convert(name, h) for name, h in handlers.items()}
         self.server.add_registered_method_handlers(service, handlers)
 
-    def _in_turn(self, handler: Any) -> Any:
-        behaviour, turns = handler.unary_unary, self.turns
+    def _convert(self, name: str, handler: Any) -> Any:
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            return handler
+        behaviour, service = handler.unary_unary, self.service
+        turns = self.probes if name == "Status" else self.turns
+        authenticate = name == "Authenticate"
 
         async def read_in_turn(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                if not authenticate:
+                    service._check(context)
                 async with turns.turn(context.peer() or ""):
                     request = await _one_request(requests, context)
+            except _RefusedError as e:
+                await context.abort(e.code, e.details)
             except bounds.NoTurnError:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the embedded rendezvous service reads "
-                    f"{bounds.REQUEST_BYTES // bounds.MAX_REQUEST} requests at a time and this "
-                    f"one waited {bounds.TURN_WAIT:g} s for its turn: try again",
+                    f"the embedded rendezvous service reads {turns.slots} requests at a time "
+                    f"and this one waited {bounds.TURN_WAIT:g} s for its turn: try again",
                 )
             return await behaviour(request, context)
 
@@ -743,15 +752,31 @@ class _InTurns:
         )
 
 
+class _Converted(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A generic handler whose unary methods read their requests in turns."""
+
+    def __init__(self, inner: Any, convert: Callable[[str, Any], Any]) -> None:
+        self.inner = inner
+        self.convert = convert
+        self.made: dict[str, Any] = {}
+
+    def service(self, handler_call_details: Any) -> Any:
+        method = handler_call_details.method
+        if method not in self.made:
+            self.made[method] = self.convert(
+                method.rsplit("/", 1)[-1], self.inner.service(handler_call_details)
+            )
+        return self.made[method]
+
+
 async def _one_request(requests: Any, context: grpc.aio.ServicerContext) -> Any:
     """A unary call's request, which has :data:`bounds.RECEIVE_TIMEOUT` to arrive. The reader
     is closed once it has: gRPC's would hold the request until the call's objects are
     collected, which their cycles put off until a collection that may come late."""
     reader = requests.__aiter__()
     try:
-        async with asyncio.timeout(bounds.RECEIVE_TIMEOUT):
-            return await reader.__anext__()
-    except TimeoutError:
+        return await asyncio.wait_for(reader.__anext__(), bounds.RECEIVE_TIMEOUT)
+    except asyncio.TimeoutError:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the request did not arrive within {bounds.RECEIVE_TIMEOUT:g} s of its turn",
@@ -804,7 +829,9 @@ async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> Non
     A watch's range counts against the stream's share as it is read: requests that wait in
     the queue (a stream not read waits to send) are counted too."""
     try:
-        async for request in requests:
+        while True:
+            await out.unhandled.acquire()  # given back as the stream takes each from its queue
+            request = await requests.__anext__()
             kind = request.WhichOneof("request_union")
             if kind == "create_request":
                 create = request.create_request
@@ -814,8 +841,10 @@ async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> Non
                 del create  # a refused one is not held while the next is awaited
             elif kind == "cancel_request":
                 out.put(("cancel", request.cancel_request.watch_id))
+            else:
+                out.unhandled.release()  # nothing queued for it
             del request
-    except (grpc.RpcError, asyncio.CancelledError):
+    except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
         pass
     finally:
         out.put(("end", None))
