@@ -842,6 +842,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_shared_embedded(
+    parser: argparse.ArgumentParser, backends: list[str], shapes: list[str], n: int, procs: int
+) -> None:
+    """The embedded service gives one connection a share of streams: agents sharing a channel
+    (and so a connection) past it would be refused, which no deployment does (one agent, one
+    connection). Say so before anything starts."""
+    from elastic_launch.rendezvous.embedded_bounds import STREAMS_PER_CLIENT
+
+    per_process = -(-n // procs)
+    if "embedded" in backends and "shared" in shapes and 2 * per_process > STREAMS_PER_CLIENT:
+        parser.error(
+            f"--channels shared with --backend embedded at --n {n}: {per_process} agents would "
+            f"share one connection, and the embedded service opens {STREAMS_PER_CLIENT} streams "
+            "for one connection (two an agent); use --channels own (as deployed) or more --procs"
+        )
+
+
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
@@ -863,6 +880,7 @@ def main() -> int:
     for c in shapes:
         if c not in ("shared", "own"):
             parser.error(f"--channels {c!r}: choose from shared, own")
+    _check_shared_embedded(parser, backends, shapes, max(sizes), args.procs)
     results = []
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory()))
