@@ -40,6 +40,7 @@ from elastic_launch import train_loop as torchelastic
 from elastic_launch.train_loop import CoordinatorP2P
 
 FEATURES = 8
+HOLD_SECONDS = 45  # under the launcher's 60 s hang floor: a hold is never a hang
 
 
 def sample(index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +112,11 @@ def train_step(state: LinearState) -> tuple[LinearState, torchelastic.SimpleWork
         raise StopIteration
     started = time.monotonic()
     args = ARGS
-    if state.steps == 0 and state.world_size < args.hold_until_world:
+    if state.steps == args.hold_world_at_step and state.world_size < args.hold_until_world:
         dist.barrier()  # a step with a collective, as every step: the ranks stay in step
         time.sleep(0.05)
         return state, torchelastic.SimpleWorkerStats(None)
+    hold(args, state)
     fault(args, state)
     count = min(state.world_size * state.batch, state.samples - state.position)
     mine = range(state.position, state.position + count)[state.rank :: state.world_size]
@@ -148,6 +150,18 @@ def say(line: str) -> None:
     """One line in one write: the workers share the terminal, and lines must not mix."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def hold(args: argparse.Namespace, state: LinearState) -> None:
+    """Every rank waits before each step of --hold-at-step until the file step-N exists in
+    --hold-dir, so that a test puts a fault after an event it waits for (a hot spare ready),
+    not after a time. A wait ends at HOLD_SECONDS whatever happens."""
+    if state.steps not in args.hold_at_step or not args.hold_dir:
+        return
+    gate = os.path.join(args.hold_dir, f"step-{state.steps}")
+    deadline = time.monotonic() + HOLD_SECONDS
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def fault(args: argparse.Namespace, state: LinearState) -> None:
@@ -197,9 +211,24 @@ def main() -> None:
         "--hold-until-world",
         type=int,
         default=0,
-        help="start training only once this many workers form a group (a job that needs its "
-        "whole cluster first)",
+        help="train on only once this many workers form a group (a job that needs its whole "
+        "cluster first, or waits for a node at --hold-world-at-step)",
     )
+    parser.add_argument(
+        "--hold-world-at-step",
+        type=int,
+        default=0,
+        help="the step at which --hold-until-world holds (a job that waits for a node that joins "
+        "mid-training)",
+    )
+    parser.add_argument(
+        "--hold-at-step",
+        type=lambda v: {int(s) for s in v.split(",")},
+        default=set(),
+        help=f"every rank waits before these steps (comma-separated) until --hold-dir has a "
+        f"file step-N ({HOLD_SECONDS} s at most)",
+    )
+    parser.add_argument("--hold-dir", help="where --hold-at-step looks for its files")
     parser.add_argument("--fatal-at-step", type=int, default=-1)
     parser.add_argument("--raise-every", action="store_true", help="every step fails")
     parser.add_argument("--max-failures", type=int, default=torchelastic.MAX_FAILURES)

@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from classic_example import EXAMPLE, SAMPLES, STEP, assert_every_sample_once
 from launcher_util import HERE, finish, free_port, kill_all, start, wait_for
 
-from common import step_records
+from common import loop_state, step_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EPOCHS = 2
-EPOCHS_JOIN = 8  # the first node alone trains long enough for the second to come, even when busy
 
 
 @dataclass
@@ -142,19 +142,26 @@ def test_a_hung_worker_is_killed_and_replaced_alone(tmp_path, reference):
 
 
 def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
-    job = standalone(
-        tmp_path,
-        "elastic",
-        "--nproc-per-node",
-        "3",
-        "--max-restarts",
-        "1",
-        "--min-workers",
-        "2",
-        "--preload",
-        "torch",  # the replacement is forked from a zygote: it comes long before the end
-        script=("--kill-at-step", "10", "--step-seconds", "0.1"),
-    )
+    """The survivors hold at step 12 (at world 2) until the replacement waits to join, so the
+    world grows back before the end however long the replacement takes to start."""
+    gates, events = tmp_path / "gates", tmp_path / "events.jsonl"
+    gates.mkdir()
+    hold = ("--hold-at-step", "12", "--hold-dir", str(gates))
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            standalone,
+            tmp_path,
+            "elastic",
+            *("--nproc-per-node", "3", "--max-restarts", "1", "--min-workers", "2"),
+            *("--preload", "torch", "--events-file", str(events)),
+            script=("--kill-at-step", "10", "--step-seconds", "0.1", *hold),
+        )
+        try:
+            joining = wait_for(lambda: replacement_waiting(events), 120)
+        finally:
+            (gates / "step-12").touch()
+        job = running.result(timeout=300)
+    assert joining, f"no replacement waited to join:\n{job.stderr[-3000:]}"
     assert job.returncode == 0, job.stderr[-3000:]
     assert job.worlds() == [3, 2, 3], "shrink at once, grow back at a step boundary"
     assert "1 worker(s) wait to join: the group re-forms after round step" in job.stderr
@@ -164,6 +171,15 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
     assert len(survivors) == 2
     assert {pid for *_, w, pid in job.steps() if w == 3} >= survivors, "they stayed"
     job.assert_every_sample_once_per_epoch()
+
+
+def replacement_waiting(events: Path) -> bool:
+    """Whether a replacement (from the job's events file) waits for the next round."""
+    if not events.exists():
+        return False
+    replaced = [json.loads(line) for line in events.read_text().splitlines()]
+    pids = [int(e["pid"]) for e in replaced if e["event"] == "worker_replaced"]
+    return any(loop_state(pid) == "waiting" for pid in pids)
 
 
 def test_a_worker_that_fails_for_good_fails_the_job_at_once(tmp_path):
@@ -271,7 +287,8 @@ def node(tmp_path: Path, name: str, endpoint: str, run_id: str, *script: str, ep
 
 def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"join-{os.urandom(3).hex()}"
-    first, out_a = node(tmp_path, "a", endpoint, run_id, epochs=EPOCHS_JOIN)
+    hold = ("--hold-until-world", "4", "--hold-world-at-step", "20")  # b's workers join then
+    first, out_a = node(tmp_path, "a", endpoint, run_id, *hold, epochs=EPOCHS)
     second = None
     try:
         seen: list[str] = []
@@ -282,7 +299,7 @@ def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
             return bool(re.match(r"step 1[0-9] ", line))
 
         assert wait_for(stepping, 120), "".join(seen)[-2000:]
-        second, out_b = node(tmp_path, "b", endpoint, run_id, epochs=EPOCHS_JOIN)
+        second, out_b = node(tmp_path, "b", endpoint, run_id, epochs=EPOCHS)
         code_b, stdout_b, stderr_b = finish(second, 240)
         code_a, rest_a, stderr_a = finish(first, 240)
     finally:
@@ -297,7 +314,7 @@ def test_a_node_that_joins_mid_training_receives_the_state(tmp_path):
     final = job_a if (out_a / "final.json").exists() else job_b
     assert final.result()["weights"]
     final_history = final.result()["history"]
-    for epoch in range(EPOCHS_JOIN):
+    for epoch in range(EPOCHS):
         spans = sorted((s, n) for e, s, n in final_history if e == epoch)
         assert sum(n for _, n in spans) == SAMPLES and spans[0][0] == 0
 

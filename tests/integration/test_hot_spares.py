@@ -81,6 +81,17 @@ def jobs():
         job.end()
 
 
+def held(gates: Path, *steps: int) -> tuple[str, ...]:
+    """Script flags that hold every rank before each of `steps` until the test release()s it:
+    the faults come after what the test waited for (a spare ready), whatever the speed."""
+    gates.mkdir(exist_ok=True)
+    return ("--hold-at-step", ",".join(map(str, steps)), "--hold-dir", str(gates))
+
+
+def release(gates: Path, step: int) -> None:
+    (gates / f"step-{step}").touch()
+
+
 def spare_waiting(job: Live) -> int | None:
     """The pid of a hot spare that waits in the workers' rendezvous, once there is one."""
     return waiting_spare(job.events_file)
@@ -104,6 +115,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list:
 def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_path, jobs):
     """Rank 1 is SIGKILLed at step 10: the spare, which never stepped, trains from there; the
     replacement waits behind it, and takes the place of the spare when the test kills it."""
+    gates = held(tmp_path / "gates", 10, 30)
     job = Live(
         tmp_path / "admit",
         "--standalone",
@@ -111,12 +123,13 @@ def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_pa
         "2",
         "--hot-spares",
         "1",
-        script=("--kill-at-step", "10", "--step-seconds", "0.05", "--epochs", "6"),
+        script=("--kill-at-step", "10", "--step-seconds", "0.05", "--epochs", "6", *gates),
     )
     jobs.append(job)
     job.wait("a spare waits", lambda: spare_waiting(job))
     spare = spare_waiting(job)
     assert spare is not None
+    release(tmp_path / "gates", 10)
     job.wait("rank 1 is replaced", lambda: job.events("worker_replaced"))
     behind = int(job.events("worker_replaced")[0]["pid"])
     job.wait("the spare steps", lambda: job.first_step_of(spare) is not None)
@@ -124,6 +137,7 @@ def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_pa
     job.wait("the new process waits behind it", lambda: loop_state(behind) == "waiting")
     at = max(s for s, *_ in job.steps())
     os.kill(spare, signal.SIGKILL)
+    release(tmp_path / "gates", 30)
     job.wait("the one behind steps", lambda: job.first_step_of(behind) is not None)
     assert job.first_step_of(behind) > at
     assert job.finish() == 0, job.text()[-3000:]
@@ -149,9 +163,11 @@ def test_the_weights_with_a_spare_admitted_are_the_uninterrupted_ones(tmp_path, 
         "2",
         "--hot-spares",
         "1",
-        script=("--kill-at-step", "12", "--step-seconds", "0.05"),
+        script=("--kill-at-step", "12", "--step-seconds", "0.05", *held(tmp_path / "gates", 12)),
     )
     jobs.append(job)
+    job.wait("a spare waits", lambda: spare_waiting(job))
+    release(tmp_path / "gates", 12)
     assert job.finish() == 0, job.text()[-3000:]
     spares = {int(e["pid"]) for e in job.events("hot_spare_started")}
     assert spares & {pid for *_, pid in job.steps()}, "the spare was admitted"
@@ -167,7 +183,7 @@ def test_a_spare_that_dies_while_it_waits_costs_the_workers_nothing(tmp_path, jo
         "2",
         "--hot-spares",
         "1",
-        script=("--step-seconds", "0.05"),
+        script=("--step-seconds", "0.05", *held(tmp_path / "gates", 5)),
     )
     jobs.append(job)
     job.wait("a spare waits", lambda: spare_waiting(job))
@@ -177,6 +193,7 @@ def test_a_spare_that_dies_while_it_waits_costs_the_workers_nothing(tmp_path, jo
     job.wait("the spare is replaced", lambda: job.events("worker_replaced"))
     behind = int(job.events("worker_replaced")[0]["pid"])
     job.wait("its replacement waits", lambda: loop_state(behind) == "waiting")
+    release(tmp_path / "gates", 5)
     assert job.finish() == 0, job.text()[-3000:]
     pids = {pid for *_, pid in job.steps()}
     assert len(pids) == 2 and spare not in pids and behind not in pids, "the workers stayed"
@@ -198,11 +215,12 @@ def test_spares_with_min_workers_keep_the_world_whole(tmp_path, jobs):
         "2",
         "--hot-spares",
         "1",
-        script=("--kill-at-step", "10", "--step-seconds", "0.05"),
+        script=("--kill-at-step", "10", "--step-seconds", "0.05", *held(tmp_path / "gates", 10)),
     )
     jobs.append(job)
     job.wait("a spare waits", lambda: spare_waiting(job))
     spare = spare_waiting(job)
+    release(tmp_path / "gates", 10)
     assert job.finish() == 0, job.text()[-3000:]
     assert job.first_step_of(spare) > 10, "the spare was admitted after the death"
     after = [w for s, _, w, _ in job.steps() if s > 10]
@@ -226,14 +244,15 @@ def test_a_spare_on_another_node_takes_the_place_of_a_dead_worker(tmp_path, jobs
     """Node b keeps a hot spare; node a's worker is SIGKILLed at step 10: b's spare takes its
     place, b's worker keeps its process, and a's replacement waits as the next spare."""
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"spares-{os.urandom(3).hex()}"
-    a = node(
-        tmp_path, "a", endpoint, run_id, script=("--kill-at-step", "10", "--fault-rank", "0,1")
-    )
+    gates = held(tmp_path / "gates", 10)
+    fault = ("--kill-at-step", "10", "--fault-rank", "0,1", *gates)
+    a = node(tmp_path, "a", endpoint, run_id, script=fault)
     jobs.append(a)
-    b = node(tmp_path, "b", endpoint, run_id, "--hot-spares", "1")
+    b = node(tmp_path, "b", endpoint, run_id, "--hot-spares", "1", script=gates)
     jobs.append(b)
     b.wait("b's spare waits", lambda: spare_waiting(b))
     spare = spare_waiting(b)
+    release(tmp_path / "gates", 10)
     assert (a.finish(), b.finish()) == (0, 0), a.text()[-2000:] + b.text()[-2000:]
     b_workers = {pid for s, _, _, pid in b.steps() if s <= 10}
     assert len(b_workers) == 1 and b_workers <= {pid for s, _, _, pid in b.steps() if s > 10}
