@@ -188,16 +188,8 @@ def fault(args: argparse.Namespace, state: LinearState) -> None:
         raise RuntimeError("injected failure in train_step")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--init-method", default="etcd://localhost:2379/classic?min_workers=1")
-    parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--max-trainers", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=96)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--step-seconds", type=float, default=0.0)
+def fault_options(parser: argparse.ArgumentParser) -> None:
+    """The failures to inject, and the holds that order them after a test's events."""
     parser.add_argument(
         "--fault-rank",
         type=lambda v: {int(r) for r in v.split(",")},
@@ -231,6 +223,19 @@ def main() -> None:
     parser.add_argument("--hold-dir", help="where --hold-at-step looks for its files")
     parser.add_argument("--fatal-at-step", type=int, default=-1)
     parser.add_argument("--raise-every", action="store_true", help="every step fails")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--init-method", default="etcd://localhost:2379/classic?min_workers=1")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--max-trainers", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    fault_options(parser)
     parser.add_argument("--max-failures", type=int, default=torchelastic.MAX_FAILURES)
     parser.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every steps")
     parser.add_argument("--checkpoint-every", type=int, default=8)
