@@ -42,6 +42,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+HOLD_SECONDS = 120  # --hold-at-step: the longest a test may take to release a hold
+
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, int, int]]):
     """ImageNet-like samples (3 x size x size, `classes` labels) made from a seed: each class
@@ -153,6 +155,14 @@ def add_test_flags(p: argparse.ArgumentParser) -> None:
         help="on the first attempt, the last rank stops making progress here",
     )
     p.add_argument(
+        "--hold-at-step",
+        type=lambda v: {int(s) for s in v.split(",")},
+        default=set(),
+        help="every rank waits after these global steps (comma-separated) until --hold-dir has "
+        f"a file step-N, {HOLD_SECONDS} s at most: a test orders a fault after an event",
+    )
+    p.add_argument("--hold-dir", type=Path, default=None, help="where --hold-at-step looks")
+    p.add_argument(
         "--step-time",
         type=float,
         default=0.0,
@@ -254,6 +264,21 @@ def resume(job: Job) -> None:
         )
 
 
+def hold(job: Job) -> None:
+    """After each --hold-at-step step every rank waits until --hold-dir has its file
+    step-N, so that a test puts a fault after an event it waits for (a store member
+    restarted), not after a time. The wait is marked quiet: it is no hang."""
+    if job.step not in job.args.hold_at_step or job.args.hold_dir is None:
+        return
+    import elastic_core  # only asked for in tests: the script runs on torch alone
+
+    gate = job.args.hold_dir / f"step-{job.step}"
+    deadline = time.monotonic() + HOLD_SECONDS
+    with elastic_core.quiet():
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
 def inject_failure(job: Job) -> None:
     """On the first attempt, the last rank crashes or hangs at the step asked for."""
     if job.attempt != 0 or job.rank != job.world - 1:
@@ -271,6 +296,7 @@ def train_epoch(job: Job, epoch: int, progress: tqdm[Any]) -> torch.Tensor:
     loss = torch.tensor(0.0)
     job.sampler.set_epoch(epoch)  # keeps a resumed position within the same epoch
     for epoch_steps, (images, labels, ids) in enumerate(job.loader, start=1):
+        hold(job)
         inject_failure(job)
         started = time.monotonic()
         device = next(job.model.parameters()).device

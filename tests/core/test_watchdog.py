@@ -58,6 +58,10 @@ def test_child_that_stops_beating_is_reported_hung(procs, shm_path):
         """,
         env={ec.HEARTBEAT_FILE_ENV: path, ec.HEARTBEAT_SLOT_ENV: "1"},
     )
+    deadline = time.monotonic() + 60  # its five beats, however slowly they come
+    while table.read(1).step < 5:
+        assert time.monotonic() < deadline and child.poll() is None, "it never beat 5 times"
+        time.sleep(0.01)
     with ec.Watchdog() as wd:
         wd.watch(1, child.pid, table, hang_timeout=0.3)
         event = wd.poll(timeout=30)

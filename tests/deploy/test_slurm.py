@@ -49,9 +49,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_cluster.
 
 
 def job_env(**settings: str) -> dict[str, str]:
-    """The submitter's environment: elasticrun on PATH (this virtualenv) and the settings."""
+    """The submitter's environment: elasticrun on PATH (this virtualenv) and the settings.
+    The first round waits for both nodes however late srun starts the second (it freezes as
+    soon as both are in): a test's verdict must not depend on when a task starts."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
-    return {"PATH": path, "ELASTICRUN_NPROC": "1", **settings}
+    whole = {"ELASTICRUN_RDZV_CONF": "last_call_timeout=120"}
+    return {"PATH": path, "ELASTICRUN_NPROC": "1", **whole, **settings}
 
 
 def submit(cluster: local_cluster.LocalCluster, tmp: Path, env: dict[str, str], *args: str) -> int:
@@ -98,7 +101,7 @@ def two_free_ports() -> int:
 
 def test_a_two_node_job_completes(cluster, tmp_path):
     port = two_free_ports()
-    env = job_env(ELASTICRUN_RDZV_PORT=str(port), ELASTICRUN_RDZV_CONF="last_call_timeout=2")
+    env = job_env(ELASTICRUN_RDZV_PORT=str(port))
     job_id = submit(cluster, tmp_path, env, "--epochs", "1")
     fields = cluster.wait(job_id, timeout=180)
     out = (tmp_path / f"job-{job_id}.out").read_text()
@@ -118,20 +121,23 @@ def kill_an_agent_mid_training(
 ) -> tuple[int, int, dict[str, str], str]:
     """Submit a two-epoch training job; once it trains, SIGKILL the agent of the node that
     `pick` names, given the agents ({node: pid}) (its worker dies with it). The job's id,
-    that node, the job's end (Slurm's fields) and its output."""
-    samples = tmp / "samples"
+    that node, the job's end (Slurm's fields) and its output. The workers hold after step 3
+    until the agent is killed, so the kill always meets the job mid-training."""
+    samples, gates = tmp / "samples", tmp / "gates"
+    gates.mkdir()
     job_id = submit(
         cluster,
         tmp,
         env,
         *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
-        *("--record-samples", str(samples)),
+        *("--record-samples", str(samples), "--hold-at-step", "3", "--hold-dir", str(gates)),
     )
     assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
     found = agents(job_id)
     assert sorted(found) == [0, 1], found
     node = pick(found)
     os.kill(found[node], signal.SIGKILL)
+    (gates / "step-3").touch()
     fields = cluster.wait(job_id, timeout=180)
     return job_id, node, fields, (tmp / f"job-{job_id}.out").read_text()
 

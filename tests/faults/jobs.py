@@ -40,10 +40,13 @@ FAST = ["--monitor-interval", "0.05"]
 class Job:
     """One training job's files: checkpoints, the samples of each step, the final weights."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, hold: tuple[int, ...] = ()) -> None:
+        """`hold`: the steps after which every rank waits until the test release()s it."""
         self.checkpoints = root / f"{name}-ckpt"
         self.samples = root / f"{name}-samples"
         self.weights = root / f"{name}.pt"
+        self.gates = root / f"{name}-gates"
+        self.hold = hold
 
     def args(self) -> list[str]:
         return [
@@ -55,7 +58,20 @@ class Job:
             str(self.samples),
             "--final-weights",
             str(self.weights),
+            *self.holds(),
         ]
+
+    def holds(self) -> list[str]:
+        """The script's flags for `hold`: a fault comes after what the test waited for, never
+        after a number of steps the job might have run past on a slow machine."""
+        if not self.hold:
+            return []
+        self.gates.mkdir(exist_ok=True)
+        return ["--hold-at-step", ",".join(map(str, self.hold)), "--hold-dir", str(self.gates)]
+
+    def release(self, step: int) -> None:
+        """The ranks held after `step` go on."""
+        (self.gates / f"step-{step}").touch()
 
     def step(self, attempt: int | None = None) -> int:
         """The newest step any rank has trained (in `attempt` only, when given)."""

@@ -21,13 +21,16 @@ from launcher_util import finish, free_port, listening, start, wait_for, wait_go
 
 
 def _signal_one_worker(job: Job, sig: int, *flags: str) -> tuple[int, str, list[int]]:
-    """Run the job on one node with 2 restarts; at step 12, send rank 1 `sig`. Returns the
-    launcher's exit code and stderr, and the workers the fault met."""
+    """Run the job on one node with 2 restarts; at step 12, send rank 1 `sig` (while the
+    ranks hold there, when the job holds at 12). Returns the launcher's exit code and stderr,
+    and the workers the fault met."""
     proc = start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", *flags])
     try:
         job.wait_step(12, proc)
         victims = job.workers()
         os.kill(victims[1], sig)
+        if 12 in job.hold:
+            job.release(12)
         code, _, err = finish(proc, timeout=150)
     finally:
         finish_quietly(proc)
@@ -36,7 +39,7 @@ def _signal_one_worker(job: Job, sig: int, *flags: str) -> tuple[int, str, list[
 
 @pytest.mark.timeout(200)
 def test_a_worker_killed_mid_run(tmp_path, reference):
-    job = Job(tmp_path, "sigkill")
+    job = Job(tmp_path, "sigkill", hold=(12,))
     code, err, victims = _signal_one_worker(job, signal.SIGKILL, *FAST, *job.args())
     assert code == 0, err[-3000:]
     assert "restarting the workers (restart 1 of 2)" in err
@@ -45,6 +48,7 @@ def test_a_worker_killed_mid_run(tmp_path, reference):
 
 @pytest.mark.timeout(200)
 def test_a_worker_stopped_mid_run_is_found_hung_and_replaced(tmp_path, reference):
+    # No hold here: a worker stopped inside a hold, which is quiet(), would never be hung.
     job = Job(tmp_path, "sigstop")
     flags = ["--hang-timeout", "3", *FAST]
     code, err, victims = _signal_one_worker(job, signal.SIGSTOP, *flags, *job.args())
@@ -58,7 +62,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
     # Two "nodes" (agents) of one worker each; the embedded rendezvous is hosted by the
     # first. The second node's agent is SIGKILLed (its worker dies with it); as a cluster
     # would, a new agent is started in its place, and the job goes on from the checkpoint.
-    job = Job(tmp_path, "agent")
+    job = Job(tmp_path, "agent", hold=(12,))
     endpoint = f"127.0.0.1:{free_port()}"
     node = node_args(job, endpoint, f"faults-{os.getpid()}")
     host = start(node, ONE_THREAD)
@@ -71,6 +75,7 @@ def test_an_agent_killed_on_one_of_two_nodes_and_started_again(tmp_path, referen
         victims = job.workers()
         assert len(victims) == 2, f"not both workers running at the fault: {victims}"
         os.kill(other.pid, signal.SIGKILL)  # the agent only: its worker must die with it
+        job.release(12)
         other.wait(timeout=30)
         assert wait_for(lambda: len(job.workers()) < 2, 30), "the dead agent's worker lives"
         again = start(node, ONE_THREAD)
@@ -130,7 +135,7 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
     # second's lease expire and stops its worker (stuck in a collective with its lost peer:
     # it is killed after --shutdown-timeout). The link comes back; the second host finds its
     # lease gone, stops its worker, rejoins, and the job goes on from the last checkpoint.
-    job = Job(tmp_path, "partition")
+    job = Job(tmp_path, "partition", hold=(12,))
     endpoint = f"{two_hosts.addrs[0]}:29400"
     token = os.urandom(16).hex()
     procs = []
@@ -163,6 +168,7 @@ def test_a_network_partition_between_two_nodes_that_heals(tmp_path, reference, t
         job.wait_step(12, first, second)
         victims = job.workers()
         two_hosts.cut()
+        job.release(12)  # into a collective with the lost peer
         # The first host's record of the fault: its worker is stopped (within the lease's
         # 5 s, the --shutdown-timeout's 3 s and a margin).
         pids = list(victims.values())

@@ -64,10 +64,11 @@ class TwoNodes:
 def two_nodes(tmp_path: Path) -> Iterator[Callable[..., TwoNodes]]:
     made: list[TwoNodes] = []
 
-    def make(backend: str, endpoint: str, *extra: str, endpoint_b: str = "") -> TwoNodes:
-        made.append(
-            TwoNodes(Job(tmp_path, "store"), backend, endpoint, *extra, endpoint_b=endpoint_b)
-        )
+    def make(
+        backend: str, endpoint: str, *extra: str, endpoint_b: str = "", hold: tuple[int, ...] = ()
+    ) -> TwoNodes:
+        job = Job(tmp_path, "store", hold)
+        made.append(TwoNodes(job, backend, endpoint, *extra, endpoint_b=endpoint_b))
         return made[-1]
 
     yield make
@@ -91,15 +92,22 @@ def moved(results: list[tuple[int, str, str]]) -> None:
     ]
 
 
+#: The steps a_store_fault_then_a_crash holds the ranks after: the store's fault, the crash.
+FAULT_HOLDS = (8, 16)
+
+
 def a_store_fault_then_a_crash(nodes: TwoNodes, fault: Callable[[], None], reference: Path):
     """The job trains; `fault` hits the store at step 8; a worker crashes at step 16 (a new
-    round through what is left of the store); the job completes as a fault-free run did."""
+    round through what is left of the store); the job completes as a fault-free run did.
+    (`nodes` hold after FAULT_HOLDS, so each fault meets the job where it should.)"""
     nodes.start()
     nodes.job.wait_step(8, *nodes.procs)
     fault()
+    nodes.job.release(8)
     nodes.job.wait_step(16, *nodes.procs)  # training goes on without the member
     victims = list(nodes.job.workers().values())
     nodes.crash_a_worker()
+    nodes.job.release(16)
     results = nodes.finish()
     spent(results, 1)
     nodes.job.assert_recovered(reference, victims)
@@ -110,7 +118,7 @@ def a_store_fault_then_a_crash(nodes: TwoNodes, fault: Callable[[], None], refer
 def test_the_member_named_first_killed(two_nodes, etcd_cluster, reference):
     # The v2 API's store meets the same fault alone: test_store.py's
     # test_a_store_goes_on_when_the_member_it_uses_is_killed.
-    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    nodes = two_nodes("etcd", etcd_cluster.endpoint, hold=FAULT_HOLDS)
     results = a_store_fault_then_a_crash(nodes, etcd_cluster.members[0].kill, reference)
     moved(results)
 
@@ -118,7 +126,7 @@ def test_the_member_named_first_killed(two_nodes, etcd_cluster, reference):
 @pytest.mark.timeout(240)
 def test_the_leader_killed(two_nodes, etcd_cluster, reference):
     etcd_cluster.lead(1)  # not the member the nodes use: they see only the election
-    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    nodes = two_nodes("etcd", etcd_cluster.endpoint, hold=FAULT_HOLDS)
     a_store_fault_then_a_crash(nodes, etcd_cluster.members[1].kill, reference)
 
 
@@ -126,7 +134,7 @@ def test_the_leader_killed(two_nodes, etcd_cluster, reference):
 def test_a_member_stopped(two_nodes, etcd_cluster, reference):
     # SIGSTOP: the member keeps its connections open and answers nothing (a hung VM).
     stopped = etcd_cluster.members[0]
-    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    nodes = two_nodes("etcd", etcd_cluster.endpoint, hold=FAULT_HOLDS)
     try:
         assert stopped.proc is not None
         results = a_store_fault_then_a_crash(
@@ -166,7 +174,7 @@ def cut_off(etcd_clusters) -> Iterator[tuple[Any, Netns]]:
 @pytest.mark.timeout(240)
 def test_a_member_cut_off_by_the_network(two_nodes, cut_off, reference):
     cluster, net = cut_off
-    nodes = two_nodes("etcd", cluster.endpoint)
+    nodes = two_nodes("etcd", cluster.endpoint, hold=FAULT_HOLDS)
     results = a_store_fault_then_a_crash(nodes, net.cut, reference)
     moved(results)
 
@@ -178,14 +186,16 @@ def test_a_rolling_restart_of_every_member_with_a_crash_after_each(
     # As etcd is upgraded: one member at a time is stopped and started again; a worker
     # crashes after each, so that every new round goes through a cluster missing a member
     # a moment before.
-    nodes = two_nodes("etcd", etcd_cluster.endpoint)
+    holds = (6, 12, 18)  # each attempt's ranks wait there for the member's restart
+    nodes = two_nodes("etcd", etcd_cluster.endpoint, hold=holds)
     nodes.start()
     victims: set[int] = set()
-    for attempt, member in enumerate(etcd_cluster.members):
-        nodes.job.wait_step(6, *nodes.procs, attempt=attempt)
+    for attempt, (member, step) in enumerate(zip(etcd_cluster.members, holds, strict=True)):
+        nodes.job.wait_step(step, *nodes.procs, attempt=attempt)
         member.restart()
         victims |= set(nodes.job.workers().values())
         nodes.crash_a_worker()
+        nodes.job.release(step)
     results = nodes.finish()
     spent(results, 3)
     nodes.job.assert_recovered(reference, list(victims))
@@ -250,11 +260,12 @@ def fill(endpoint: str) -> None:
 def test_a_full_etcd_is_a_clear_error_naming_its_alarm(two_nodes, etcd_small):
     # The job trains; etcd's database reaches its quota (its NOSPACE alarm: every write is
     # refused); a worker crashes and the job needs a new round, which it cannot write.
-    nodes = two_nodes("etcd", etcd_small.endpoint)
+    nodes = two_nodes("etcd", etcd_small.endpoint, hold=(8,))
     nodes.start()
     nodes.job.wait_step(8, *nodes.procs)
     fill(etcd_small.endpoint)
     nodes.crash_a_worker()
+    nodes.job.release(8)
     results = [finish(p, timeout=180) for p in nodes.procs]
     assert all(code != 0 for code, _, _ in results)
     said = "\n".join(err for _, _, err in results)
@@ -271,7 +282,7 @@ def test_the_node_hosting_the_embedded_rendezvous_killed_and_started_again(two_n
     # command: node b's service has taken over with the job's state, node a's new service
     # follows it, and the job goes on from its checkpoint to the fault-free weights.
     first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    nodes = two_nodes("c10d", f"{first},{second}")
+    nodes = two_nodes("c10d", f"{first},{second}", hold=(8,))
     nodes.start(0)
     assert wait_for(lambda: listening(first), 30), "node a did not serve the first endpoint"
     nodes.start(1)
@@ -279,6 +290,7 @@ def test_the_node_hosting_the_embedded_rendezvous_killed_and_started_again(two_n
     victims = list(nodes.job.workers().values())
     host = nodes.procs.pop(0)
     host.kill()
+    nodes.job.release(8)
     host.communicate(timeout=30)
     nodes.start(0)  # the same command, on the same host
     results = nodes.finish()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,15 @@ def listening(endpoint: str) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex((host, int(port))) == 0
+
+
+def health(port: int) -> dict:
+    """The launcher's /healthz answer on `port` ({} while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return json.loads(r.read())
+    except OSError:
+        return {}
 
 
 def wait_for(pred, timeout: float = 60.0) -> bool:

@@ -142,11 +142,12 @@ def test_a_hung_worker_is_killed_and_replaced_alone(tmp_path, reference):
 
 
 def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
-    """The survivors hold at step 12 (at world 2) until the replacement waits to join, so the
-    world grows back before the end however long the replacement takes to start."""
+    """Training starts at world 3 (a late third worker is waited for) and the survivors hold
+    at step 12 (at world 2) until the replacement waits to join, so the world grows back
+    before the end however long the replacement takes to start."""
     gates, events = tmp_path / "gates", tmp_path / "events.jsonl"
     gates.mkdir()
-    hold = ("--hold-at-step", "12", "--hold-dir", str(gates))
+    hold = ("--hold-at-step", "12", "--hold-dir", str(gates), "--hold-until-world", "3")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(
             standalone,

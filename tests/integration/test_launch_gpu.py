@@ -23,7 +23,7 @@ def test_gpu_fault_restarts_the_group(out, fake_nvml, tmp_path):
             "0.05",
             "--monitor-interval",
             "0.05",
-            *worker_args(out, "--sleep", "2"),
+            *worker_args(out, "--sleep", "120"),  # the fault ends them, not the time
         ],
         env={"ELASTIC_NVML_LIBRARY": str(fake_nvml), "ELASTIC_FAKE_NVML_SCRIPT": str(script)},
     )

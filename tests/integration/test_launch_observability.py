@@ -21,7 +21,7 @@ def get(url: str) -> tuple[int, str]:
 
 @pytest.mark.timeout(120)
 def test_events_metrics_and_health(out, tmp_path):
-    events_file = tmp_path / "events.jsonl"
+    events_file, go = tmp_path / "events.jsonl", tmp_path / "go"  # attempt 1 ends on go
     health, metrics = free_port(), free_port()
     proc = start(
         [
@@ -39,7 +39,15 @@ def test_events_metrics_and_health(out, tmp_path):
             "--metrics-port",
             f"127.0.0.1:{metrics}",
             *worker_args(
-                out, "--fail-rank", "1", "--fail-until", "1", "--how", "raise", "--sleep", "3"
+                out,
+                "--fail-rank",
+                "1",
+                "--fail-until",
+                "1",
+                "--how",
+                "raise",
+                "--wait-file",
+                str(go),
             ),
         ]
     )
@@ -50,7 +58,7 @@ def test_events_metrics_and_health(out, tmp_path):
             if (out / "1-0.pid").exists() and (out / "1-1.pid").exists():
                 code, body = get(f"http://127.0.0.1:{health}/healthz")
                 state = json.loads(body)
-                if state.get("attempt") == 1 and code == 200:
+                if code == 200 and state.get("attempt") == 1 and state.get("state") == "running":
                     break
             time.sleep(0.05)
         assert state["state"] == "running"
@@ -62,6 +70,7 @@ def test_events_metrics_and_health(out, tmp_path):
         assert "elasticrun_restarts_total 1.0" in text
         assert 'elasticrun_worker_failures_total{kind="exit_code"} 1.0' in text
         assert "elasticrun_recovery_seconds_count 1.0" in text
+        go.touch()  # the workers of attempt 1 end
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
     finally:

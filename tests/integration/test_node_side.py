@@ -11,29 +11,31 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.store import StoreAccess
-from launcher_util import HERE, alive, finish, free_port, kill_all, start, wait_for, worker_args
+from launcher_util import (
+    HERE,
+    alive,
+    finish,
+    free_port,
+    health,
+    kill_all,
+    start,
+    wait_for,
+    worker_args,
+)
 
 COLLECTIVE = HERE / "scripts" / "collective.py"
 FAMILY = HERE / "scripts" / "family.py"
 FAST = "heartbeat_timeout=2,last_call_timeout=1,join_timeout=60"
+WHOLE = "heartbeat_timeout=2,last_call_timeout=60,join_timeout=60"
 
 
 def run_id() -> str:
     return f"test-{os.urandom(4).hex()}"
-
-
-def health(port: int) -> dict:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return json.loads(r.read())
-    except OSError:
-        return {}
 
 
 def rdzv_files() -> set[str]:
@@ -232,7 +234,7 @@ def test_a_signal_while_the_zygote_imports_ends_the_launcher_and_the_zygote(laun
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("preload", [["--preload", "none"], []], ids=["fresh", "zygote"])
-def test_a_sigkilled_launcher_leaves_nothing_within_two_seconds(launched, tmp_path, preload):
+def test_a_sigkilled_launcher_leaves_nothing(launched, tmp_path, preload):
     proc = start(
         ["--standalone", "--nproc-per-node", "2", *preload, str(FAMILY), "--out", str(tmp_path)]
     )
@@ -247,9 +249,11 @@ def test_a_sigkilled_launcher_leaves_nothing_within_two_seconds(launched, tmp_pa
     try:
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: it cleans up nothing itself
         proc.wait(timeout=10)
-        t0 = time.monotonic()
-        assert wait_for(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
-        assert wait_for(lambda: not os.path.exists(heartbeat), 2.0 - (time.monotonic() - t0))
+        # The guardian ends them at once (about 2 s on an idle machine); the bound here is
+        # only what tells an end from a hang, whatever the load.
+        gone = wait_for(lambda: not any(alive(p) for p in pids), STOP_BOUND)
+        assert gone, [p for p in pids if alive(p)]
+        assert wait_for(lambda: not os.path.exists(heartbeat), STOP_BOUND)
         assert leftovers(proc.pid) == []
     finally:
         kill_all(pids)
@@ -319,7 +323,7 @@ def test_a_node_lost_abruptly_is_a_membership_change_not_a_failure(launched, tmp
         "--rdzv-id",
         rid,
         "--rdzv-conf",
-        FAST,
+        WHOLE,  # the first round has both nodes, however late the second starts
         "--monitor-interval",
         "0.05",
     ]

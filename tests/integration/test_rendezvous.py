@@ -13,6 +13,7 @@ from launcher_util import (
     alive,
     finish,
     free_port,
+    health,
     kill_all,
     listening,
     start,
@@ -21,6 +22,9 @@ from launcher_util import (
 )
 
 FAST = "heartbeat_timeout=2,last_call_timeout=1,join_timeout=60"
+# For a round that must hold every node started: it freezes as soon as the most have joined,
+# and waits for a late one (a slow start on a busy machine) rather than forming without it.
+WHOLE = "heartbeat_timeout=2,last_call_timeout=60,join_timeout=60"
 
 
 @pytest.fixture
@@ -164,7 +168,7 @@ def test_scale_up_while_training(nodes, store, request):
 
 @pytest.mark.timeout(180)
 def test_scale_down_when_a_node_dies(nodes, etcd):
-    rdzv = rdzv_args("etcd", etcd.endpoint)
+    rdzv = rdzv_args("etcd", etcd.endpoint, WHOLE)
     agents = [nodes(n, rdzv, "--dist", "--hold-round", "1", nnodes="2:3") for n in "abc"]
     assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in agents))
     victim, victim_out = agents[2]
@@ -186,8 +190,11 @@ def test_a_spare_takes_a_lost_nodes_place(nodes):
     assert wait_for(lambda: listening(endpoint)), "A hosts the rendezvous"
     b = nodes("b", rdzv, "--dist", "--hold-round", "1")
     assert wait_for(lambda: all(list(out.glob("*.dist.json")) for _, out in (a, b)))
-    spare = nodes("spare", rdzv, "--dist", "--hold-round", "1")
-    assert not wait_for(lambda: list(spare[1].glob("*.pid")), 3), "the spare must wait"
+    port = free_port()
+    spare = nodes("spare", rdzv, "--dist", "--hold-round", "1", extra=["--health-port", str(port)])
+    waiting = lambda: health(port).get("rendezvous", {}).get("phase") == "spare"  # noqa: E731
+    assert wait_for(waiting, 60), "the spare never waited as one"
+    assert not list(spare[1].glob("*.pid")), "a spare runs no worker"
     os.killpg(b[0].pid, signal.SIGKILL)
     for proc, _out in (a, spare):
         code, _, err = finish(proc)
@@ -220,11 +227,13 @@ def test_the_host_outlives_the_nodes_still_running(nodes):
     rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
     host = nodes("host", rdzv, "--dist")
     assert wait_for(lambda: listening(endpoint))
-    other = nodes("other", rdzv, "--dist", "--sleep", "4")
+    done = host[1].parent / "other-may-end"  # the other node's workers wait for it
+    other = nodes("other", rdzv, "--dist", "--wait-file", str(done))
     assert wait_for(lambda: list(host[1].glob("*.dist.json")))
     pids = [int(p.read_text()) for p in host[1].glob("*.pid")]
     assert wait_for(lambda: not any(alive(pid) for pid in pids))  # the host's work is done
-    assert other[0].poll() is None, "the other node still runs (its workers sleep 4 s)"
+    assert other[0].poll() is None, "the other node still runs (its workers wait)"
+    done.touch()
     # The other node's last writes need the service: it completes only if the host serves
     # until then, and the host ends after it.
     code, _, err = finish(other[0], timeout=60)
@@ -278,7 +287,7 @@ def test_wrong_token_is_refused(nodes):
             endpoint,
             *run_id,
             "--rdzv-conf",
-            "token=right,join_timeout=3",
+            "token=right,join_timeout=120",  # it outlives the intruder's refusal
         ],
     )
     assert wait_for(lambda: listening(endpoint), 30)
@@ -298,8 +307,10 @@ def test_wrong_token_is_refused(nodes):
     code, _, err = finish(intruder[0])
     assert code == 1
     assert "invalid rendezvous token" in err
+    assert host[0].poll() is None, "the host waits on: the intruder never joined"
+    host[0].send_signal(signal.SIGTERM)  # its timing out is test_min_never_reached_times_out's
     code, _, err = finish(host[0])
-    assert code == 1 and "timed out" in err
+    assert code == 128 + signal.SIGTERM, err[-3000:]
 
 
 @pytest.mark.timeout(120)

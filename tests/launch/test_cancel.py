@@ -6,8 +6,10 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
+from elastic_launch import cancel
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline, Notice, SignalRelay, clock
 
@@ -81,19 +83,25 @@ def test_outside_the_main_thread_the_relay_does_nothing():
     assert errors == []
 
 
-def test_a_notice_says_what_a_wait_waits_for_after_a_while_then_now_and_again():
+def test_a_notice_says_what_a_wait_waits_for_after_a_while_then_now_and_again(monkeypatch):
+    now = [1000.0]  # the monotonic clock, moved by the test alone
+    clock_of = types.SimpleNamespace(monotonic=lambda: now[0], time=time.time, sleep=time.sleep)
+    monkeypatch.setattr(cancel, "time", clock_of)  # the module's clock only
     said: list[str] = []
     state = {"left": 3}
     notice = Notice(lambda: f"waiting for {state['left']} things", said.append, 0.1, 0.2)
     notice.check()
     assert said == [], "a short wait stays quiet"
-    assert 0 < notice.due().left() <= 0.1
-    time.sleep(0.12)
+    assert notice.due().left() == pytest.approx(0.1)
+    now[0] += 0.12
     state["left"] = 2
     notice.check()
     notice.check()
     assert said == ["waiting for 2 things"], "said once, with the state of the moment"
-    time.sleep(0.22)
+    now[0] += 0.19
+    notice.check()
+    assert len(said) == 1, "not again before `every`"
+    now[0] += 0.02
     notice.check()
     assert len(said) == 2
 

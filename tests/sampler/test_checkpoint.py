@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -250,25 +251,28 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
 
 # ---- a background save outlives a script that forgets close() --------------------------------
 
-# The state pickles slowly (`Slow.seconds` in the writer thread), so the script ends while the
-# write is in flight; it unpickles as a plain int (by calling `int`: loaded with
-# weights_only=False, as this file is the test's own).
+# The state pickles slowly (`Slow.seconds` in the writer thread, or until the file `release`
+# exists), so the script ends while the write is in flight; it unpickles as a plain int (by
+# calling `int`: loaded with weights_only=False, as this file is the test's own).
 SLOW_SAVE = """
 import os, signal, sys, time, torch
 from elastic_sampler import CheckpointManager
 
 class Slow:
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, seconds, release):
+        self.seconds, self.release = seconds, release
     def __deepcopy__(self, memo):
-        return Slow(self.seconds)
+        return Slow(self.seconds, self.release)
     def __reduce__(self):
-        time.sleep(self.seconds)
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline and not os.path.exists(self.release):
+            time.sleep(0.01)
         return (int, (7,))
 
 m = CheckpointManager(sys.argv[1], finish_timeout=float(sys.argv[3]))
 m.save({"w": torch.ones(3)}, 1)
-m.save({"w": torch.ones(3), "slow": Slow(float(sys.argv[4]))}, 2, background=True)
+slow = Slow(float(sys.argv[4]), sys.argv[1] + "/release")
+m.save({"w": torch.ones(3), "slow": slow}, 2, background=True)
 print("SAVING", flush=True)
 how = sys.argv[2]
 if how == "exit":
@@ -280,24 +284,42 @@ if how == "wait-for-sigterm":
 """
 
 
-def _slow_save(tmp_path, how, finish_timeout=300.0, seconds=1.5, env=None):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_SAVE, str(tmp_path), how, str(finish_timeout), str(seconds)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+def _slow_save(tmp_path, how, finish_timeout=300.0, seconds=1.5, env=None, release=False):
+    """Runs SLOW_SAVE; with `release`, the save goes on only once the script has said it
+    waits for it (after the SIGTERM), so the signal always meets the save in flight."""
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as errors:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SLOW_SAVE,
+                str(tmp_path),
+                how,
+                str(finish_timeout),
+                str(seconds),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
     try:
         assert proc.stdout.readline() == "SAVING\n"
         if how == "wait-for-sigterm":
             proc.send_signal(15)
-        _, err = proc.communicate(timeout=60)
+        if release:
+            said = "SIGTERM arrived: finishing the background save"
+            deadline = time.monotonic() + 60
+            while said not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            (tmp_path / "release").touch()
+        proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode, err
+    return proc.returncode, log.read_text()
 
 
 def _temporaries(directory):
@@ -331,7 +353,13 @@ def test_a_save_that_outlasts_its_bound_at_exit_is_abandoned_and_reported(tmp_pa
 
 @pytest.mark.slow  # real processes
 def test_sigterm_finishes_the_save_within_the_launchers_grace(tmp_path):
-    code, err = _slow_save(tmp_path, "wait-for-sigterm", env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "20"})
+    code, err = _slow_save(
+        tmp_path,
+        "wait-for-sigterm",
+        seconds=60,
+        env={"ELASTICRUN_SHUTDOWN_TIMEOUT": "20"},
+        release=True,
+    )
     assert code == -15, "the process still dies of SIGTERM"
     assert "SIGTERM arrived: finishing the background save of checkpoint step 2" in err
     assert CheckpointManager(tmp_path).load_latest(weights_only=False)[1] == 2

@@ -336,7 +336,8 @@ def test_the_limit_reaches_the_slot(tmp_path, under_elasticrun, monkeypatch):
 
 
 def slow_copies(monkeypatch, seconds: float) -> None:
-    """Every copy to memory starts `seconds` late: long enough to see who waits for it."""
+    """Every copy to memory starts `seconds` late, so that a step that did not wait for it
+    would be seen (a machine slower than that only makes the wait longer)."""
     real = _payload.Plan.write
 
     def late(self, view):
@@ -344,6 +345,19 @@ def slow_copies(monkeypatch, seconds: float) -> None:
         return real(self, view)
 
     monkeypatch.setattr(_payload.Plan, "write", late)
+
+
+def held_copies(monkeypatch) -> threading.Event:
+    """Every copy to memory waits until the test sets the event returned (30 s at most): the
+    test acts while the copy is surely in flight, whatever the machine's speed."""
+    real, go = _payload.Plan.write, threading.Event()
+
+    def late(self, view):
+        go.wait(30)
+        return real(self, view)
+
+    monkeypatch.setattr(_payload.Plan, "write", late)
+    return go
 
 
 def test_save_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(
@@ -357,11 +371,12 @@ def test_save_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
     model(torch.ones(1, 1000)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    slow_copies(monkeypatch, 0.5)
+    go = held_copies(monkeypatch)
     m.save({"model": model.state_dict()}, 1)
     assert m.memory_tier._copy is not None and not m.memory_tier._copy.join(0), (
         "save() returned with the copy running"
     )
+    go.set()
     optimizer.step()  # changes the weights, but only once the copy is over
     assert m.memory_tier._copy.join(0)
     assert not torch.equal(model.weight, before["weight"])
@@ -382,9 +397,10 @@ def test_a_tensor_changed_during_the_copy_voids_it_and_later_copies_finish_in_sa
     m = CheckpointManager(tmp_path / "ckpt", memory=True, persist_every=100)
     m.save({"w": w}, 1)
     m.wait()
-    slow_copies(monkeypatch, 0.3)
+    go = held_copies(monkeypatch)
     m.save({"w": w}, 2)
     w.add_(1)  # no optimizer step: nothing waits for the copy
+    go.set()
     with pytest.warns(UserWarning, match=r"step 2 was changed while .* memory keeps step 1"):
         m.wait()
     assert m.overlap is False and m.latest_step() == 1

@@ -1,5 +1,6 @@
 """A worker that starts a daemon: rank 0 double-forks a process that leaves its process group
-and session (setsid) and writes its pid to OUT, then every worker sleeps SECONDS and exits 0."""
+and session (setsid) and writes its pid to OUT, then every worker waits until the file GO
+exists (300 s at most) and exits 0."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 
 def main() -> None:
-    out, seconds = sys.argv[1], float(sys.argv[2])
+    out, go = sys.argv[1], sys.argv[2]
     if os.environ.get("RANK") == "0" and os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
@@ -18,7 +19,9 @@ def main() -> None:
             os.replace(out + ".tmp", out)
             time.sleep(600)
         os._exit(0)
-    time.sleep(seconds)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":

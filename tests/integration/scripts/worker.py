@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=0)
     p.add_argument("--dist", action="store_true", help="init_process_group + all_reduce")
     p.add_argument("--sleep", type=float, default=0.0, help="idle this long at the end")
+    p.add_argument(
+        "--wait-file", help="at the end, wait until this file exists (300 s at most): a test's gate"
+    )
     p.add_argument("--print", default="", help="a line to print to stdout and stderr")
     p.add_argument(
         "--hold-round",
@@ -111,6 +114,9 @@ def main() -> None:
     if args.dist:
         torch_parts().end(args)
     time.sleep(args.sleep)
+    deadline = time.monotonic() + 300
+    while args.wait_file and not os.path.exists(args.wait_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":

@@ -75,11 +75,10 @@ def test_a_killed_launcher_leaves_nothing_behind(tmp_path):
         assert wait(lambda: len(_sessions_of({worker})) == 2, 30), "the worker's child never ran"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        t0 = time.monotonic()
-        assert wait(lambda: not _sessions_of({worker}), 2.0), "processes outlived the launcher"
-        assert wait(lambda: not leftover.exists() and not tree.exists(), 2.0)
-        assert wait(lambda: not alive(guardian), 2.0), "the guardian stays no longer"
-        assert time.monotonic() - t0 < 2.0
+        # Measured at once on an idle machine; 20 s only tells an end from a hang under load.
+        assert wait(lambda: not _sessions_of({worker}), 20), "processes outlived the launcher"
+        assert wait(lambda: not leftover.exists() and not tree.exists(), 20)
+        assert wait(lambda: not alive(guardian), 20), "the guardian stays no longer"
     finally:
         for pid in _sessions_of({worker}):
             os.kill(pid, signal.SIGKILL)
