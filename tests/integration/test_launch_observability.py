@@ -40,12 +40,7 @@ def test_events_metrics_and_health(out, tmp_path):
             f"127.0.0.1:{metrics}",
             *worker_args(
                 out,
-                "--fail-rank",
-                "1",
-                "--fail-until",
-                "1",
-                "--how",
-                "raise",
+                *("--fail-rank", "1", "--fail-until", "1", "--how", "raise"),
                 "--wait-file",
                 str(go),
             ),
