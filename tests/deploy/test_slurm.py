@@ -20,7 +20,7 @@ from elastic_launch.net import listeners
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_roles import seen
 from elastic_launch.rendezvous.endpoints import StoreMember
-from launcher_util import free_port, wait_for, wait_gone
+from launcher_util import free_port, held, release, wait_for, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,20 +124,19 @@ def kill_an_agent_mid_training(
     that node, the job's end (Slurm's fields) and its output. The workers hold after step 3
     until the agent is killed, so the kill always meets the job mid-training."""
     samples, gates = tmp / "samples", tmp / "gates"
-    gates.mkdir()
     job_id = submit(
         cluster,
         tmp,
         env,
         *("--epochs", "2", "--step-time", "0.1", "--checkpoint-every", "2"),
-        *("--record-samples", str(samples), "--hold-at-step", "3", "--hold-dir", str(gates)),
+        *("--record-samples", str(samples), *held(gates, 3)),
     )
     assert wait_for(lambda: steps_trained(samples) >= 3, 120), "the job did not start training"
     found = agents(job_id)
     assert sorted(found) == [0, 1], found
     node = pick(found)
     os.kill(found[node], signal.SIGKILL)
-    (gates / "step-3").touch()
+    release(gates, 3)
     fields = cluster.wait(job_id, timeout=180)
     return job_id, node, fields, (tmp / f"job-{job_id}.out").read_text()
 

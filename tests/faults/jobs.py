@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from elastic_sampler import CheckpointManager
-from launcher_util import ELASTICRUN, wait_for, wait_gone
+from launcher_util import ELASTICRUN, held, release, wait_for, wait_gone
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 # 2 epochs of 16 steps of 16 samples per rank on 2 ranks; a checkpoint every 5 steps; each
@@ -64,14 +64,11 @@ class Job:
     def holds(self) -> list[str]:
         """The script's flags for `hold`: a fault comes after what the test waited for, never
         after a number of steps the job might have run past on a slow machine."""
-        if not self.hold:
-            return []
-        self.gates.mkdir(exist_ok=True)
-        return ["--hold-at-step", ",".join(map(str, self.hold)), "--hold-dir", str(self.gates)]
+        return list(held(self.gates, *self.hold)) if self.hold else []
 
     def release(self, step: int) -> None:
         """The ranks held after `step` go on."""
-        (self.gates / f"step-{step}").touch()
+        release(self.gates, step)
 
     def step(self, attempt: int | None = None) -> int:
         """The newest step any rank has trained (in `attempt` only, when given)."""

@@ -114,6 +114,19 @@ def listening(endpoint: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+def held(gates: Path, *steps: int) -> tuple[str, ...]:
+    """The examples' flags that hold every rank at each of `steps` until release(): a fault
+    comes after what the test waited for, never after a number of steps the job might have
+    run past on a slow machine."""
+    gates.mkdir(exist_ok=True)
+    return ("--hold-at-step", ",".join(map(str, steps)), "--hold-dir", str(gates))
+
+
+def release(gates: Path, step: int) -> None:
+    """The ranks held at `step` go on."""
+    (gates / f"step-{step}").touch()
+
+
 def health(port: int) -> dict:
     """The launcher's /healthz answer on `port` ({} while it does not answer)."""
     try:

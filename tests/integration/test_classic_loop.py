@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from classic_example import EXAMPLE, SAMPLES, STEP, assert_every_sample_once
-from launcher_util import HERE, finish, free_port, kill_all, start, wait_for
+from launcher_util import HERE, finish, free_port, held, kill_all, release, start, wait_for
 
 from common import loop_state, step_records
 
@@ -146,8 +146,7 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
     at step 12 (at world 2) until the replacement waits to join, so the world grows back
     before the end however long the replacement takes to start."""
     gates, events = tmp_path / "gates", tmp_path / "events.jsonl"
-    gates.mkdir()
-    hold = ("--hold-at-step", "12", "--hold-dir", str(gates), "--hold-until-world", "3")
+    hold = (*held(gates, 12), "--hold-until-world", "3")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(
             standalone,
@@ -160,7 +159,7 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
         try:
             joining = wait_for(lambda: replacement_waiting(events), 120)
         finally:
-            (gates / "step-12").touch()
+            release(gates, 12)
         job = running.result(timeout=300)
     assert joining, f"no replacement waited to join:\n{job.stderr[-3000:]}"
     assert job.returncode == 0, job.stderr[-3000:]

@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from classic_example import EXAMPLE, STEP, assert_every_sample_once
-from launcher_util import alive, free_port, start, wait_for
+from launcher_util import alive, free_port, held, release, start, wait_for
 
 from common import loop_state, waiting_spare
 
@@ -79,17 +79,6 @@ def jobs():
     yield started
     for job in started:
         job.end()
-
-
-def held(gates: Path, *steps: int) -> tuple[str, ...]:
-    """Script flags that hold every rank before each of `steps` until the test release()s it:
-    the faults come after what the test waited for (a spare ready), whatever the speed."""
-    gates.mkdir(exist_ok=True)
-    return ("--hold-at-step", ",".join(map(str, steps)), "--hold-dir", str(gates))
-
-
-def release(gates: Path, step: int) -> None:
-    (gates / f"step-{step}").touch()
 
 
 def spare_waiting(job: Live) -> int | None:
