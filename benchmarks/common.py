@@ -157,13 +157,14 @@ def loop_state(pid: int) -> str:
         return ""
 
 
-def waiting_spare(events: Path) -> int | None:
-    """The pid of a hot spare that waits in the workers' rendezvous (from the job's events
-    file), once one does."""
+def waiting_spare(events: Path, started_as: str = "hot_spare_started") -> int | None:
+    """The pid of a hot spare (or of a worker the event `started_as` names, such as
+    "worker_replaced") that waits in the workers' rendezvous (from the job's events file),
+    once one does."""
     if not events.exists():
         return None
     for line in events.read_text().splitlines():
         e = json.loads(line)
-        if e["event"] == "hot_spare_started" and loop_state(e["pid"]) == "waiting":
+        if e["event"] == started_as and loop_state(e["pid"]) == "waiting":
             return int(e["pid"])
     return None

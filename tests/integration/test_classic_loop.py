@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from classic_example import EXAMPLE, SAMPLES, STEP, assert_every_sample_once
 from launcher_util import HERE, finish, free_port, held, kill_all, release, start, wait_for
 
-from common import loop_state, step_records
+from common import step_records, waiting_spare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -157,7 +157,7 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
             script=("--kill-at-step", "10", "--step-seconds", "0.1", *hold),
         )
         try:
-            joining = wait_for(lambda: replacement_waiting(events), 120)
+            joining = wait_for(lambda: waiting_spare(events, "worker_replaced"), 120)
         finally:
             release(gates, 12)
         job = running.result(timeout=300)
@@ -171,15 +171,6 @@ def test_an_elastic_world_goes_on_smaller_then_admits_the_replacement(tmp_path):
     assert len(survivors) == 2
     assert {pid for *_, w, pid in job.steps() if w == 3} >= survivors, "they stayed"
     job.assert_every_sample_once_per_epoch()
-
-
-def replacement_waiting(events: Path) -> bool:
-    """Whether a replacement (from the job's events file) waits for the next round."""
-    if not events.exists():
-        return False
-    replaced = [json.loads(line) for line in events.read_text().splitlines()]
-    pids = [int(e["pid"]) for e in replaced if e["event"] == "worker_replaced"]
-    return any(loop_state(pid) == "waiting" for pid in pids)
 
 
 def test_a_worker_that_fails_for_good_fails_the_job_at_once(tmp_path):

@@ -459,7 +459,7 @@ class WorkerGroup:
         for w in self.alive():
             if only is not None and w.local_rank not in only:
                 continue
-            sizes[w.local_rank] = _size(w.stack_file)
+            sizes[w.local_rank] = untrusted.size(w.stack_file)
             w.process.signal(worker_main.STACK_SIGNAL)
         previous = dict(sizes)
         pending = set(sizes)
@@ -468,7 +468,7 @@ class WorkerGroup:
         while pending and not deadline.passed:
             time.sleep(0.02)
             for rank in list(pending):
-                size = _size(self._workers[rank].stack_file)
+                size = untrusted.size(self._workers[rank].stack_file)
                 if size != previous[rank]:
                     previous[rank] = size
                     last_growth = time.monotonic()
@@ -495,10 +495,6 @@ class WorkerGroup:
             lines = (header + stack).splitlines()
             sys.stderr.write("".join(f"{prefix}{line}\n" for line in lines))
             sys.stderr.flush()
-
-
-def _size(path: str) -> int:
-    return untrusted.size(path)
 
 
 #: The most of a stack dump read: the worker writes the file, so its size is the worker's.
