@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list:
     return json.loads((job.out / "final.json").read_text())["weights"]
 
 
+def policies(pid: int) -> set[int]:
+    """The scheduling policies of the threads of process `pid`."""
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_path, jobs):
     """Rank 1 is SIGKILLed at step 10: the spare, which never stepped, trains from there; the
-    replacement waits behind it, and takes the place of the spare when the test kills it."""
+    replacement waits behind it, and takes the place of the spare when the test kills it, even
+    if it is slow to answer (SIGSTOPped, as a machine too busy to run it would leave it)."""
     gates = held(tmp_path / "gates", 10, 30)
     job = Live(
         tmp_path / "admit",
@@ -124,9 +131,15 @@ def test_a_spare_takes_a_dead_workers_place_and_a_new_one_waits_behind_it(tmp_pa
     job.wait("the spare steps", lambda: job.first_step_of(spare) is not None)
     assert job.first_step_of(spare) > 10, "it trained only once admitted, from the state sent"
     job.wait("the new process waits behind it", lambda: loop_state(behind) == "waiting")
+    assert policies(behind) == {os.SCHED_OTHER}, "prepared, it waits at the normal policy"
     at = max(s for s, *_ in job.steps())
+    survivor = next(pid for s, _, _, pid in job.steps() if s == at and pid != spare)
+    os.kill(behind, signal.SIGSTOP)
     os.kill(spare, signal.SIGKILL)
     release(tmp_path / "gates", 30)
+    job.wait("the survivor re-forms", lambda: loop_state(survivor) == "waiting")
+    time.sleep(3)  # the place is the stopped spare's: no new process takes it meanwhile
+    os.kill(behind, signal.SIGCONT)
     job.wait("the one behind steps", lambda: job.first_step_of(behind) is not None)
     assert job.first_step_of(behind) > at
     assert job.finish() == 0, job.text()[-3000:]

@@ -1,4 +1,4 @@
-"""Hot spares' scheduling: idle CPU until admitted (elastic_launch.spare)."""
+"""Hot spares' scheduling: idle CPU while they prepare (elastic_launch.spare)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 
-def test_a_hot_spare_runs_on_idle_cpu_until_admitted_and_then_every_thread_leaves_it():
-    """SCHED_IDLE while a spare prepares and waits (threads it starts inherit it); admitted,
-    every thread goes back to SCHED_OTHER without a privilege."""
+def test_a_hot_spare_prepares_on_idle_cpu_and_then_every_thread_leaves_it():
+    """SCHED_IDLE while a spare prepares (threads it starts inherit it); once it waits in the
+    rendezvous, every thread goes back to SCHED_OTHER without a privilege."""
     probe = """
 import os, threading
 from elastic_launch import spare

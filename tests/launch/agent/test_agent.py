@@ -548,6 +548,28 @@ def test_a_worker_between_rounds_is_never_taken_for_a_spare(node):
     assert "ELASTICRUN_HOT_SPARE" not in n.spawner.spawned[4].request.env
 
 
+def test_a_spare_is_named_for_one_place_and_a_second_death_is_replaced_at_once(node, caplog):
+    """Two workers die while one spare waits: the spare takes the first place; the second is
+    replaced by a new process at once (the round needs it), not left empty behind a spare
+    that is named for another place."""
+    n = node(max_restarts=2, hot_spares=1, nproc_per_node=3).play()
+    first = n.running()
+    _training(n, first)
+    n.wait_for(lambda: len(n.spawner.spawned) == 4)
+    spare = n.spawner.spawned[3]
+    _in_loop(spare, "waiting 0")
+    with caplog.at_level("WARNING"):
+        n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
+        n.wait_for(lambda: n.rdzv.restarts == 1 and n.group.get(1) is None)
+        n.watchdog.exit_process(first[2], signal=signal.SIGKILL)
+        n.wait_for(lambda: len(n.spawner.spawned) == 5)
+    assert caplog.text.count(f"hot spare pid {spare.pid} takes its place") == 1
+    assert "the other workers keep running the train loop" in caplog.text
+    second = n.spawner.spawned[4]
+    assert second.request.local_rank == 2 and "ELASTICRUN_HOT_SPARE" not in second.request.env
+    assert n.group.get(1) is None, "the first place is the spare's until the group steps"
+
+
 def test_a_place_a_spare_took_is_filled_anyway_when_the_group_does_not_step(node, monkeypatch):
     """The round may need one more member than the spares could give: the place is left
     empty for BEHIND_WAIT at most (here 0)."""

@@ -68,3 +68,27 @@ def test_paths_that_are_gone_are_not_shown(tmp_path):
     text = format_summary("job", RunResult(state=AgentState.FAILED, failures=[f], attempts=1))
     assert f"logs       : {kept}" in text
     assert "gone.log" not in text and "gone.json" not in text
+
+
+def test_a_hot_spare_is_named_as_one_not_by_rank_minus_one():
+    """A spare has no rank the launcher knows (a round gives it the loop's)."""
+    spare = WorkerFailure(
+        kind=FailureKind.SIGNAL,
+        rank=-1,
+        local_rank=2,
+        pid=7,
+        attempt=0,
+        host="h",
+        time_ns=2,
+        wall_time=0.0,
+        signal=9,
+    )
+    result = RunResult(
+        state=AgentState.FAILED,
+        failures=[failure(1, FailureKind.SIGNAL, 1, signal=9), spare],
+        attempts=1,
+    )
+    text = format_summary("job", result)
+    assert "a hot spare (local rank 2): killed by SIGKILL" in text and "rank -1" not in text
+    result = RunResult(state=AgentState.FAILED, failures=[spare], attempts=1)
+    assert "rank       : none (a hot spare) (local rank 2, pid 7)" in format_summary("j", result)

@@ -30,7 +30,7 @@ from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
 from elastic_launch.agent.observe import Observer
 from elastic_launch.agent.spares import HotSpares, emit_replaced
-from elastic_launch.agent.summary import describe
+from elastic_launch.agent.summary import describe, who
 from elastic_launch.agent.worker import Happened, SpawnError, UnusableGpu, Worker
 from elastic_launch.agent.workers import WorkerGroup
 from elastic_launch.api import (
@@ -310,7 +310,7 @@ class ElasticAgent:
         """A train-loop worker died: spend one of the job's restarts (the rendezvous keeps the
         count), start one in its place and leave the others running (they roll back and
         re-form without it, or with its replacement)."""
-        what = f"rank {failure.rank} {describe(failure)}"
+        what = f"{who(failure.rank)} {describe(failure)}"
         try:
             spent = self.rdzv.spend_restart(budget.limit, self.cancel)
         except Cancelled:
@@ -321,10 +321,13 @@ class ElasticAgent:
             exhausted = RestartBudget(budget.limit, budget.limit).exhausted(what)
             return Decision(Action.FAIL_JOB, detail=exhausted)
         self.restarts = spent.spent
-        spares = [x for x in self.group.hot_spares() if x is not w]
-        _log_replace(w, failure, self.restarts, budget.limit, spares)
-        if spares:  # one takes the place; the one behind it starts once the group trains
-            self.spares.leave_place(w.local_rank, failure.time_ns, self.restarts)
+        waited = w.hot_spare and w.train_loop() == Loop.WAITING  # no place of its own
+        named = self.spares.named()
+        spares = [x for x in self.group.hot_spares() if x is not w and x.local_rank not in named]
+        _log_replace(w, failure, f"restart {self.restarts} of {budget.limit}", waited, spares)
+        if spares and not waited:  # it takes the place; the one behind starts once it trains
+            taker = spares[0].local_rank
+            self.spares.leave_place(w.local_rank, failure.time_ns, self.restarts, taker)
             return None
         t0 = elastic_core.now_ns()
         try:
@@ -469,11 +472,11 @@ def _log_restart(
 
 
 def _log_replace(
-    w: Worker, failure: WorkerFailure, restarts: int, limit: int, spares: list[Worker]
+    w: Worker, failure: WorkerFailure, count: str, waited: bool, spares: list[Worker]
 ) -> None:
-    """Say which worker is replaced and what takes its place in the train loop."""
-    count = f"restart {restarts} of {limit}"
-    if w.hot_spare and w.train_loop() == Loop.WAITING:
+    """Say which worker is replaced (a spare that `waited` for a round, or one that trained)
+    and what takes its place in the train loop: the first of `spares`, or a new process."""
+    if waited:
         logger.warning(
             "replacing a hot spare (local rank %d, pid %d) that ended while it waited (%s): "
             "%s; the training workers are not touched",
@@ -489,11 +492,13 @@ def _log_replace(
         if spares
         else "the other workers keep running the train loop"
     )
+    # A spare a round took has the loop's rank, which the launcher is not told.
+    name = who(w.rank) if w.rank >= 0 else f"a hot spare a round had taken (pid {w.pid})"
     logger.warning(
-        "replacing rank %d alone (%s) after: rank %d %s; %s",
-        w.rank,
+        "replacing %s alone (%s) after: %s %s; %s",
+        name,
         count,
-        w.rank,
+        who(w.rank),
         describe(failure),
         then,
     )

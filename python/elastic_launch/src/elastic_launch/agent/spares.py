@@ -1,11 +1,13 @@
 """The hot spares of one node (``--hot-spares``): train-loop workers started ahead of need, each
-of which runs the script up to ``train()`` and waits in the workers' rendezvous beyond its
-maximum, on idle CPU (:mod:`elastic_launch.spare`), until a round takes it.
+of which runs the script up to ``train()`` on idle CPU (:mod:`elastic_launch.spare`) and waits
+in the workers' rendezvous beyond its maximum until a round takes it.
 
 They start once the workers train (each has made a step, so the first round is theirs). When a
-worker dies while a spare waits, the round that follows takes the spare at once; the dead
-worker's place is left empty until the re-formed group has made a step, and then the spare
-behind it starts, so that its start never competes with the group's re-forming for the CPU.
+worker dies while a spare waits, that spare is named for its place and the round that follows
+takes it at once; the dead worker's place is left empty until the re-formed group has made a
+step, and then the spare behind it starts. Before that step it would compete with the group's
+re-forming for the CPU, and could join the re-formed round in place of the spare named (both
+wait in the same rendezvous, and the first to join is taken).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from elastic_launch.agent.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-#: The longest a place a spare took stays empty (seconds). The re-formed group makes a step
-#: within a fraction of a second; if it has not by then, the round may be waiting for one
-#: more member than the spares could give (a spare that died as it was taken, say), so the
-#: one behind starts anyway.
-BEHIND_WAIT = 1.0
+#: The longest a place a spare took stays empty while the re-formed group has made no step
+#: (seconds). The spare named for it may have stopped answering as it was taken (a process
+#: SIGSTOPped, or cut off from the store: a waiting spare is never held hung), so that the
+#: round waits for a member; the one behind then starts anyway. Far above a re-forming's time
+#: on a loaded machine, so that the one behind never overtakes the spare named.
+BEHIND_WAIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class _Behind:
 
     failed_ns: int  # when the worker failed
     restarts: int  # the job's restarts once its replacement was counted
+    taker: int  # the local rank of the spare named for the place
 
 
 def emit_replaced(
@@ -72,11 +76,16 @@ class HotSpares:
         self._since_ns = 0  # when a spare last took a place
         self._steps: dict[int, int] = {}  # the workers' steps then: the ones behind start after
 
-    def leave_place(self, local_rank: int, failed_ns: int, restarts: int) -> None:
-        """A spare takes the place of worker `local_rank`, which failed at `failed_ns` (its
-        replacement, counted: `restarts`): the place stays empty until the group trains."""
+    def named(self) -> set[int]:
+        """The local ranks of the spares named for a place (each is named for one only)."""
+        return {b.taker for b in self._behind.values()}
+
+    def leave_place(self, local_rank: int, failed_ns: int, restarts: int, taker: int) -> None:
+        """The spare of local rank `taker` takes the place of worker `local_rank`, which
+        failed at `failed_ns` (its replacement, counted: `restarts`): the place stays empty
+        until the group trains."""
         self.group.retire(local_rank)
-        self._behind[local_rank] = _Behind(failed_ns, restarts)
+        self._behind[local_rank] = _Behind(failed_ns, restarts, taker)
         self._since_ns = elastic_core.now_ns()
         self._steps = self.group.steps()
 

@@ -47,15 +47,22 @@ def _status(signum: int | None, exit_code: int | None) -> str:
     return "status unknown"
 
 
+def who(rank: int) -> str:
+    """A worker by its rank; a hot spare has none the launcher knows (a round that takes it
+    gives it the train loop's)."""
+    return f"rank {rank}" if rank >= 0 else "a hot spare"
+
+
 def _indent(text: str, by: str = "    ") -> str:
     return "\n".join(by + line for line in text.rstrip().splitlines())
 
 
 def _block(f: WorkerFailure, title: str) -> list[str]:
     when = datetime.datetime.fromtimestamp(f.wall_time).isoformat(sep=" ", timespec="seconds")
+    rank = f.rank if f.rank >= 0 else "none (a hot spare)"
     lines = [
         title,
-        f"  rank       : {f.rank} (local rank {f.local_rank}, pid {f.pid})",
+        f"  rank       : {rank} (local rank {f.local_rank}, pid {f.pid})",
         f"  host       : {f.host}",
         f"  attempt    : {f.attempt}",
         f"  time       : {when}",
@@ -91,6 +98,6 @@ def format_summary(name: str, result: RunResult) -> str:
     if others:
         out += ["", "Other workers:"]
         for f in sorted(others, key=lambda f: f.rank):
-            out.append(f"  rank {f.rank} (local rank {f.local_rank}): {describe(f)}")
+            out.append(f"  {who(f.rank)} (local rank {f.local_rank}): {describe(f)}")
     out.append("=" * _WIDTH)
     return "\n".join(out)

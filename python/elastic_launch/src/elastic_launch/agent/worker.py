@@ -55,7 +55,7 @@ class Worker:
     result_file: str | None = None
     loop_file: str = ""  # where it says it runs the train loop (team.LOOP_FILE_ENV)
     generation: int = 0  # 0, then 1, 2... for replacements within the attempt
-    hot_spare: bool = False  # started to wait for a round (on idle CPU until one takes it)
+    hot_spare: bool = False  # started to wait for a round (prepared on idle CPU)
     state: WorkerState = WorkerState.RUNNING
     exited: bool = False  # the process is gone (and reaped)
     exit_code: int | None = None

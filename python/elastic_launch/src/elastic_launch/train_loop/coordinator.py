@@ -138,6 +138,9 @@ class ElasticCoordinator(Coordinator):
         reason, self._reason = self._reason, RestartReason.MEMBERSHIP
         failure, self._failure = self._failure, ""
         self._announce(WAITING)  # a hot spare, or a worker between rounds: not training
+        # A hot spare has prepared on idle CPU; it waits on a watch (no CPU) at the normal
+        # policy, so that a busy machine does not delay its answer when a round needs it.
+        spare.leave_idle()
         try:
             info = self.rendezvous.next_rendezvous(reason, failure=failure)
         except RunIdInUseError as e:
@@ -162,7 +165,6 @@ class ElasticCoordinator(Coordinator):
             ) from e
         self.rank, self.world_size, self.round = info.group_rank, info.group_world_size, info.round
         self._announce(RUNNING)
-        spare.leave_idle()  # a hot spare, admitted: it trains at full priority
         self._step, self._reform_at, self.is_worker_straggler = 0, None, False
         self._step_started = None
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
