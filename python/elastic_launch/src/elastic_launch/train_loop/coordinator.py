@@ -137,10 +137,10 @@ class ElasticCoordinator(Coordinator):
         self._destroy_process_group()
         reason, self._reason = self._reason, RestartReason.MEMBERSHIP
         failure, self._failure = self._failure, ""
-        self._announce(WAITING)  # a hot spare, or a worker between rounds: not training
         # A hot spare has prepared on idle CPU; it waits on a watch (no CPU) at the normal
         # policy, so that a busy machine does not delay its answer when a round needs it.
         spare.leave_idle()
+        self._announce(WAITING)  # a hot spare, or a worker between rounds: not training
         try:
             info = self.rendezvous.next_rendezvous(reason, failure=failure)
         except RunIdInUseError as e:
