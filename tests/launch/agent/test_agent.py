@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from typing import Any
 
 import elastic_core
 import pytest
@@ -454,6 +455,18 @@ def _training(n: Node, workers: list) -> None:
         elastic_core.Heartbeat.attach(n.heartbeats.path(p.request.local_rank), 0).beat()
 
 
+def _spare_waits(n: Node, said: str = "waiting 3") -> tuple[list, Any]:
+    """The node's workers train and its one spare has started and waits (its loop file says
+    `said`): (the workers, the spare)."""
+    first = n.running()
+    _training(n, first)
+    k = n.config.nproc_per_node
+    n.wait_for(lambda: len(n.spawner.spawned) == k + 1)
+    spare = n.spawner.spawned[k]
+    _in_loop(spare, said)
+    return first, spare
+
+
 def test_hot_spares_start_once_the_workers_train_with_no_rank_of_their_own(node):
     n = node(max_restarts=0, hot_spares=1).play()
     first = n.running()
@@ -477,11 +490,7 @@ def test_hot_spares_start_once_the_workers_train_with_no_rank_of_their_own(node)
 
 def test_a_spare_that_dies_while_it_waits_is_replaced_without_touching_the_workers(node, caplog):
     n = node(max_restarts=2, hot_spares=1).play()
-    first = n.running()
-    _training(n, first)
-    n.wait_for(lambda: len(n.spawner.spawned) == 3)
-    spare = n.spawner.spawned[2]
-    _in_loop(spare, "waiting 3")
+    first, spare = _spare_waits(n)
     with caplog.at_level("WARNING"):
         n.watchdog.exit_process(spare, signal=signal.SIGKILL)
         n.wait_for(lambda: len(n.spawner.spawned) == 4)
@@ -502,11 +511,7 @@ def test_a_dead_worker_is_replaced_behind_the_spare_that_takes_its_place(node, c
     step (not while it re-forms). The budget counts the admitted spare as one replacement:
     one death, one restart, one new process."""
     n = node(max_restarts=1, loop_max_restarts=0, hot_spares=1).play()
-    first = n.running()
-    _training(n, first)
-    n.wait_for(lambda: len(n.spawner.spawned) == 3)
-    spare = n.spawner.spawned[2]
-    _in_loop(spare, "waiting 0")
+    first, spare = _spare_waits(n, "waiting 0")
     # The rendezvous' wait beats at step 0 (elastic_core.quiet): no step, still a spare.
     elastic_core.Heartbeat.attach(n.heartbeats.path(2), 0).beat(0)
     with caplog.at_level("WARNING"):
@@ -535,12 +540,9 @@ def test_a_worker_between_rounds_is_never_taken_for_a_spare(node):
     """A worker that waits in the rendezvous between rounds is a member the round needs: its
     peer's death is replaced at once, with no place left empty."""
     n = node(max_restarts=2, hot_spares=1).play()
-    first = n.running()
-    _training(n, first)
-    n.wait_for(lambda: len(n.spawner.spawned) == 3)
-    _in_loop(n.spawner.spawned[2], "waiting 3")
+    first, spare = _spare_waits(n)
     _in_loop(first[0], "waiting 3")  # re-forming: it has stepped, it is no spare
-    n.watchdog.exit_process(n.spawner.spawned[2], signal=signal.SIGKILL)  # the only spare
+    n.watchdog.exit_process(spare, signal=signal.SIGKILL)  # the only spare
     n.wait_for(lambda: len(n.spawner.spawned) == 4)
     n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
     n.wait_for(lambda: len(n.spawner.spawned) == 5)
@@ -553,11 +555,7 @@ def test_a_spare_is_named_for_one_place_and_a_second_death_is_replaced_at_once(n
     replaced by a new process at once (the round needs it), not left empty behind a spare
     that is named for another place."""
     n = node(max_restarts=2, hot_spares=1, nproc_per_node=3).play()
-    first = n.running()
-    _training(n, first)
-    n.wait_for(lambda: len(n.spawner.spawned) == 4)
-    spare = n.spawner.spawned[3]
-    _in_loop(spare, "waiting 0")
+    first, spare = _spare_waits(n, "waiting 0")
     with caplog.at_level("WARNING"):
         n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
         n.wait_for(lambda: n.rdzv.restarts == 1 and n.group.get(1) is None)
@@ -577,10 +575,7 @@ def test_a_place_a_spare_took_is_filled_anyway_when_the_group_does_not_step(node
 
     monkeypatch.setattr(spares, "BEHIND_WAIT", 0.0)
     n = node(max_restarts=2, hot_spares=1).play()
-    first = n.running()
-    _training(n, first)
-    n.wait_for(lambda: len(n.spawner.spawned) == 3)
-    _in_loop(n.spawner.spawned[2], "waiting 3")
+    first, _ = _spare_waits(n)
     n.watchdog.exit_process(first[1], signal=signal.SIGKILL)
     n.wait_for(lambda: len(n.spawner.spawned) == 4)  # no step was made
     assert n.spawner.spawned[3].request.local_rank == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from elastic_launch.agent.summary import format_summary
 from elastic_launch.api import AgentState, FailureKind, RunResult, WorkerFailure, root_cause
 
@@ -72,17 +74,7 @@ def test_paths_that_are_gone_are_not_shown(tmp_path):
 
 def test_a_hot_spare_is_named_as_one_not_by_rank_minus_one():
     """A spare has no rank the launcher knows (a round gives it the loop's)."""
-    spare = WorkerFailure(
-        kind=FailureKind.SIGNAL,
-        rank=-1,
-        local_rank=2,
-        pid=7,
-        attempt=0,
-        host="h",
-        time_ns=2,
-        wall_time=0.0,
-        signal=9,
-    )
+    spare = dataclasses.replace(failure(2, FailureKind.SIGNAL, 2, signal=9), rank=-1, pid=7)
     result = RunResult(
         state=AgentState.FAILED,
         failures=[failure(1, FailureKind.SIGNAL, 1, signal=9), spare],
