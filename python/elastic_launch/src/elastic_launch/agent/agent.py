@@ -322,8 +322,7 @@ class ElasticAgent:
             return Decision(Action.FAIL_JOB, detail=exhausted)
         self.restarts = spent.spent
         waited = w.hot_spare and w.train_loop() == Loop.WAITING  # no place of its own
-        named = self.spares.named()
-        spares = [x for x in self.group.hot_spares() if x is not w and x.local_rank not in named]
+        spares = self.spares.free(w)
         _log_replace(w, failure, f"restart {self.restarts} of {budget.limit}", waited, spares)
         if spares and not waited:  # it takes the place; the one behind starts once it trains
             taker = spares[0].local_rank

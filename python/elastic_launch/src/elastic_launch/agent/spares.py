@@ -76,9 +76,11 @@ class HotSpares:
         self._since_ns = 0  # when a spare last took a place
         self._steps: dict[int, int] = {}  # the workers' steps then: the ones behind start after
 
-    def named(self) -> set[int]:
-        """The local ranks of the spares named for a place (each is named for one only)."""
-        return {b.taker for b in self._behind.values()}
+    def free(self, dead: Worker) -> list[Worker]:
+        """The spares that wait and are not named for a place yet (each is named for one
+        only), `dead` aside."""
+        named = {b.taker for b in self._behind.values()}
+        return [w for w in self.group.hot_spares() if w is not dead and w.local_rank not in named]
 
     def leave_place(self, local_rank: int, failed_ns: int, restarts: int, taker: int) -> None:
         """The spare of local rank `taker` takes the place of worker `local_rank`, which
