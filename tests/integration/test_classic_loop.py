@@ -191,7 +191,9 @@ def test_a_worker_that_fails_for_good_fails_the_job_at_once(tmp_path):
 
 def test_the_restart_budget_bounds_the_replacements(tmp_path):
     """Without --max-restarts the replacements' budget is the loop's max_failures (1): of two
-    workers killed at once, one is replaced and the other ends the job."""
+    workers killed at once, one is replaced and the job ends. What ends it is whichever the
+    launcher sees first: the other death (no restart left), or the survivor, whose own loop
+    gives up after its one failure (the same budget); a loaded machine can delay either."""
     job = standalone(
         tmp_path,
         "budget",
@@ -200,8 +202,13 @@ def test_the_restart_budget_bounds_the_replacements(tmp_path):
         script=("--kill-at-step", "3", "--fault-rank", "0,1", "--max-failures", "1"),
     )
     assert job.returncode == 1
+    assert job.stderr.count("elasticrun: WARNING: replacing ") == 1, "one replacement"
     assert "(restart 1 of 1) after: rank " in job.stderr
-    assert re.search(r"restarts exhausted \(1\); rank [01] killed by SIGKILL", job.stderr)
+    exhausted = r"the job failed: restarts exhausted \(1\); rank [01] killed by SIGKILL"
+    survivor = r"the job failed: (restarts exhausted \(1\); )?rank 2 exit code 1"
+    assert re.search(exhausted, job.stderr) or (
+        re.search(survivor, job.stderr) and "Exceeded max number of recoverable" in job.stderr
+    ), job.stderr[-3000:]
 
 
 def test_max_restarts_given_is_the_budget_whatever_the_loop_says(tmp_path):
