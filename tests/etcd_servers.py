@@ -164,6 +164,13 @@ class EtcdServer:
         self.stop()
         self.start()
 
+    def restart_empty(self) -> None:
+        """Stopped, its data lost, started again with the same flags (a disk that was lost,
+        a pod without a volume): the same cluster id and member id, every key gone."""
+        self.stop()
+        shutil.rmtree(self.data_dir)
+        self.start()
+
     def status(self) -> dict:
         """etcd's own status of this member (its id, the leader's, the revision)."""
         return _post(f"http://{self.endpoint}/v3/maintenance/status", {}, timeout=2)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args
-from launcher_util import finish, free_port, listening, start, wait_for
+from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args, successor_in_sync
+from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
 
 
 class TwoNodes:
@@ -25,20 +25,37 @@ class TwoNodes:
     in another order (`endpoint_b`: each node names the members as it likes)."""
 
     def __init__(
-        self, job: Job, backend: str, endpoint: str, *extra: str, endpoint_b: str = ""
+        self,
+        job: Job,
+        backend: str,
+        endpoint: str,
+        *extra: str,
+        endpoint_b: str = "",
+        extra_b: tuple[str, ...] = (),
     ) -> None:
         run_id = f"store-{os.getpid()}-{os.urandom(2).hex()}"
         self.job = job
         self.args = [
-            node_args(job, e, run_id, *extra, backend=backend)
-            for e in (endpoint, endpoint_b or endpoint)
+            node_args(job, endpoint, run_id, *extra, backend=backend),
+            node_args(job, endpoint_b or endpoint, run_id, *extra, *extra_b, backend=backend),
         ]
         self.procs: list[subprocess.Popen[str]] = []
+        self.spares: list[subprocess.Popen[str]] = []
 
     def start(self, *nodes: int) -> None:
         """Start nodes `nodes` (every node when none is named)."""
         for i in nodes or (0, 1):
             self.procs.append(start(self.args[i], ONE_THREAD))
+
+    def start_spare(self, log: Path) -> subprocess.Popen[str]:
+        """A third node with node b's command, its output in `log`; once it says it waits
+        as a spare."""
+        spare = start(self.args[1], ONE_THREAD, log=log)
+        self.spares.append(spare)
+        said = lambda: "waits as a spare" in log.read_text(errors="replace")  # noqa: E731
+        assert wait_for(lambda: said() or spare.poll() is not None, 90), "no spare waited"
+        assert spare.poll() is None, log.read_text()[-3000:]
+        return spare
 
     def crash_a_worker(self) -> None:
         """SIGKILL the worker of rank 1 (as a worker's fault would end it)."""
@@ -56,7 +73,7 @@ class TwoNodes:
         return results
 
     def end(self) -> None:
-        for p in self.procs:
+        for p in self.procs + self.spares:
             finish_quietly(p)
 
 
@@ -65,10 +82,17 @@ def two_nodes(tmp_path: Path) -> Iterator[Callable[..., TwoNodes]]:
     made: list[TwoNodes] = []
 
     def make(
-        backend: str, endpoint: str, *extra: str, endpoint_b: str = "", hold: tuple[int, ...] = ()
+        backend: str,
+        endpoint: str,
+        *extra: str,
+        endpoint_b: str = "",
+        hold: tuple[int, ...] = (),
+        extra_b: tuple[str, ...] = (),
     ) -> TwoNodes:
         job = Job(tmp_path, "store", hold)
-        made.append(TwoNodes(job, backend, endpoint, *extra, endpoint_b=endpoint_b))
+        made.append(
+            TwoNodes(job, backend, endpoint, *extra, endpoint_b=endpoint_b, extra_b=extra_b)
+        )
         return made[-1]
 
     yield make
@@ -296,3 +320,119 @@ def test_the_node_hosting_the_embedded_rendezvous_killed_and_started_again(two_n
     results = nodes.finish()
     assert "hosts the job now" in results[0][2], results[0][2][-3000:]
     nodes.job.assert_recovered(reference, victims)
+
+
+# ---- one endpoint, as torchrun users write it --------------------------------------------------
+
+
+def host_killed(
+    nodes: TwoNodes, endpoint: str, spare: Path | None = None, successor: bool = True
+) -> list[int]:
+    """Once the job trains (held at step 8), a spare waits (its log `spare`, if given) and
+    the agents' successor holds a copy of the rendezvous (unless `successor` is False: none
+    may stand by), SIGKILL the node that hosts it (its launcher, and its worker with it):
+    the workers of that time."""
+    nodes.start(0)
+    assert wait_for(lambda: listening(endpoint), 30), "node a did not serve the endpoint"
+    nodes.start(1)
+    nodes.job.wait_step(8, *nodes.procs)
+    if spare is not None:
+        nodes.start_spare(spare)
+    if successor:
+        assert wait_for(lambda: successor_in_sync(endpoint), 60), "no successor stood by"
+    victims = list(nodes.job.workers().values())
+    host = nodes.procs.pop(0)
+    host.kill()
+    host.communicate(timeout=30)
+    return victims
+
+
+@pytest.mark.timeout(240)
+def test_one_endpoint_the_host_killed_and_started_again_at_its_address(two_nodes, reference):
+    # (a) Two nodes given one endpoint: node a hosts, node b is chosen as the successor and
+    # keeps a copy. Node a's launcher is SIGKILLed and started again with the same command:
+    # b's copy hosts, a's new service at the endpoint is told and follows it, a's agent finds
+    # the job through it, and the job goes on from its memory to the fault-free weights,
+    # without spending a restart.
+    endpoint = f"127.0.0.1:{free_port()}"
+    said = the_host_started_again(two_nodes("c10d", endpoint, hold=(8,)), endpoint, reference)
+    assert "hosts the job now" in said, said[-3000:]
+
+
+def the_host_started_again(
+    nodes: TwoNodes, endpoint: str, reference: Path, successor: bool = True
+) -> str:
+    """The host's node SIGKILLed (see host_killed) and started again with the same command:
+    the job completes as a fault-free run did, spending no restart. What the nodes said."""
+    victims = host_killed(nodes, endpoint, successor=successor)
+    nodes.job.release(8)
+    nodes.start(0)  # the same command, at the same address
+    results = nodes.finish()
+    spent(results, 0)
+    nodes.job.assert_recovered(reference, victims)
+    return "\n".join(err for _, _, err in results)
+
+
+@pytest.mark.timeout(240)
+def test_one_endpoint_the_host_killed_and_a_spare_node_takes_its_place(
+    two_nodes, reference, tmp_path
+):
+    # (c) The same two nodes and a third waiting as a spare: the host's node is lost and none
+    # is started; b's copy hosts, the spare (which learned the successor) is admitted, and the
+    # job goes on with two nodes to the fault-free weights, without spending a restart.
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = two_nodes("c10d", endpoint, hold=(8,))
+    victims = host_killed(nodes, endpoint, spare=tmp_path / "spare.log")
+    nodes.job.release(8)
+    results = nodes.finish()
+    spare = (tmp_path / "spare.log").read_text
+    assert finish(nodes.spares[0], timeout=180)[0] == 0, spare()[-3000:]
+    spent(results, 0)
+    assert "restart 1 of 3" not in spare()
+    nodes.job.assert_recovered(reference, victims)
+
+
+@pytest.mark.timeout(240)
+def test_one_endpoint_the_host_killed_and_an_elastic_job_goes_on_without_it(
+    two_nodes, shrunk_reference, reference
+):
+    # (b) --nnodes 1:2, and nothing started in the host's place: b's copy hosts, b goes on
+    # alone from the step both had at the loss (its memory), without spending a restart, to
+    # the weights of a fault-free job of that shape.
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = two_nodes("c10d", endpoint, "--nnodes", "1:2", hold=(8,))
+    victims = host_killed(nodes, endpoint)
+    nodes.job.release(8)
+    results = nodes.finish()
+    spent(results, 0)
+    nodes.job.assert_same_weights(shrunk_reference)
+    with pytest.raises(AssertionError, match="differs"):  # it did go on alone
+        nodes.job.assert_same_weights(reference)
+    assert wait_gone(victims) == [] and nodes.job.workers() == {}
+
+
+@pytest.mark.timeout(240)
+def test_one_endpoint_the_host_started_again_with_no_copy_is_filled_by_the_survivor(
+    two_nodes, reference
+):
+    # (a) with no successor (node b may not serve: is_host=false): the host's node is
+    # SIGKILLed and started again; its new service is empty, and node b, finding it so, puts
+    # back what it knows (its lease, the round and its members, the restart count); the
+    # replacement joins that job, not a new one, and it goes on to the fault-free weights.
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = two_nodes("c10d", endpoint, hold=(8,), extra_b=("--rdzv-conf", "is_host=false"))
+    said = the_host_started_again(nodes, endpoint, reference, successor=False)
+    assert "putting back what this node knows" in said, said[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_an_etcd_started_again_empty_is_filled_by_the_nodes(two_nodes, etcd, reference):
+    # etcd, one member, loses its data while the job trains and comes back with the same
+    # flags (its cluster id is its configuration's: only its revision says it is empty). The
+    # nodes find it so and put back what they know (their leases, the round, the restart
+    # count); a worker then crashes, and the new round goes through the filled store.
+    nodes = two_nodes("etcd", etcd.endpoint, hold=FAULT_HOLDS)
+    results = a_store_fault_then_a_crash(nodes, etcd.restart_empty, reference)
+    said = "\n".join(err for _, _, err in results)
+    assert "putting back what this node knows" in said, said[-3000:]
+    assert "left the job" not in said, "a node whose keys came back a moment later is no loss"

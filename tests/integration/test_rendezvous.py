@@ -207,12 +207,15 @@ def test_a_spare_takes_a_lost_nodes_place(nodes):
 
 
 @pytest.mark.timeout(120)
-def test_losing_the_embedded_service_is_a_clear_error(nodes):
+def test_losing_the_embedded_service_with_no_copy_is_a_clear_error(nodes):
+    # The other node may not serve (is_host=false): no successor keeps a copy, and with the
+    # host's node lost (none started in its place) the job cannot go on: it says so.
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = rdzv_args("c10d", endpoint, "heartbeat_timeout=2,reconnect_timeout=2")
     host = nodes("host", rdzv, "--dist", "--hold-round", "1")
     assert wait_for(lambda: listening(endpoint))
-    other = nodes("other", rdzv, "--dist", "--hold-round", "1")
+    other_rdzv = [*rdzv[:-1], rdzv[-1] + ",is_host=false"]
+    other = nodes("other", other_rdzv, "--dist", "--hold-round", "1")
     assert wait_for(lambda: list(other[1].glob("*.dist.json")))
     os.killpg(host[0].pid, signal.SIGKILL)
     code, _, err = finish(other[0], timeout=60)

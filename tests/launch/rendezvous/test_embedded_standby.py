@@ -8,15 +8,18 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 from elastic_launch.net import free_port
+from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.embedded_roles import HOST, Seen, choose
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.embedded_state import TERM_BITS, ServiceState
 from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.etcdpb import kv_pb2
-from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, StoreError
+from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, Watch
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
 
 TOKEN = "t" * 32
 
@@ -172,19 +175,56 @@ def client(svc: Services) -> EtcdV3Store:
     return EtcdV3Store(svc.endpoint, access, watch_from_now=False)
 
 
-def test_the_first_service_hosts_and_the_others_stand_by_and_refuse_clients(services):
+def test_the_first_service_hosts_and_a_standby_refuses_clients_naming_the_host(services):
     svc = services(2)
     svc.start(0)
     svc.start(1)
     assert svc.host() == 0
-    access = StoreAccess("the standby", token=TOKEN, retry_for=0.5, read_timeout=2)
+    svc.in_sync(1)
+    with grpc.insecure_channel(svc.members[1].target) as channel:
+        auth = rpc_pb2_grpc.AuthStub(channel)
+        mine = challenge.nonce()
+        reply = auth.Authenticate(rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine))
+        credential = [("token", challenge.respond(TOKEN, mine, reply.token))]
+        with pytest.raises(grpc.RpcError) as e:
+            rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=b"/x"), metadata=credential)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"a standby of the host at {svc.members[0].target}" in e.value.details()
+    said = dict(e.value.trailing_metadata())
+    assert said[HOST_KEY] == svc.members[0].target
+    assert said[CLUSTER_KEY] == f"{svc.at[0].state.cluster_id:x}"
+    # A client given only the standby goes on with the host it names.
+    access = StoreAccess("the standby", token=TOKEN, retry_for=5, read_timeout=2)
     standby = EtcdV3Store(svc.members[1].target, access)
     try:
-        with pytest.raises(StoreError) as e:
-            standby.get("/x")
-        assert f"a standby of the host at {svc.members[0].target}" in str(e.value)
+        standby.put("/x", b"1")
+        assert svc.at[0].state.data[b"/x"].value == b"1"
+        assert [c.member.target for c in standby.client.connections if c.learned] == [
+            svc.members[0].target
+        ]
     finally:
         standby.close()
+
+
+def a_lease_a_key_and_a_watch(store: EtcdV3Store) -> Watch:
+    """A client's lease, a key of it and a watch of the job's keys: what a standby that
+    takes over keeps."""
+    store.start_liveness(5.0)
+    before = store.put("/job/a", b"1")
+    assert store.create("/job/mine", b"me", ephemeral=True)
+    watch = store.watch("/job/", before)
+    assert [c.key for c in watch.next(5) or []] == ["/job/mine"]
+    return watch
+
+
+def kept(store: EtcdV3Store, watch: Watch, by: EmbeddedServer) -> None:
+    """The host was lost: through whoever hosts now (`by`), the keys are there, the watch
+    goes on, and the lease is the same."""
+    store.put("/job/b", b"2")
+    assert store.get("/job/a").value == b"1" and store.get("/job/mine").value == b"me"
+    assert [(c.key, c.value) for c in watch.next(5) or []] == [("/job/b", b"2")]
+    assert store.lease.id in by.state.leases, "the same lease, kept alive"
+    assert by.hosting and by.state.term == 2
 
 
 def test_a_standby_takes_over_with_the_keys_the_lease_and_the_watch(services):
@@ -193,20 +233,11 @@ def test_a_standby_takes_over_with_the_keys_the_lease_and_the_watch(services):
         svc.start(i)
     store = client(svc)
     try:
-        store.start_liveness(5.0)
-        before = store.put("/job/a", b"1")
-        assert store.create("/job/mine", b"me", ephemeral=True)
-        watch = store.watch("/job/", before)
-        assert [c.key for c in watch.next(5) or []] == ["/job/mine"]
+        watch = a_lease_a_key_and_a_watch(store)
         svc.in_sync(1)
         svc.in_sync(2)
         svc.kill(0)
-        store.put("/job/b", b"2")  # through whoever hosts now
-        assert svc.host() == 1, "the first listed of the equal copies"
-        assert svc.at[1].state.term == 2
-        assert store.get("/job/a").value == b"1" and store.get("/job/mine").value == b"me"
-        assert [(c.key, c.value) for c in watch.next(5) or []] == [("/job/b", b"2")]
-        assert store.lease.id in svc.at[1].state.leases, "the same lease, kept alive"
+        kept(store, watch, svc.at[1])  # the first listed of the equal copies
         svc.in_sync(2)
         assert svc.at[2].state.data == svc.at[1].state.data, "the other standby follows it"
         watch.close()

@@ -20,6 +20,7 @@ from elastic_launch.rendezvous.api import RendezvousConfigError, RendezvousParam
 from elastic_launch.rendezvous.backends import EmbeddedRendezvous, _etcd_members
 from elastic_launch.rendezvous.conf import parse_conf
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.registry import check_parameters
 from elastic_launch.rendezvous.secrets import PASSWORD_ENV, TOKEN_ENV
@@ -240,6 +241,27 @@ def test_a_standby_over_tls_with_a_token_takes_over_from_its_host(tls_files):
 
 
 @pytest.mark.slow  # openssl makes the certificates
+def test_one_endpoint_over_tls_the_successor_serves_tls_and_takes_over(tls_files):
+    # One endpoint: the node that does not host is chosen as the successor; its service
+    # speaks TLS and proves the token as the host's does. The host's service stops: the
+    # successor's copy takes over, and the node left reads the job's state through it.
+    with two_nodes_over_tls(tls_files, f"127.0.0.1:{free_port()}") as made:
+        host = next(h for h in made if h.hosting)
+        other = next(h for h in made if h is not host)
+        deadline = time.monotonic() + 30
+        while other._succession.server is None or not other._succession.server.state.term:
+            assert time.monotonic() < deadline, "no successor stood by"
+            time.sleep(0.05)
+        assert other._succession.server._tls is not None, "it serves TLS"
+        host._stop_serving(0)
+        while not other.hosting:
+            assert time.monotonic() < deadline, "the successor did not take over"
+            time.sleep(0.05)
+        state, _ = other.job.read()
+        assert state is not None and state.status.value == "final"
+
+
+@pytest.mark.slow  # openssl makes the certificates
 def test_the_tls_service_refuses_plain_and_certificateless_clients(tls_files):
     port = free_port()
     c = tls_conf(tls_files)
@@ -355,6 +377,33 @@ def test_another_user_cannot_keep_this_agent_from_hosting():
         finally:
             if handler is not None:
                 handler.shutdown()
+
+
+@pytest.mark.slow  # a listener run as user nobody
+def test_without_a_token_a_member_the_store_names_on_another_users_port_is_not_used():
+    # A successor key or a standby's refusal names a port another user listens on: without
+    # a token nothing proves it is the job's, so the client does not use it.
+    port = free_port()
+    listen = (
+        "import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+        f"s.bind(('127.0.0.1',{port}));s.listen();print('listening',flush=True);"
+        "import time;time.sleep(60)"
+    )
+    server = EmbeddedServer("127.0.0.1", 0, token=None)
+    store = EtcdV3Store(f"127.0.0.1:{server.port}", StoreAccess("no token", retry_for=5))
+    try:
+        with as_nobody(listen, "listening"):
+            assert store.client.learn(StoreMember("127.0.0.1", port)) is None
+        assert store.client.learn(StoreMember("10.9.9.9", 5)) is None, "beyond loopback"
+        assert len(store.client.connections) == 1
+        mine = EmbeddedServer("127.0.0.1", 0, token=None)
+        try:
+            assert store.client.learn(StoreMember("127.0.0.1", mine.port)) is not None
+        finally:
+            mine.close()
+    finally:
+        store.close()
+        server.close()
 
 
 @pytest.mark.slow  # a listener run as user nobody

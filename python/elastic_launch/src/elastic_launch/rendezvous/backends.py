@@ -2,7 +2,8 @@
 
 - ``embedded`` (alias ``c10d``): the agent whose address is ``--rdzv-endpoint`` hosts the
   service (the first agent there to bind the port, which is bound exclusively; ``is_host``
-  forces the choice); a single-node job needs no service at all (:mod:`.local`). Beyond
+  forces the choice); a single-node job needs no service at all (:mod:`.local`). With one
+  endpoint, the agents choose a successor that keeps a copy (:mod:`.succession`). Beyond
   loopback it needs a token (or ``allow_unauthenticated``); with ``cert``/``key``/``cacert`` it
   speaks mutual TLS.
 - ``etcd``: etcd's v3 API (etcd 3.4 to 3.6+), with TLS and user/password options.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,7 @@ from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
 from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError, Tls
+from elastic_launch.rendezvous.succession import Succession
 
 if TYPE_CHECKING:
     from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -59,16 +62,22 @@ EMBEDDED_MAX_NODES = 1024
 #: its join timeout is shorter: agents started together wait for their host as torch's wait
 #: for their store (its read timeout: 60 s); the join timeout counts from the first answer.
 HOST_WAIT = 60.0
+#: A successor's index is past the listed endpoints by this much and a random part: each one
+#: the agents choose is another member of the job's services.
+SUCCESSOR_BASE = 1 << 16
 
 
 class EmbeddedRendezvous(ElasticRendezvous):
     """The elastic rendezvous over the embedded service; the agents that serve it run it too.
     With several endpoints, each node that can serve one does (the first it can bind), one of
-    them hosts and the others stand by to take over (:mod:`.embedded_roles`)."""
+    them hosts and the others stand by to take over (:mod:`.embedded_roles`). With one, the
+    agents choose a successor that stands by (:mod:`.succession`)."""
 
     def __init__(self, params: RendezvousParameters) -> None:
         conf = parse_conf(params.backend, params.config)
         members = _embedded_members(params, conf)
+        self._members = members
+        self._succession: Succession | None = None
         self.server: EmbeddedServer | None = None
         self._another_serves = False  # a port of this host was served by another process
         self._serve_one(members, conf)
@@ -81,6 +90,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
             tls=_tls(conf),
             retry_for=conf.join_timeout,
             read_timeout=conf.read_timeout,
+            trusted_network=conf.allow_unauthenticated,
         )
         # It replays a watch's past at once (etcd: every 100 ms).
         store = EtcdV3Store(members, access, watch_from_now=False)
@@ -89,6 +99,10 @@ class EmbeddedRendezvous(ElasticRendezvous):
             super().__init__(params, store, conf, members[0].host)
             if self.server is None or not self.server.hosting:
                 self.first_contact = HOST_WAIT
+            if len(members) == 1 and params.max_nodes > 1:
+                stand_by = self._stand_by if self._may_stand_by() else None
+                self._succession = Succession(store, self.node, stand_by)
+                self._succession.start()
         except StoreError as e:
             store.close()
             self._stop_serving()
@@ -166,19 +180,66 @@ class EmbeddedRendezvous(ElasticRendezvous):
                 ) from None
             time.sleep(0.1)  # an outgoing connection's port, or a service starting: again
 
+    def _may_stand_by(self) -> bool:
+        """Whether this agent may be the successor: it serves no endpoint and may serve (not
+        ``is_host=false``; a certificate for TLS; beyond loopback, the token or
+        ``allow_unauthenticated``, as for the host)."""
+        conf = self.conf
+        if conf.is_host is False or self.server is not None:
+            return False
+        if conf.tls and not (conf.cert and conf.key):
+            return False
+        return conf.token is not None or conf.allow_unauthenticated or is_loopback(self.addr)
+
+    def _stand_by(self) -> EmbeddedServer | None:
+        """This agent's service as the successor: on its address, a port the kernel picks,
+        the job's token, TLS and bounds; None if it cannot start (said)."""
+        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+
+        index = len(self._members) + SUCCESSOR_BASE + secrets.randbelow(1 << 30)
+        conf = self.conf
+        try:
+            return EmbeddedServer(self.addr, 0, conf.token, _tls(conf), self._members, index)
+        except OSError as e:
+            logger.warning("this node cannot stand by for the rendezvous service: %s", e)
+            return None
+
+    def _joined(self) -> None:
+        if self._succession is not None:
+            self._succession.may_stand_by()
+
     @property
     def hosting(self) -> bool:
-        """Whether this agent's service hosts the job now."""
-        return self.server is not None and self.server.hosting
+        """Whether this agent's service hosts the job now (its endpoint's, or the one it
+        started as the successor)."""
+        return self._hosting_server() is not None
+
+    def _hosting_server(self) -> EmbeddedServer | None:
+        succession = self._succession
+        for server in (self.server, succession.server if succession else None):
+            if server is not None and server.hosting:
+                return server
+        return None
 
     def _stop_serving(self, grace: float = 1.0) -> None:
+        succession = self._succession
+        if succession is not None and succession.server is not None:
+            succession.server.close(grace)
+            succession.server = None
         if self.server is not None:
             self.server.close(grace)
             self.server = None
 
     def shutdown(self, cancel: CancelToken = NEVER) -> None:
-        server = self.server
-        if server is not None and server.hosting and not cancel.cancelled and self.ended_here():
+        succession = self._succession
+        if succession is not None:
+            succession.stop()
+            standing_by = succession.server
+            if standing_by is not None and not standing_by.hosting:
+                standing_by.close(0.0)  # a copy no one needs now: the host drops it
+                succession.server = None
+        server = self._hosting_server()
+        if server is not None and not cancel.cancelled and self.ended_here():
             # The others' last requests (done, closing the job, reading how it ended) go
             # through this service: keep it up until they have left (their leases ended), as
             # torchrun's exit barrier does. A stopped launcher does not wait.
@@ -193,6 +254,8 @@ class EmbeddedRendezvous(ElasticRendezvous):
                     HOST_LINGER_S,
                 )
         super().shutdown(cancel)
+        if succession is not None:
+            succession.join()
         self._stop_serving(0.0 if cancel.cancelled else 1.0)  # a stopped launcher does not wait
 
 
@@ -205,8 +268,8 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     import grpc
 
     from elastic_launch.rendezvous import etcd_v3
-    from elastic_launch.rendezvous.etcd_v3_client import EMBEDDED_VERSION
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+    from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
 
     if tls is None:
         http2 = _speaks_http2(host, port)

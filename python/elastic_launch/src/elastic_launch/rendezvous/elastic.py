@@ -69,14 +69,17 @@ class ElasticRendezvous(RendezvousHandler):
         self.release = __version__
         self.job = Job(store, JobKeys.of(params.run_id), self.node)
         self.waits = RoundWaits(self.job, self.session, params, conf, self._me)
+        self.waits.on_spare = self._joined
         self._round: RoundState | None = None  # our final round, while it runs
         self._seen_open = False  # whether this node saw the job before it closed
         self._rounds = 0
         self._closed_phase = False
         self._follower: Follower | None = None
+        self._done = False  # this node's workers finished (its done key is written)
         #: How long the first contact with the store may be retried, if longer than the join
         #: timeout (the embedded service's host may be starting: see backends.HOST_WAIT).
         self.first_contact: float | None = None
+        store.on_replaced = self._put_back
         # The lease is asked for now and the presence port opened, while the agent starts:
         # the first round costs only its own requests. Neither waits: nothing to cancel here.
         self.session.prepare()
@@ -246,10 +249,28 @@ class ElasticRendezvous(RendezvousHandler):
             if self.job.commit(spent, version):
                 return RestartBudget(spent.restarts, limit)
 
+    def _put_back(self) -> None:
+        """The store was started again empty (:attr:`.store.Store.on_replaced`): put back
+        what this node knows the job needs, as a standby's copy would have held it: the
+        state (its round, restarts, a closed job's mark) and the round's membership unless
+        another node put back a newer one, and this node's own keys (its lease is back
+        already)."""
+        self.job.known.put_back(self.store, self.job.keys.state)
+        if self._round is not None:
+            self.job.known.put_back_mine(self.store, "join", "leader")
+        if self.waits.spare:
+            self.job.known.put_back_mine(self.store, "waiting")
+        if self._done:
+            self.store.put(self.job.keys.done + self.node, b"1")
+
+    def _joined(self) -> None:
+        """This node is in the job now (in a round, or waiting as a spare): a hook."""
+
     def _enter(self, state: RoundState) -> RendezvousInfo:
         """The round is final with us in it: the workers may start."""
         self._round = state
         self._rounds += 1
+        self._joined()
         # From now on the job runs: a store that goes away (an etcd restart) may come back
         # within `reconnect_timeout`; beyond that the job cannot go on without it.
         self.store.retry_for = self.conf.reconnect_timeout
@@ -338,6 +359,7 @@ class ElasticRendezvous(RendezvousHandler):
         if self._round is not None and self._round.leader == self.node:
             self.store.put(keys.leader_done(self._round.version), b"1")
         self.store.put(keys.done + self.node, b"1")
+        self._done = True
         kvs, _ = self.store.range(keys.done)
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs}
         ours = self._round.version if self._round is not None else 0

@@ -1,7 +1,7 @@
 """Another service of the same job, as this embedded service sees it: a channel on this
 service's event loop, logged in with the job's token (the peer proves it holds the token
-before anything derived from it is sent, as for any client), its status, and its Follow
-stream when this service follows it."""
+before anything derived from it is sent, as for any client), its status, its Follow stream
+when this service follows it, and the announcement a host makes to it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import grpc
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3_client import CHANNEL_OPTIONS, read_file
-from elastic_launch.rendezvous.etcdpb import replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import Tls
 
 #: Seconds a peer has to answer a status probe: a stopped one must not hold the others up.
@@ -82,6 +82,22 @@ class Peer:
             except ValueError:
                 return None
         return None
+
+    async def announce(self, term: int, index: int, address: str) -> str:
+        """Tell the peer that this service (the `index`-th, at `address`) hosts `term`; why
+        it did not take it ("" when it did)."""
+        try:
+            if not self.metadata:
+                await self.log_in()
+            request = replica_pb2.Announcement(term=term, index=index, address=address)
+            await self.replica.Announce(request, timeout=PROBE_TIMEOUT, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self.metadata = []
+            return f"{e.code().name}: {e.details()}"
+        except ValueError as e:
+            return str(e)
+        return ""
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -22,6 +22,8 @@ from elastic_launch.rendezvous.etcdpb import replica_pb2
 logger = logging.getLogger(__name__)
 
 ACK_TIMEOUT = 1.0  # seconds a standby in sync has to acknowledge a change
+#: Successors (standbys past the listed endpoints, chosen by the agents) a host keeps at once.
+MAX_SUCCESSORS = 2
 HEARTBEAT = 0.5  # seconds between the host's word on a quiet stream: a standby hears it lives
 QUEUE_BYTES = 16 << 20  # a standby's changes not yet sent, at most
 
@@ -123,12 +125,9 @@ class Replicas:
         """A standby's Follow stream: the state, then every change, a heartbeat when quiet."""
         first = await _first(requests)
         member = first.member if first is not None else 0
-        if not 1 <= member <= self.members or member == self.state.member_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"a standby names itself by its place in --rdzv-endpoint (1 to {self.members}, "
-                f"not this host's {self.state.member_id}): {member} is not that",
-            )
+        problem = self._refuse(member)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         old = self.standbys.get(member)
         if old is not None:
             self.drop(old, "it follows again", quiet=True)
@@ -149,6 +148,18 @@ class Replicas:
                 del self.standbys[member]
                 self._release()
                 self._progress.set()
+
+    def _refuse(self, member: int) -> str:
+        """Why a standby that names itself `member` may not follow ("" if it may)."""
+        if member < 1 or member == self.state.member_id:
+            return (
+                f"a standby names itself by its place in --rdzv-endpoint (from 1, not this "
+                f"host's {self.state.member_id}), or past it: {member} is not that"
+            )
+        successors = [m for m in self.standbys if m > self.members and m != member]
+        if member > self.members and len(successors) >= MAX_SUCCESSORS:
+            return f"this host keeps {MAX_SUCCESSORS} successors already"
+        return ""
 
     async def _updates(
         self, standby: _Standby, context: grpc.aio.ServicerContext

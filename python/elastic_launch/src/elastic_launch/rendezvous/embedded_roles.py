@@ -10,7 +10,12 @@ host (as from any failed member).
   over, the one listed first among equals, in a new term: its state is the host's, so clients
   go on with the same leases, revisions and watches.
 - Two hosts that find each other (after a partition healed) keep the one of the newest term;
-  the other steps down and follows it, and its clients move on.
+  the other steps down and follows it, and its clients move on. A host that finds a listed
+  endpoint hosting an older term without knowing it (a node started again there, with an
+  empty service) announces itself there: that service steps down and follows it.
+- With one endpoint, the agents choose a successor (:mod:`.succession`): a service of their
+  own, past the list, that follows the host like a listed standby. It never hosts before it
+  has a copy of the state.
 
 Without a quorum, a partition that separates a host from its standby while both reach some
 nodes can let both serve until it heals; etcd, with its quorum, has no such window
@@ -22,15 +27,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from elastic_launch.api import ConfigError
+from elastic_launch.net import is_loopback, listener_owners, parse_endpoint
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_replicas import Replicas
 from elastic_launch.rendezvous.embedded_state import ServiceState
+from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcdpb import replica_pb2
 
 logger = logging.getLogger(__name__)
@@ -41,6 +50,27 @@ HOST_SILENT = 2.0  # seconds a standby hears nothing from its host before it loo
 START_GRACE = 1.0  # seconds a new service waits for those listed before it to come up
 _SEEK_INTERVAL = 0.1
 _FOLLOW_AGAIN = 0.05  # after a stream that ended: a host that drops a standby is not hammered
+#: Services a service learned of from announcements, at most (the oldest is forgotten).
+MAX_ANNOUNCED = 8
+#: Seconds a look at the others may take in all (each probe has its own timeouts, shorter).
+LOOK_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a service stands among the job's: its index (the listed endpoints first, a
+    successor past them), how many endpoints are listed, where its clients reach it, and
+    whether the job has a token (then a peer proves it holds it before it is followed)."""
+
+    index: int
+    listed: int
+    address: str
+    token: bool = False
+
+    @property
+    def successor(self) -> bool:
+        """A service the agents chose, not one of the listed endpoints."""
+        return self.index >= self.listed
 
 
 @dataclass(frozen=True)
@@ -86,24 +116,35 @@ def choose(me: Seen, others: list[Seen], grace_over: bool) -> tuple[str, int | N
 
 class Roles:
     """This service's role among the job's services (`peers`: the others, by index), kept
-    right from a task on the service's event loop."""
+    right from a task on the service's event loop. `make_peer` makes a peer of a service
+    that announced itself; `on_demoted` and `on_hosting` are told when this one steps down or
+    takes over."""
 
     def __init__(
         self,
         state: ServiceState,
         replicas: Replicas,
         peers: dict[int, Peer],
-        index: int,
+        place: Place,
+        make_peer: Callable[[int, StoreMember], Peer],
         on_demoted: Callable[[], None],
+        on_hosting: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
         self.replicas = replicas
         self.peers = peers
-        self.index = index
+        self.place = place
+        self.index = place.index
         self.role = SEEKING if peers else HOST
-        self.host: int | None = None if peers else index  # the index of the host, if known
+        self.host: int | None = None if peers else self.index  # the index of the host, if known
+        self._make_peer = make_peer
         self._on_demoted = on_demoted
+        self._on_hosting = on_hosting
+        self._announced: list[int] = []  # peers learned from announcements, oldest first
+        self._retired: list[Peer] = []  # forgotten ones, to close
         self._started = asyncio.get_running_loop().time()
+        self._wake = asyncio.Event()  # an announcement: look now
+        self.looks = 0  # at the others, so far
         self.task: asyncio.Task[None] | None = None  # what runs `run`, if anything
         if not peers:
             state.take_over(1)
@@ -111,6 +152,15 @@ class Roles:
     @property
     def serving(self) -> bool:
         return self.role == HOST
+
+    def host_address(self) -> str | None:
+        """Where the host is, as clients reach it (None: no host known)."""
+        if self.host is None:
+            return None
+        if self.host == self.index:
+            return self.place.address
+        peer = self.peers.get(self.host)
+        return peer.member.written if peer is not None else None
 
     async def run(self) -> None:
         while True:
@@ -130,17 +180,83 @@ class Roles:
         for peer in self.peers.values():
             await peer.close()
 
+    def announced(self, term: int, index: int, address: str) -> str | None:
+        """A host of `term` at `address` (the `index`-th service) announced itself: it is
+        looked at at once. Why it is not taken (None: it is)."""
+        if term <= self.state.term:
+            return (
+                f"this rendezvous service holds term {self.state.term}, not older than the "
+                f"announced {term}"
+            )
+        if index == self.index:
+            return f"index {index} is this service's own"
+        try:
+            host, port = parse_endpoint(address, "the announced address")
+        except ConfigError as e:
+            return str(e)
+        if self.peers and index in self.peers:
+            self._wake.set()
+            return None
+        if not self._may_follow(host, port):
+            return (
+                f"{address} is not a service of this user on loopback, and without a token "
+                "nothing proves it is the job's"
+            )
+        if len(self._announced) >= MAX_ANNOUNCED:
+            oldest = self._announced.pop(0)
+            gone = self.peers.pop(oldest, None) if oldest != self.host else None
+            if gone is not None:
+                self._retired.append(gone)  # closed after the look that may be using it
+        self.peers[index] = self._make_peer(index, StoreMember(host, port))
+        self._announced.append(index)
+        self._wake.set()
+        return None
+
+    def _may_follow(self, host: str, port: int) -> bool:
+        """Without the job's token, only a service of this user on loopback may be followed
+        (with it, the peer proves it holds the token before it is followed)."""
+        if self.place.token:
+            return True
+        return is_loopback(host) and listener_owners(port) <= {os.getuid()}
+
     async def _look(self) -> list[Seen]:
-        indexes = list(self.peers)
-        answers = await asyncio.gather(*(self.peers[i].status() for i in indexes))
-        return [seen(i, a) for i, a in zip(indexes, answers) if a is not None]
+        """What each of the others says of itself (those that do not answer in time left
+        out): their probes run together, within a bound."""
+        self.looks += 1
+        retired, self._retired = self._retired, []
+        for peer in retired:
+            await peer.close()
+        peers = dict(self.peers)
+        probes = [asyncio.ensure_future(p.status()) for p in peers.values()]
+        if not probes:
+            return []
+        done, pending = await asyncio.wait(probes, timeout=LOOK_TIMEOUT)
+        for probe in pending:
+            probe.cancel()
+        return [
+            seen(i, p.result())
+            for i, p in zip(peers, probes)
+            if p in done and not p.cancelled() and p.exception() is None and p.result()
+        ]
 
     def _me(self) -> Seen:
         return Seen(self.index, self.role == HOST, self.state.term, self.state.revision)
 
+    async def _nap(self, seconds: float) -> None:
+        """Sleep `seconds`, or until an announcement wakes this service (not sooner than
+        _SEEK_INTERVAL after the last look: announcements in a stream cost a look each
+        _SEEK_INTERVAL at most)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
+        await asyncio.sleep(max(0.0, started + _SEEK_INTERVAL - loop.time()))
+
     async def _as_host(self) -> None:
-        await asyncio.sleep(PROBE_INTERVAL)
-        what, _ = choose(self._me(), await self._look(), True)
+        await self._nap(PROBE_INTERVAL)
+        others = await self._look()
+        what, _ = choose(self._me(), others, True)
         if what != HOST:
             logger.warning(
                 "another node's rendezvous service hosts in a newer term: this one steps down"
@@ -148,6 +264,24 @@ class Roles:
             self.role, self.host = SEEKING, None
             self.replicas.drop_all()
             self._on_demoted()
+            return
+        for other in others:
+            if other.host and other.term < self.state.term:
+                await self._announce_to(self.peers[other.index], other.term)
+
+    async def _announce_to(self, peer: Peer, term: int) -> None:
+        """`peer` hosts an older term without knowing this host (a node started again at
+        its endpoint): tell it, so that it steps down and follows."""
+        problem = await peer.announce(self.state.term, self.index, self.place.address)
+        log = logger.debug if problem else logger.info
+        log(
+            "the rendezvous service at %s hosts term %d (its node started again?): told it this "
+            "one hosts term %d%s",
+            peer.member.written,
+            term,
+            self.state.term,
+            f" ({problem})" if problem else "",
+        )
 
     async def _as_standby(self) -> None:
         assert self.host is not None
@@ -161,16 +295,19 @@ class Roles:
         grace_over = loop.time() - self._started >= START_GRACE
         others = await self._look()
         what, index = choose(self._me(), others, grace_over)
+        if what == HOST and self.place.successor and self.state.term == 0:
+            what = "wait"  # a successor with no copy of the state has nothing to serve
         if what == HOST:
             term = max([self.state.term, *(s.term for s in others)]) + 1
             self.state.take_over(term)
             self.role, self.host = HOST, self.index
             if term > 1:
                 logger.warning("this node's rendezvous service hosts the job now (term %d)", term)
+                self._on_hosting()
         elif what == "follow":
             self.role, self.host = STANDBY, index
         else:
-            await asyncio.sleep(_SEEK_INTERVAL)
+            await self._nap(_SEEK_INTERVAL)
 
 
 async def follow(peer: Peer, state: ServiceState, member: int) -> str:

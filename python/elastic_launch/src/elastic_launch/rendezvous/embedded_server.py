@@ -32,12 +32,19 @@ from elastic_launch.net import host_port, port_listened
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous import embedded_bounds as bounds
 from elastic_launch.rendezvous.embedded_bounds import Outbox
+from elastic_launch.rendezvous.embedded_peering import (
+    Peering,
+    RefusedError,
+    check_token,
+    refuse,
+    requests_of,
+    standby_refusal,
+)
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_replicas import Replicas
-from elastic_launch.rendezvous.embedded_roles import Roles
+from elastic_launch.rendezvous.embedded_roles import Place, Roles
 from elastic_launch.rendezvous.embedded_state import ServedWatch, ServiceState, size_of
 from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3_client import EMBEDDED_VERSION
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,18 +54,9 @@ _END_TIMEOUT = 1.0  # seconds the service's tasks get to end once cancelled, at 
 _START_TIMEOUT = 30.0  # seconds for the server to bind and start
 
 
-class _RefusedError(Exception):
-    """A request the service refuses: the status and message it answers with."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
 def _answering(method: Any) -> Any:
     """A unary handler of the host (a standby refuses it), whose refusals
-    (:class:`_RefusedError`) become the call's status, whose answer counts against the bytes
+    (:class:`RefusedError`) become the call's status, whose answer counts against the bytes
     of answers being sent until the call ends, and which answers once the standbys have
     everything it reflects."""
 
@@ -78,8 +76,8 @@ def _answering(method: Any) -> Any:
                     context.add_done_callback(lambda _: self.s.read_bytes.give(client, taken))
             await self._durable()
             return reply
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
+        except RefusedError as e:
+            await refuse(context, e)
 
     return handler
 
@@ -89,8 +87,6 @@ class _Service(
     rpc_pb2_grpc.KVServicer,
     rpc_pb2_grpc.LeaseServicer,
     rpc_pb2_grpc.WatchServicer,
-    rpc_pb2_grpc.MaintenanceServicer,
-    replica_pb2_grpc.ReplicaServicer,
 ):
     """The handlers. They run on the service's event loop, one at a time: a unary request is
     answered whole between two awaits, so the store needs no lock, and a thousand nodes' streams
@@ -107,16 +103,11 @@ class _Service(
         self._client = ""  # the connection that made it
 
     def _hosting(self) -> None:
-        """Refuse the request unless this service hosts (a standby's client moves on)."""
-        roles = self.roles
-        if roles is not None and not roles.serving:
-            host = roles.peers[roles.host].member.written if roles.host is not None else None
-            raise _RefusedError(
-                grpc.StatusCode.UNAVAILABLE,
-                "this rendezvous service is a standby"
-                + (f" of the host at {host}" if host else ", and no host is known yet")
-                + ": ask the host",
-            )
+        """Refuse the request unless this service hosts (a standby's client moves on, to the
+        host its refusal names)."""
+        refusal = standby_refusal(self.roles, self.s)
+        if refusal is not None:
+            raise refusal
 
     async def _durable(self) -> None:
         """Wait until the standbys have what an answer reflects; refuse it if this service
@@ -131,23 +122,14 @@ class _Service(
             out.put(("standby", None))
 
     def _check(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token is None:
-            return
-        sent = dict(context.invocation_metadata() or ()).get("token", "")
-        problem = challenge.check(self.token, str(sent), time.time())
-        if problem is not None:
-            raise _RefusedError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"invalid rendezvous token: the request carries {problem}; give every node "
-                "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
-            )
+        check_token(self.token, context)
 
     def _charge_answer(self, size: int) -> None:
         """Count `size` bytes of the answer being built until its call ends (see `_answering`);
         refused (it may be tried again) while other answers hold the room, or naming the limit
         if it could never fit. Checked before the answer is built."""
         if size > bounds.READ_BYTES:
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this answer would be {size} bytes, more than the {bounds.READ_BYTES} the "
                 "embedded rendezvous service sends at once: read fewer keys at a time (a "
@@ -155,7 +137,7 @@ class _Service(
             )
         full = self.s.read_bytes.room(self._client, size)
         if full is not None:
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the embedded rendezvous service is sending answers: {full}; try again",
             )
@@ -192,12 +174,12 @@ class _Service(
             self._hosting()
             full = self.s.streams.room(client)
             if full is not None:
-                raise _RefusedError(
+                raise RefusedError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the embedded rendezvous service opens no more streams: {full}",
                 )
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
+        except RefusedError as e:
+            await refuse(context, e)
         self.s.streams.take(client)
         context.add_done_callback(lambda _: self.s.streams.give(client))
         return client
@@ -214,7 +196,7 @@ class _Service(
     def Range(self, request: Any) -> Any:  # noqa: N802 - gRPC's name
         if request.revision and request.revision != self.s.revision:
             # It keeps no old versions: say so rather than answer with today's keys.
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"the embedded rendezvous service reads only the current revision "
                 f"({self.s.revision}), not {request.revision}",
@@ -231,10 +213,10 @@ class _Service(
         try:
             self.s.check_lease(r.lease)
         except KeyError as e:
-            raise _RefusedError(grpc.StatusCode.NOT_FOUND, str(e.args[0])) from None
+            raise RefusedError(grpc.StatusCode.NOT_FOUND, str(e.args[0])) from None
         full = self.s.room_for(r.key, r.value, self._client)
         if full is not None:
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"etcdserver: mvcc: database space exceeded (the embedded service: {full})",
             )
@@ -295,20 +277,20 @@ class _Service(
             reply = self._grant(request, context.peer() or "")
             await self._durable()
             return reply
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
+        except RefusedError as e:
+            await refuse(context, e)
 
     def _grant(self, request: Any, client: str) -> Any:
         ttl = min(max(int(request.TTL), 1), bounds.MAX_TTL)
         if request.ID in self.s.leases:  # as etcd: granting it again would make it immortal
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists"
             )
         if request.ID < 0:
-            raise _RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "lease ID must not be negative")
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "lease ID must not be negative")
         full = self.s.holders.room(client)
         if full is not None:
-            raise _RefusedError(
+            raise RefusedError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"etcdserver: too many leases (the embedded service: {full}); revoke the "
                 "leases you no longer use",
@@ -322,7 +304,7 @@ class _Service(
     @_answering
     def LeaseRevoke(self, request: Any) -> Any:  # noqa: N802
         if request.ID not in self.s.leases:
-            raise _RefusedError(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
+            raise RefusedError(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
         self.s.revoke(request.ID)
         return rpc_pb2.LeaseRevokeResponse(header=self.s.header())
 
@@ -330,11 +312,11 @@ class _Service(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._admit(context)
-        async for request in _requests(context):
+        async for request in requests_of(context):
             try:
                 self._hosting()
-            except _RefusedError as e:
-                await context.abort(e.code, e.details)
+            except RefusedError as e:
+                await refuse(context, e)
             lease_id = request.ID
             del request  # not held while the next is awaited
             ttl = self.s.renew(lease_id)
@@ -365,7 +347,7 @@ class _Service(
 
         context.add_done_callback(ended)
         mine: dict[int, ServedWatch] = {}
-        reader = asyncio.ensure_future(_read_watch_requests(_requests(context), out))
+        reader = asyncio.ensure_future(_read_watch_requests(requests_of(context), out))
         # When the call ends, however it ends: a generator cancelled while it waits at a yield
         # runs its finally only when it is collected.
         context.add_done_callback(lambda _: self.s.remove_watchers(list(mine.values())))
@@ -474,39 +456,8 @@ class _Service(
         if this service stepped down meanwhile)."""
         try:
             await self._durable()
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
-
-    async def Status(  # noqa: N802 - gRPC's name
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> Any:
-        """Served by a standby too: its role, term and revision, in etcd's fields (the other
-        services decide who hosts by them; a client learns what it talks to)."""
-        try:
-            self._check(context)
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
-        roles = self.roles
-        host = roles.host if roles is not None else 0
-        return rpc_pb2.StatusResponse(
-            header=self.s.header(),
-            version=EMBEDDED_VERSION,
-            leader=host + 1 if host is not None else 0,
-            raftTerm=self.s.term,
-            isLearner=roles is not None and not roles.serving,
-        )
-
-    async def Follow(  # noqa: N802 - gRPC's name
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        """A standby follows this host (:mod:`.embedded_replicas`)."""
-        try:
-            self._check(context)
-            self._hosting()
-        except _RefusedError as e:
-            await context.abort(e.code, e.details)
-        async for update in self.replicas.follow(_requests(context), context):
-            yield update
+        except RefusedError as e:
+            await refuse(context, e)
 
 
 class EmbeddedServer:
@@ -535,6 +486,9 @@ class EmbeddedServer:
         self._kept_changed = threading.Condition()
         self.state.on_kept = self._told
         self._service = _Service(self.state, token, max(len(self._members), 1))
+        self._peering = Peering(self.state, token, self._service.replicas)
+        self.on_hosting: Callable[[], None] = lambda: None
+        self._host = host
         self._address = host_port(host, port)
         # Found here, not by gRPC: its failed bind logs an error line (add_port.cc) in every
         # agent that does not host, the normal case for all but one.
@@ -604,11 +558,11 @@ class EmbeddedServer:
             rpc_pb2_grpc.add_KVServicer_to_server,
             rpc_pb2_grpc.add_LeaseServicer_to_server,
             rpc_pb2_grpc.add_WatchServicer_to_server,
-            rpc_pb2_grpc.add_MaintenanceServicer_to_server,
             rpc_pb2_grpc.add_AuthServicer_to_server,
-            replica_pb2_grpc.add_ReplicaServicer_to_server,
         ):
             add(self._service, in_turns)
+        rpc_pb2_grpc.add_MaintenanceServicer_to_server(self._peering, in_turns)
+        replica_pb2_grpc.add_ReplicaServicer_to_server(self._peering, in_turns)
         try:
             if self._tls is None:
                 port = server.add_insecure_port(self._address)
@@ -620,18 +574,43 @@ class EmbeddedServer:
             raise OSError(f"cannot listen on {self._address} (in use?)")
         await server.start()
         self._server = server
-        peers = {
-            i: Peer(m, i, self._token, self._tls)
-            for i, m in enumerate(self._members)
-            if i != self._index
-        }
-        roles = Roles(self.state, self._service.replicas, peers, self._index, self._service.demoted)
-        self._service.roles = roles
-        if peers:
-            roles.task = asyncio.get_running_loop().create_task(
-                _keep_running(roles.run, "its role")
-            )
+        self._roles(port)
         started.set_result(port)
+
+    def _roles(self, port: int) -> None:
+        """Who hosts: this service's role among the job's, kept by a task on the loop."""
+
+        def peer(i: int, member: StoreMember) -> Peer:
+            return Peer(member, i, self._token, self._tls)
+
+        peers = {i: peer(i, m) for i, m in enumerate(self._members) if i != self._index}
+        place = Place(
+            self._index,
+            len(self._members),
+            host_port(self._host, port),
+            token=self._token is not None,
+        )
+        roles = Roles(
+            self.state,
+            self._service.replicas,
+            peers,
+            place,
+            peer,
+            self._service.demoted,
+            self._took_over,
+        )
+        self._service.roles = self._peering.roles = roles
+        # Always: a service alone may still hear of a newer host (it was started again at
+        # its address while the one the agents chose hosts).
+        roles.task = asyncio.get_running_loop().create_task(_keep_running(roles.run, "its role"))
+
+    @property
+    def host(self) -> str:
+        """The address it listens on (with :attr:`port`)."""
+        return self._host
+
+    def _took_over(self) -> None:
+        self.on_hosting()  # looked up now: set after the service started
 
     @property
     def hosting(self) -> bool:
@@ -726,7 +705,7 @@ class _InTurns:
         if handler is None or handler.request_streaming or handler.response_streaming:
             return handler
         behaviour, service = handler.unary_unary, self.service
-        turns = self.probes if name == "Status" else self.turns
+        turns = self.probes if name in ("Status", "Announce") else self.turns
         authenticate = name == "Authenticate"
 
         async def read_in_turn(requests: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -735,8 +714,8 @@ class _InTurns:
                     service._check(context)
                 async with turns.turn(context.peer() or ""):
                     request = await _one_request(requests, context)
-            except _RefusedError as e:
-                await context.abort(e.code, e.details)
+            except RefusedError as e:
+                await refuse(context, e)
             except bounds.NoTurnError:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -811,17 +790,6 @@ async def _keep_running(step: Callable[[], Awaitable[None]], what: str) -> None:
         except Exception:
             logger.exception("the rendezvous service's %s failed; going on", what)
             await asyncio.sleep(0.5)
-
-
-async def _requests(context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-    """A stream's requests, none of them held while the next is awaited (gRPC's iterator holds
-    the last one until the next arrives: a megabyte a stream, on streams that go quiet)."""
-    while True:
-        request = await context.read()
-        if request is grpc.aio.EOF:
-            return
-        yield request
-        del request
 
 
 async def _read_watch_requests(requests: AsyncIterator[Any], out: Outbox) -> None:

@@ -15,12 +15,7 @@ from typing import Any, TypeVar
 
 from elastic_launch.cancel import NEVER, CancelToken
 from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3_client import (
-    EMBEDDED_VERSION,
-    Client,
-    LeaseGoneError,
-    channel,
-)
+from elastic_launch.rendezvous.etcd_v3_client import Client, LeaseGoneError, channel
 from elastic_launch.rendezvous.etcd_v3_lease import Lease
 from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch, key_text, prefix_end
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
@@ -32,6 +27,7 @@ from elastic_launch.rendezvous.store import (
     StoreError,
     Watch,
 )
+from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
 
 __all__ = ["EtcdV3Store", "channel", "key_text", "prefix_end"]
 
@@ -63,6 +59,17 @@ class EtcdV3Store(Store):
         resolved = dataclasses.replace(access, read_timeout=self.read_timeout)
         self.client = Client(target, resolved, cancel, self._count)
         self.lease = Lease(self.client)
+        self.client.on_replaced = self._replaced
+
+    @property
+    def replaced_at(self) -> float | None:
+        return self.client.replaced_at
+
+    def _replaced(self) -> None:
+        """The store was started again empty: this node's lease first (its id and TTL, so that
+        nothing that names it changes), then what the rendezvous puts back."""
+        self.lease.restore()
+        self.on_replaced()
 
     # ---- key-value ---------------------------------------------------------------------------
 

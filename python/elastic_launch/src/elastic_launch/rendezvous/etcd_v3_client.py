@@ -5,8 +5,13 @@ deadline, abandoned at once when the cancel token is.
 A store is a set of members (etcd's cluster, or the embedded service's hosts). As etcd's own
 client does, every call, the lease's keep-alive and each watch run on one member, and move to
 the next when theirs fails (refuses, errs, or hangs past a deadline): nothing above this client
-knows which member answered. Every answer's header names its cluster: members of two clusters
-in one list are an error.
+knows which member answered. Members the store itself names are used too (:meth:`Client.learn`:
+the successor the agents chose, the host a standby's refusal names).
+
+Every answer's header names its cluster (:mod:`.store_identity`): members of two clusters in one
+list are an error, and a member started again empty at its address (its data lost, no other
+member serving ours) is the store *replaced*: the client takes it as the store from now on, and
+``on_replaced`` fills it again with what this node knows, while the client's other calls wait.
 
 The store (:mod:`.etcd_v3`), its lease (:mod:`.etcd_v3_lease`) and its watches
 (:mod:`.etcd_v3_watch`) all call through one :class:`Client`.
@@ -15,6 +20,7 @@ The store (:mod:`.etcd_v3`), its lease (:mod:`.etcd_v3_lease`) and its watches
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,8 +28,9 @@ from typing import Any
 
 import grpc
 
-from elastic_launch.api import Cancelled
+from elastic_launch.api import Cancelled, ConfigError
 from elastic_launch.cancel import CancelToken
+from elastic_launch.net import is_loopback, listener_owners, parse_endpoint
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
@@ -35,6 +42,8 @@ from elastic_launch.rendezvous.store import (
     Unanswered,
     nospace,
 )
+from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge, seen
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +71,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-#: What the embedded service's Status says it is: clients tell it from etcd by it.
-EMBEDDED_VERSION = "elasticrun-embedded"
+#: Members learned from the store a client keeps at most (the oldest not in use is dropped).
+MAX_LEARNED = 8
 #: What every stream asks of etcd: a member cut off from its cluster's leader ends the stream
 #: (etcd's WithRequireLeader) instead of keeping it open and silent.
 STREAM_METADATA = [("hasleader", "true")]
@@ -71,6 +80,11 @@ STREAM_METADATA = [("hasleader", "true")]
 
 class LeaseGoneError(StoreError):
     """A write named a lease the store no longer has: it expired while this node was cut off."""
+
+
+class AskAgainError(Exception):
+    """An answer that is not to be used: its member was left for another, or it showed the
+    store replaced (now filled again). The call is made again at once."""
 
 
 def read_file(path: str) -> bytes:
@@ -92,12 +106,16 @@ class Connection:
     """One member's channel, its stubs, and the credential its requests carry. A member left
     for another is `reset`: its channel closed (what still ran on it ends), a new one made."""
 
-    def __init__(self, index: int, member: StoreMember, tls: Tls | None) -> None:
+    def __init__(
+        self, index: int, member: StoreMember, tls: Tls | None, learned: bool = False
+    ) -> None:
         self.index = index
         self.member = member
+        self.learned = learned  # named by the store, not by --rdzv-endpoint
         self._tls = tls
         self.metadata: list[tuple[str, str]] = []  # etcd's token, or the challenge's credential
         self.logged_in = False
+        self.answered: Answered | None = None  # its cluster and newest read, as last seen
         self._open()
 
     def _open(self) -> None:
@@ -143,11 +161,22 @@ class Client:
         self.read_timeout: float | None = access.read_timeout
         self.cancel = cancel
         self.count = count
+        self._tls = access.tls
         self.connections = [Connection(i, m, access.tls) for i, m in enumerate(members)]
         self._pinned = 0
         self._lock = threading.Lock()
-        self._cluster: tuple[int, Connection] | None = None  # the first cluster id seen, where
+        self._cluster: int | None = None  # ours: the cluster id of the first answer
+        self._first = ""  # the member that gave it, as written
+        self.epoch = 0  # how many times the store was replaced (started again empty)
+        self.replaced_at: float | None = None  # when (monotonic), the last time
+        #: Fills a replaced store again (the store's lease, then the rendezvous's keys).
+        self.on_replaced: Callable[[], None] = lambda: None
+        self._refill = threading.RLock()  # held while a replaced store is filled again
+        self._watches: set[Any] = set()  # told that their revisions are another store's
+        self._refiller: int | None = None  # the thread that fills it
         self._user, self._password = access.user, access.password
+        self._trusted = access.trusted_network
+        self._refused: set[str] = set()  # members named but not used, said once
         self._token = access.token  # the embedded service's: proven by a challenge, never sent
         self.failovers = 0  # how many times calls moved to another member
         self._said: set[int] = set()  # members whose failure was said, until they answer
@@ -155,8 +184,52 @@ class Client:
 
     @property
     def target(self) -> str:
-        """The members, as a list."""
-        return written([c.member for c in self.connections])
+        """The members given, as a list."""
+        return written([c.member for c in self.connections if not c.learned])
+
+    def learn(self, member: StoreMember) -> Connection | None:
+        """A member the store named (the successor the agents chose, the host a standby's
+        refusal names): used like those given, after them (None: not used, see
+        :func:`unproven`). At most MAX_LEARNED are kept."""
+        problem = None if self.logs_in or self._trusted else unproven(member)
+        if problem is not None:
+            if member.target not in self._refused:
+                self._refused.add(member.target)
+                logger.warning("%s: %s is not used: %s", self.name, member.written, problem)
+            return None
+        with self._lock:
+            for conn in self.connections:
+                if conn.member.target == member.target:
+                    return conn
+            learned = [c for c in self.connections if c.learned and c is not self.current]
+            if len(learned) >= MAX_LEARNED:
+                current = self.current
+                self.connections.remove(learned[0])
+                learned[0].close()
+                for i, c in enumerate(self.connections):
+                    c.index = i
+                self._pinned = current.index
+                self._said.clear()
+            conn = Connection(len(self.connections), member, self._tls, learned=True)
+            self.connections.append(conn)
+            return conn
+
+    def redirect(self, failed: Connection, error: grpc.RpcError) -> Connection | None:
+        """The host a standby's refusal names (learned), or None. The cluster the standby
+        says it follows is judged as its answer: a store this client knew only through it
+        may have been replaced by the job's own."""
+        said = dict(_trailing(error))
+        host = said.get(HOST_KEY, "")
+        if not host:
+            return None
+        try:
+            address = StoreMember(*parse_endpoint(host, "the host a standby named"))
+            cluster = int(said.get(CLUSTER_KEY, "0"), 16)
+        except (ConfigError, ValueError):
+            return None
+        if cluster:
+            self._judge(failed, cluster, None)
+        return self.learn(address)
 
     # ---- the member in use -------------------------------------------------------------------
 
@@ -182,15 +255,18 @@ class Client:
     def metadata(self, value: list[tuple[str, str]]) -> None:
         self.current.metadata = value
 
-    def fail_over(self, failed: Connection, why: str) -> bool:
-        """Leave member `failed` for the next (if it is still the one in use): what still runs
-        on it ends and goes on with the next. False when there is no other member."""
+    def fail_over(self, failed: Connection, why: str, error: grpc.RpcError | None = None) -> bool:
+        """Leave member `failed` for the next (if it is still the one in use), or for the host
+        its refusal (`error`) names: what still runs on it ends and goes on with that one.
+        False when there is no other member."""
+        to = self.redirect(failed, error) if error is not None else None
         if len(self.connections) == 1:
             return False
         with self._lock:
             if self.current is not failed or self.closed.is_set():
                 return True  # another thread moved on already
-            self._pinned = (failed.index + 1) % len(self.connections)
+            nxt = to if to is not None and to is not failed else None
+            self._pinned = nxt.index if nxt else (failed.index + 1) % len(self.connections)
             self.failovers += 1
             nxt = self.current
             said = failed.index in self._said
@@ -216,24 +292,146 @@ class Client:
             with self._lock:
                 self._said.discard(conn.index)
 
-    def check_cluster(self, conn: Connection, reply: Any) -> None:
-        """Every member must belong to one cluster: the first answer's cluster id is the
-        job's, and a member that answers with another is an error naming both."""
+    def check_cluster(self, conn: Connection, reply: Any, read: bool = False) -> bool:
+        """Judge an answer of member `conn` by the cluster and revision in its header (a
+        `read`'s revision is linearizable: it never goes back while the member keeps its data).
+        True: use it. False: do not (the member was left for one that serves ours, or the
+        store was replaced and is filled again now): ask again. A member of another cluster
+        given with ours is a StoreError naming both."""
         header = getattr(reply, "header", None)
-        cluster = getattr(header, "cluster_id", 0)
-        if not cluster:
-            return
+        cluster = int(getattr(header, "cluster_id", 0))
+        if header is None or not cluster:
+            return True
+        return self._judge(conn, cluster, int(header.revision) if read else None)
+
+    def _judge(self, conn: Connection, cluster: int, revision: int | None) -> bool:
         with self._lock:
-            if self._cluster is None:
-                self._cluster = (cluster, conn)
-                return
-            first, where = self._cluster
-        if cluster != first:
+            ours, before, epoch = self._cluster, conn.answered, self.epoch
+            verdict = judge(ours, before, cluster, revision)
+            if verdict in (Verdict.FIRST, Verdict.SAME):
+                if verdict is Verdict.FIRST:
+                    self._cluster, self._first = cluster, conn.member.written
+                conn.answered = seen(before, cluster, revision)
+                return True
+        if verdict is Verdict.FOREIGN and not conn.learned:
             raise StoreError(
-                f"--rdzv-endpoint {self.target}: {where.member.written} and "
-                f"{conn.member.written} belong to two different clusters (cluster ids {first:x} "
-                f"and {cluster:x}); give the members of one cluster only"
+                f"--rdzv-endpoint {self.target}: {self._first} and {conn.member.written} "
+                f"belong to two different clusters (cluster ids {ours:x} and {cluster:x}); "
+                "give the members of one cluster only"
             )
+        if verdict is Verdict.FOREIGN:  # a member the store named, taken since by another
+            self.fail_over(conn, f"it belongs to another cluster ({cluster:x})")
+            return False
+        assert ours is not None
+        assert before is not None
+        return self._changed(conn, ours, before, Answered(cluster, revision or 0), epoch)
+
+    def _changed(
+        self, conn: Connection, ours: int, before: Answered, now: Answered, epoch: int
+    ) -> bool:
+        """Member `conn` answered for `ours` with `before` (in `epoch`), and now with `now`:
+        it was started
+        again empty, or follows another host. If another member still serves ours, `conn` is
+        left for it; if none does, the store was replaced: `now` is ours from now on, and the
+        store is filled again (:attr:`on_replaced`) before any other call goes on."""
+        elsewhere = self._serving(ours, before.revision, conn)
+        if elsewhere is not None:
+            with self._lock:
+                if self.current is conn:
+                    self._pinned = elsewhere.index
+            logger.info(
+                "%s: member %s answers as another store now; going on with %s, which serves "
+                "the job's",
+                self.name,
+                conn.member.written,
+                elsewhere.member.written,
+            )
+            return False
+        what = (
+            f"its revision went back from {before.revision} to {now.revision}"
+            if now.cluster == ours
+            else f"cluster id {ours:x} then {now.cluster:x}"
+        )
+        with self._refill:
+            if self.epoch != epoch:
+                return False  # another thread took the new store first
+            self._refiller = threading.get_ident()  # before the epoch: see enter()
+            try:
+                self._adopt(conn, now)
+                self._fill_again(f"member {conn.member.written} came back empty ({what})")
+            finally:
+                self._refiller = None
+        return False
+
+    def _adopt(self, conn: Connection, now: Answered) -> None:
+        """Take `now` (what member `conn` answered) as the store from now on; the watches
+        under way are told their revisions are another store's."""
+        with self._lock:
+            self._cluster, self._first = now.cluster, conn.member.written
+            self.epoch += 1
+            self.replaced_at = time.monotonic()
+            for c in self.connections:
+                c.answered = None
+            conn.answered = now
+            self._pinned = conn.index
+            watches = list(self._watches)
+        for watch in watches:  # those idle on the new store would wait for revisions
+            watch.store_replaced()  # that it may reach only much later
+
+    def _fill_again(self, why: str) -> None:
+        """Run :attr:`on_replaced` (its calls go through; the other threads' wait)."""
+        logger.warning(
+            "%s: %s: the store was started again and lost the job's state; putting back what "
+            "this node knows",
+            self.name,
+            why,
+        )
+        try:
+            self.on_replaced()
+        except (StoreError, Cancelled) as e:
+            logger.warning("%s: could not put the job's state back: %s", self.name, e)
+
+    def _serving(self, ours: int, revision: int, exclude: Connection) -> Connection | None:
+        """Another member that still serves cluster `ours` at `revision` at least (as its
+        host, for the embedded service); None if none answers so."""
+        timeout = min(self.read_timeout or 2.0, 2.0)
+        for conn in list(self.connections):
+            if conn is exclude:
+                continue
+            try:
+                self.log_in(conn)
+            except (grpc.RpcError, StoreError):
+                continue
+            if serves(conn, ours, revision, timeout):
+                return conn
+        return None
+
+    def same_store(self) -> bool:
+        """Ask the member in use for a read (linearizable, of nothing): False if its answer
+        shows the store started again empty (then filled again, before this returns). Asked
+        before anything gone from the store is taken as gone: a lease that seems expired."""
+        epoch = self.epoch
+        try:
+            self.call("kv.Range", rpc_pb2.RangeRequest(key=b"\0", limit=1))
+        except StoreError:
+            return True  # unreachable: nothing to tell (the caller goes on as it would)
+        return self.epoch == epoch
+
+    def watching(self, watch: Any) -> Callable[[], None]:
+        """Tell `watch` (its ``store_replaced()``) when the store is replaced; the undo."""
+        with self._lock:
+            self._watches.add(watch)
+        return lambda: self._watches.discard(watch)
+
+    def enter(self) -> int:
+        """Before a call: wait while another thread fills a replaced store again (a read of
+        it before then would find it empty); the store's epoch."""
+        epoch = self.epoch  # first: a store replaced after this read is seen by the caller
+        other = self._refiller not in (None, threading.get_ident())
+        if other and self._refill.acquire(timeout=self.retry_for):
+            self._refill.release()
+            return self.epoch
+        return epoch
 
     # ---- logging in ------------------------------------------------------------------------
 
@@ -324,6 +522,8 @@ class Client:
             conn = self.current
             try:
                 return self._attempt(conn, method, request, log_in)
+            except AskAgainError:
+                continue
             except ValueError as e:  # gRPC's "Channel closed!", before the call was sent
                 if "Channel closed" not in str(e):
                     raise
@@ -343,14 +543,16 @@ class Client:
                     why if len(self.connections) == 1 else f"{conn.member.written}: {why}"
                 )
                 failed += 1
-                if self.fail_over(conn, why) and failed % len(self.connections):
+                if self.fail_over(conn, why, e) and failed % len(self.connections):
                     continue  # the next member at once; a pause once all were tried
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
 
     def _attempt(self, conn: Connection, method: str, request: Any, log_in: bool) -> Any:
-        """One try of `method` on `conn`: its answer, or the grpc.RpcError it failed with."""
+        """One try of `method` on `conn`: its answer, or the grpc.RpcError it failed with
+        (AskAgainError: an answer not to be used, see :meth:`check_cluster`)."""
+        epoch = self.enter()
         if log_in:
             self.log_in(conn)
         self.count()
@@ -364,7 +566,10 @@ class Client:
             raise Cancelled(self.cancel.signum) from None
         finally:
             unregister()
-        self.check_cluster(conn, reply)
+        if not self.check_cluster(conn, reply, read=method.startswith("kv.")):
+            raise AskAgainError(method)
+        if self.epoch != epoch:  # sent to the store before it was filled again
+            raise AskAgainError(method)
         self.answered(conn)
         return reply
 
@@ -380,31 +585,77 @@ class Client:
 
     def error(self, e: grpc.RpcError) -> StoreError:
         """What a failed call means, in words that say what to check."""
-        code, details = e.code(), e.details() or ""
-        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
-            return LeaseGoneError(f"{self.name}: the lease of this node expired ({details})")
-        if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
-            return HistoryLostError(f"{self.name}: {details}")
-        if "database space exceeded" in details and "embedded service" not in details:
-            return StoreError(nospace(self.name, details))
-        return StoreError(self._words(code, details))
-
-    def _words(self, code: grpc.StatusCode, details: str) -> str:
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return (
-                f"{self.name} is unreachable ({details}); check that it runs and that "
-                "--rdzv-endpoint is right"
-            )
-        if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in details:
-            return (
-                f"{self.name} refused the request: {details}; give the right token or "
-                "user/password in --rdzv-conf"
-            )
-        if code == grpc.StatusCode.PERMISSION_DENIED:
-            return f"{self.name}: permission denied ({details})"
-        return f"{self.name}: {code.name}: {details}"
+        return error_of(self.name, e)
 
     def close(self) -> None:
         self.closed.set()
         for conn in self.connections:
             conn.close()
+
+
+def error_of(name: str, e: grpc.RpcError) -> StoreError:
+    """What a failed call to the store `name` means, in words that say what to check."""
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+        return LeaseGoneError(f"{name}: the lease of this node expired ({details})")
+    if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
+        return HistoryLostError(f"{name}: {details}")
+    if "database space exceeded" in details and "embedded service" not in details:
+        return StoreError(nospace(name, details))
+    return StoreError(_words(name, code, details))
+
+
+def _words(name: str, code: grpc.StatusCode, details: str) -> str:
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"{name} is unreachable ({details}); check that it runs and that --rdzv-endpoint "
+            "is right"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in details:
+        return (
+            f"{name} refused the request: {details}; give the right token or user/password "
+            "in --rdzv-conf"
+        )
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return f"{name}: permission denied ({details})"
+    return f"{name}: {code.name}: {details}"
+
+
+def serves(conn: Connection, ours: int, revision: int, timeout: float) -> bool:
+    """Whether member `conn` (logged in) answers as a member of cluster `ours` that holds
+    `revision` at least (the host, for the embedded service)."""
+    try:
+        reply = conn.maintenance.Status(
+            rpc_pb2.StatusRequest(), timeout=timeout, metadata=conn.metadata
+        )
+    except grpc.RpcError:
+        return False
+    hosts = reply.version != EMBEDDED_VERSION or reply.leader == reply.header.member_id
+    return bool(hosts and reply.header.cluster_id == ours and reply.header.revision >= revision)
+
+
+def unproven(member: StoreMember) -> str | None:
+    """Why a member the store named may not be used by a client without a credential (which
+    would prove the member holds the job's token), or None: only a port on loopback that no
+    other user listens on is this job's for sure."""
+    if not is_loopback(member.host):
+        return (
+            "it is beyond loopback, and without a token nothing proves it is the job's (give "
+            "every node the token, or --rdzv-conf allow_unauthenticated=true on a network you "
+            "trust)"
+        )
+    others = sorted(listener_owners(member.port) - {os.getuid()})
+    if others:
+        return (
+            f"another user (uid {others[0]}) listens there, and without a token nothing "
+            "proves it is the job's"
+        )
+    return None
+
+
+def _trailing(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """A failed call's trailing metadata (none for an error gRPC made itself)."""
+    try:
+        return [(str(k), str(v)) for k, v in (error.trailing_metadata() or ())]
+    except (AttributeError, ValueError):
+        return []

@@ -121,6 +121,18 @@ class Lease:
             raise StoreError(f"{c.name} refused a lease: {reply.error}")
         self.id = reply.ID
 
+    def restore(self) -> None:
+        """The store was started again empty: grant this lease again, with its id and TTL."""
+        if not self.id:
+            return
+        request = rpc_pb2.LeaseGrantRequest(ID=self.id, TTL=round(self.ttl))
+        try:
+            self.client.call("lease.LeaseGrant", request)
+        except StoreError as e:
+            if "lease already exists" not in str(e):
+                raise
+        logger.info("the rendezvous lease %x granted again by the new store", self.id)
+
     def ensure(self) -> None:
         """Grant a new lease if this one expired."""
         c = self.client
@@ -182,6 +194,7 @@ class Lease:
         """One keep-alive stream on member `conn`, until it ends; whether it was answered."""
         c = self.client
         answered = False
+        epoch = c.enter()
         try:
             c.log_in(conn)
             stream = conn.lease.LeaseKeepAlive(requests, metadata=conn.metadata + STREAM_METADATA)
@@ -192,9 +205,12 @@ class Lease:
             for reply in stream:
                 last[0] = time.monotonic()
                 answered = True
-                c.check_cluster(conn, reply)
+                if not c.check_cluster(conn, reply) or c.epoch != epoch:
+                    return True  # another member, or the store filled again: a new stream
                 c.answered(conn)
                 if reply.TTL <= 0 and not self._stop.is_set():
+                    if not c.same_store():
+                        return True  # it was started again empty: the lease is back now
                     with contextlib.suppress(StoreError, Cancelled):
                         self.replace(reply.ID)
         except grpc.RpcError as e:
@@ -204,7 +220,7 @@ class Lease:
             if unauthenticated and c.logs_in and c.relog(conn):
                 return answered
             if e.code() in RETRYABLE or unauthenticated:
-                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}")
+                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}", e)
         except StoreError as e:  # a member of another cluster: said, and tried again later
             logger.warning("the rendezvous lease keep-alive: %s", e)
             return False

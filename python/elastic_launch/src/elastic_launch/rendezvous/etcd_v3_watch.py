@@ -16,7 +16,14 @@ from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
 from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, STREAM_METADATA, Client, Connection
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
-from elastic_launch.rendezvous.store import Change, HistoryLostError, Inbox, StoreError, Watch
+from elastic_launch.rendezvous.store import (
+    Change,
+    HistoryLostError,
+    Inbox,
+    StoreError,
+    StoreReplacedError,
+    Watch,
+)
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -63,7 +70,9 @@ class EtcdWatch(Watch):
         self._next = dict.fromkeys(self._keys, after_revision + 1)  # per prefix
         self._created = 0  # `created` replies on the current stream: they come in order
         self._from_now = from_now  # the first stream's start: see the class's docstring
+        self._epoch = client.epoch  # the store this watch's revisions are of
         super().__init__(inbox)
+        self._unwatch = client.watching(self)
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
         self._call: Any = None
@@ -109,6 +118,7 @@ class EtcdWatch(Watch):
         conn = client.current
         client.count()
         try:
+            self._same_store()
             client.log_in(conn)
             self._call = conn.watch.Watch(
                 self._request_stream(self._requests), metadata=conn.metadata + STREAM_METADATA
@@ -117,7 +127,10 @@ class EtcdWatch(Watch):
                 self._call.cancel()
             for reply in self._call:
                 retry.reset()
-                client.check_cluster(conn, reply)
+                if not client.check_cluster(conn, reply):
+                    self._same_store()
+                    return True  # on the member that serves the job's store, at once
+                self._same_store()
                 if not self._take(reply):
                     return None
             return False
@@ -136,6 +149,14 @@ class EtcdWatch(Watch):
         finally:
             self._from_now = False  # from now on, every stream goes on where the last ended
         return None
+
+    def _same_store(self) -> None:
+        """Raise HistoryLostError if the store was replaced since this watch began: its
+        revisions are another store's (the watcher reads again, and watches from that read)."""
+        if self._client.epoch != self._epoch:
+            raise StoreReplacedError(
+                f"{self._client.name}: the store was started again since this watch began"
+            )
 
     def _take(self, reply: Any) -> bool:
         """Deliver one reply of the stream; False when the watch is over (canceled)."""
@@ -190,7 +211,8 @@ class EtcdWatch(Watch):
         retry.failing_since = retry.failing_since or now
         cut_off = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut off" in (e.details() or "")
         if (code in RETRYABLE or cut_off) and now - retry.failing_since <= client.retry_for:
-            if code in RETRYABLE and client.fail_over(conn, f"watch: {code.name}: {e.details()}"):
+            why = f"watch: {code.name}: {e.details()}"
+            if code in RETRYABLE and client.fail_over(conn, why, e):
                 retry.tried += 1
                 return retry.tried % len(client.connections) != 0  # a pause once all were tried
             return False  # a stream the service cut off (it fell behind) is watched again
@@ -220,7 +242,20 @@ class EtcdWatch(Watch):
         request = rpc_pb2.RangeRequest(key=key, range_end=prefix_end(key), revision=revision)
         return list(self._client.call("kv.Range", request).kvs)
 
+    def store_replaced(self) -> None:
+        """The store was started again empty: this watch ends with HistoryLostError (its
+        watcher reads again), at once, whatever its stream is doing."""
+        if not self._closed.is_set():
+            self.inbox.put(
+                StoreReplacedError(f"{self._client.name}: the store was started again, empty")
+            )
+        self._closed.set()
+        self._requests.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
     def close(self) -> None:
+        self._unwatch()
         self._closed.set()
         self._requests.put(None)
         if self._call is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
+from math import inf
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
@@ -20,7 +22,13 @@ from elastic_launch.rendezvous.api import RestartReason
 from elastic_launch.rendezvous.job import Job
 from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import Change, HistoryLostError, Inbox, StoreError
+from elastic_launch.rendezvous.store import (
+    Change,
+    HistoryLostError,
+    Inbox,
+    KeyValue,
+    StoreError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +70,9 @@ class Follower:
         self.notes: dict[str, str] = dict(current.notes)
         self.leader_done = False
         self._told: set[str] = set()  # members whose leaving this node has logged
+        # After the store was started again and filled: whose keys are not back yet (the
+        # leader's key: ""); they may come back within a lease's time of it.
+        self._awaited: set[str] = set()
         self._stop = threading.Event()
         self._inbox: Inbox | None = None
         self._lock = threading.Lock()
@@ -99,34 +110,12 @@ class Follower:
             with contextlib.suppress(StoreError):
                 job.store.delete(prefix, prefix=True)
         self._drop = []
-        watched = [keys.everything] if everything else keys.light
         kvs, revision = job.look(everything)
-        v = self.round.version
-        join_prefix = keys.join(v)
-        leader_key = keys.leader(v)
-        self.waiting = {
-            kv.key[len(keys.waiting) :] for kv in kvs if kv.key.startswith(keys.waiting)
-        }
-        self.leader_done = any(kv.key == keys.leader_done(v) for kv in kvs)
-        # The watch sees changes after `revision`; whatever happened between the round going
-        # final and that read (a member gone, the round reopened) shows in the read itself.
-        state, _ = job.state_in(kvs)
-        self._note(state)
-        if everything:
-            if not self.round.members_complete:  # every member's shard is in the read
-                shards = keys.members(v)
-                self.round = self.round.with_shards(
-                    [kv.value for kv in kvs if kv.key.startswith(shards)], shards
-                )
-            self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(keys.done)}
-            present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
-            gone = set(self.round.nodes) - self.done - present
-            if rnd.still_runs(state, v) and gone:
-                self._lost(sorted(gone)[0], "as its round began")
-        elif not any(kv.key == leader_key for kv in kvs) and self._leader_gone():
+        if not self._take_in(kvs, everything):
             return False
         if rnd.admissible(self.waiting, self.round.size, self.max_nodes):
             self.changed.set()
+        watched = [keys.everything] if everything else keys.light
         with self.session.watching(watched, revision) as inbox:
             with self._lock:
                 self._inbox = inbox
@@ -135,11 +124,73 @@ class Follower:
             while not self._stop.is_set():
                 if self.session.losses != self._losses:
                     self._break()  # our lease expired: the others think we are gone
-                batch = inbox.next(float("inf"))
+                batch = inbox.next(self._grace_left() if self._awaited else inf)
                 for change in batch or []:
-                    if not self._apply(change, join_prefix, leader_key, everything):
+                    if not self._apply(change, everything):
                         return False
+                if not self._still_awaited():
+                    return False
         return True
+
+    def _take_in(self, kvs: list[KeyValue], everything: bool) -> bool:
+        """The read the watch starts after: whatever happened between the round going final
+        and it (a member gone, the round reopened) shows in the read itself. False when the
+        leader finished and went (follow everything)."""
+        job, keys, v = self.job, self.job.keys, self.round.version
+        self.waiting = {
+            kv.key[len(keys.waiting) :] for kv in kvs if kv.key.startswith(keys.waiting)
+        }
+        self.leader_done = any(kv.key == keys.leader_done(v) for kv in kvs)
+        state, _ = job.state_in(kvs)
+        self._note(state)
+        self._awaited = set()
+        if everything:
+            if not self.round.members_complete:  # every member's shard is in the read
+                shards = keys.members(v)
+                self.round = self.round.with_shards(
+                    [kv.value for kv in kvs if kv.key.startswith(shards)], shards
+                )
+            self.done = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.key.startswith(keys.done)}
+            join_prefix = keys.join(v)
+            present = {kv.key[len(join_prefix) :] for kv in kvs if kv.key.startswith(join_prefix)}
+            gone = set(self.round.nodes) - self.done - present
+            if self._graced():
+                self._awaited = gone
+            elif rnd.still_runs(state, v) and gone:
+                self._lost(sorted(gone)[0], "as its round began")
+        elif not any(kv.key == keys.leader(v) for kv in kvs):
+            if self._graced():
+                self._awaited = {""}
+            elif self._leader_gone():
+                return False
+        return True
+
+    def _grace_left(self) -> float:
+        """Seconds during which keys missing from a read may still come back: the store was
+        started again, and each node puts its own back once it finds it so (within a lease's
+        time, when its keep-alive asks)."""
+        since = self.job.store.replaced_at
+        if since is None:
+            return 0.0
+        return max(0.0, since + self.session.ttl + 1.0 - time.monotonic())
+
+    def _graced(self) -> bool:
+        return self._grace_left() > 0
+
+    def _still_awaited(self) -> bool:
+        """Once the grace is over: members whose keys did not come back are gone (False: the
+        leader, whose key did not, finished and went)."""
+        if not self._awaited or self._graced():
+            return True
+        awaited = self._awaited
+        try:
+            if "" in awaited:
+                return not self._leader_gone()
+            if rnd.still_runs(self.job.known.state, self.round.version):
+                self._lost(sorted(awaited)[0], "(its keys did not come back to the store)")
+            return True
+        finally:
+            self._awaited = set()
 
     def _note(self, state: RoundState | None) -> None:
         if state is not None and state.status == Status.CLOSED:
@@ -197,12 +248,19 @@ class Follower:
                 reopened = rnd.reopen(state, RestartReason.MEMBERSHIP, self.max_restarts, left=left)
                 self.job.commit(reopened, version)
 
-    def _apply(self, c: Change, join_prefix: str, leader_key: str, everything: bool) -> bool:
+    def _back(self, c: Change, join_prefix: str, leader_key: str) -> None:
+        """A member's (or the leader's) key put back into a store started again."""
+        if c.value is not None and self._awaited:
+            self._awaited.discard("" if c.key == leader_key else c.key[len(join_prefix) :])
+
+    def _apply(self, c: Change, everything: bool) -> bool:
         """Take one change in; False when the leader turns out to have finished and gone."""
         keys = self.job.keys
+        join_prefix, leader_key = keys.join(self.round.version), keys.leader(self.round.version)
         node = c.key.rsplit("/", 1)[1]
+        self._back(c, join_prefix, leader_key)
         if c.key == keys.state:
-            self._note(RoundState.from_json(c.value, c.key) if c.value is not None else None)
+            self._note(self.job.saw(c.value, c.key) if c.value is not None else None)
         elif c.key == leader_key and c.value is None and not everything:
             if not self._leader_gone():
                 return False

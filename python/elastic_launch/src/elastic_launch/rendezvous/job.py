@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import JobClosed
+from elastic_launch.rendezvous.known import Known
 from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.store import KeyValue, Store, StoreError
 
@@ -106,14 +107,24 @@ class Job:
         self.drop: list[str] = []  # finished rounds' keys this node is to delete
         self.confirmed = ""  # the confirmation key this node wrote last
         self._members: tuple[int, RoundState] | None = None  # (round, with its members)
+        self.known = Known()  # what it puts back into a store started again empty
 
     def read(self) -> tuple[RoundState | None, int]:
-        kv = self.store.get(self.keys.state)
-        return (RoundState.from_json(kv.value, kv.key), kv.version) if kv is not None else (None, 0)
+        return self.state_in([kv] if (kv := self.store.get(self.keys.state)) else [])
 
     def state_in(self, kvs: list[KeyValue]) -> tuple[RoundState | None, int]:
         kv = next((kv for kv in kvs if kv.key == self.keys.state), None)
-        return (RoundState.from_json(kv.value, kv.key), kv.version) if kv is not None else (None, 0)
+        if kv is None:
+            return None, 0
+        state = RoundState.from_json(kv.value, kv.key)
+        self.known.saw(state, kv.value)
+        return state, kv.version
+
+    def saw(self, value: bytes, key: str) -> RoundState:
+        """A state a watch brought: parsed, and known."""
+        state = RoundState.from_json(value, key)
+        self.known.saw(state, value)
+        return state
 
     def look(self, leading: bool) -> tuple[list[KeyValue], int]:
         """What a node reads before it watches: the leader the whole job, the others the state
@@ -138,12 +149,18 @@ class Job:
             written = self.store.cas_with(self.keys.state, state.to_json(), version, shards)
             if written:
                 self._members = (state.version, state)
+                self.known.saw(state, state.to_json())
+                self.known.saw_shards(state.version, shards)
             return written
         if state.status != Status.CLOSED:
-            return self.store.cas(self.keys.state, state.to_json(), version)
+            written = self.store.cas(self.keys.state, state.to_json(), version)
+            if written:
+                self.known.saw(state, state.to_json())
+            return written
         state = dataclasses.replace(state, expires_at=time.time() + CLOSED_TTL)
         written = self.store.cas(self.keys.state, state.to_json(), version, ttl=CLOSED_TTL)
         if written:
+            self.known.saw(state, state.to_json())
             self.closed = state.closed
             with contextlib.suppress(StoreError):
                 self.store.delete(self.keys.m, prefix=True)
@@ -204,15 +221,17 @@ class Job:
         prefix = self.keys.members(state.version)
         if every:
             kvs, _ = self.store.range(prefix)
-            return [kv.value for kv in kvs]
-        shard = prefix + str(rnd.shard_of(self.node, state.shards))
-        if confirm:
-            key = self.confirm_key(state.version)
-            kv = self.store.put_get(key, b"1", shard, ephemeral=True)
-            self.confirmed = key
         else:
-            kv = self.store.get(shard)
-        return [kv.value] if kv is not None else []
+            shard = prefix + str(rnd.shard_of(self.node, state.shards))
+            if confirm:
+                key = self.confirm_key(state.version)
+                kv = self.store.put_get(key, b"1", shard, ephemeral=True)
+                self.confirmed = key
+            else:
+                kv = self.store.get(shard)
+            kvs = [kv] if kv is not None else []
+        self.known.saw_shards(state.version, {kv.key: kv.value for kv in kvs})
+        return [kv.value for kv in kvs]
 
     def confirm_key(self, version: int) -> str:
         return f"{self.keys.confirm(version)}{self.node}"

@@ -57,6 +57,9 @@ class StoreAccess:
     tls: Tls | None = None
     retry_for: float = 30.0  # seconds a request keeps retrying an unreachable store
     read_timeout: float | None = None  # seconds one request may take (None: the default)
+    #: Without a credential, members the store names (a successor, a standby's host) are used
+    #: only on loopback and of this user, unless the network is trusted (allow_unauthenticated).
+    trusted_network: bool = False
 
 
 class StoreError(RendezvousConnectionError):
@@ -67,6 +70,11 @@ class HistoryLostError(StoreError):
     """A watch could not go on from the revision after the last one it delivered: the store
     compacted that history away (etcd's "required revision has been compacted"), or its new
     host does not have it. The watcher reads the keys again and watches from that read."""
+
+
+class StoreReplacedError(HistoryLostError):
+    """The store was started again empty and is being filled again by the nodes, each with
+    what it knows: a key another node put back may not be back yet when this one reads."""
 
 
 class Inbox:
@@ -176,6 +184,16 @@ class Store(abc.ABC):
         self._requests = 0
         self._count_lock = threading.Lock()
         self._on_lost: Callable[[], None] = lambda: None
+        #: Puts back what the job needs when the store was started again empty (a store that
+        #: can tell: the v3 API's, by its cluster id and revisions). Its calls go through
+        #: while this node's others wait.
+        self.on_replaced: Callable[[], None] = lambda: None
+
+    @property
+    def replaced_at(self) -> float | None:
+        """When (monotonic) this node last found the store started again empty, if ever: the
+        other nodes put their keys back within a lease's time of it."""
+        return None
 
     @property
     def retry_for(self) -> float:

@@ -70,6 +70,7 @@ class RoundWaits:
         self.spare = False  # it wrote a waiting key (as a spare)
         self._prev: tuple[int, dict[str, int]] | None = None  # (round that ran, its ranks)
         self._gone: RestGone | None = None  # (a reopened round's leader) who is gone for good
+        self.on_spare: Callable[[], None] = lambda: None  # told when it waits as a spare
 
     def keys_of(self, version: int) -> RoundKeys:
         k = self.job.keys
@@ -91,8 +92,9 @@ class RoundWaits:
         job, v = self.job, state.version
         keys = self.keys_of(v)
         me = keys.join + job.node
-        job.store.create(me, self.me(), ephemeral=True)
+        self._join_key(me)
         if self.spare:  # it waited as a spare: its waiting key goes (else there is none)
+            job.known.mine.pop("waiting", None)
             with contextlib.suppress(StoreError):
                 job.store.delete(job.keys.waiting + job.node)
             self.spare = False
@@ -100,6 +102,8 @@ class RoundWaits:
         # round and freezes it. The others read and watch only the state and the shared keys:
         # a join costs each of them the same whatever N is.
         leading = bool(job.store.create(keys.leader, job.node.encode(), ephemeral=True))
+        if leading:
+            job.known.wrote("leader", keys.leader, job.node.encode())
         kvs, revision = job.look(leading)
         view = join_view(kvs, keys)
         if view.state is None or not view.leader or (leading and view.leader != job.node):
@@ -216,7 +220,13 @@ class RoundWaits:
         """Our lease expired while we waited: our join key again (a new lease is in place)."""
         self.job.store.ensure_lease()
         self.session.take_lost()
-        self.job.store.create(me, self.me(), ephemeral=True)
+        self._join_key(me)
+
+    def _join_key(self, key: str) -> None:
+        """Write this node's join key `key` (its Member), and know it."""
+        value = self.me()
+        self.job.store.create(key, value, ephemeral=True)
+        self.job.known.wrote("join", key, value)
 
     def _timeout(self, me: str, join_prefix: str, count: int | None) -> Exception:
         if count is None:
@@ -308,7 +318,7 @@ class RoundWaits:
         membership is gone); round `v` frozen or final comes with its membership."""
         if value is None:
             return None
-        found = RoundState.from_json(value, self.job.keys.state)
+        found = self.job.saw(value, self.job.keys.state)
         if found.version == v and found.status in (Status.FROZEN, Status.FINAL):
             return self.job.with_members(found, every=every)
         return found
@@ -325,7 +335,9 @@ class RoundWaits:
         key = job.keys.waiting + job.node
         lws = str(self.params.local_world_size).encode()
         job.store.put(key, lws, ephemeral=True)
+        job.known.wrote("waiting", key, lws)
         self.spare = True
+        self.on_spare()
         join = job.keys.join(v)
         kvs, revision = job.store.range(job.keys.everything)
         found, version = job.state_in(kvs)

@@ -1,0 +1,145 @@
+"""What the embedded services of one job say to each other, and the refusals every handler
+shares: a service's status (its role, term and revision, in etcd's fields), a standby's Follow
+stream, and a host's announcement to a service that hosts an older term without knowing it.
+
+Every call needs the job's token when it has one (:func:`check_token`). A standby refuses a
+client's request with the host's address and the cluster it now belongs to in the call's
+trailing metadata, so that a client that knew only this service finds the host
+(:mod:`.wire`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from elastic_launch.rendezvous import challenge
+from elastic_launch.rendezvous.embedded_state import ServiceState
+from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
+
+if TYPE_CHECKING:
+    from elastic_launch.rendezvous.embedded_replicas import Replicas
+    from elastic_launch.rendezvous.embedded_roles import Roles
+
+
+class RefusedError(Exception):
+    """A request the service refuses: the status, message and trailing metadata it answers
+    with."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.metadata = metadata
+
+
+async def refuse(context: grpc.aio.ServicerContext, e: RefusedError) -> None:
+    """End the call with `e`'s status (raises, as gRPC's abort does)."""
+    await context.abort(e.code, e.details, e.metadata)
+
+
+def check_token(token: str | None, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a call that does not carry a credential earned with the job's token."""
+    if token is None:
+        return
+    sent = dict(context.invocation_metadata() or ()).get("token", "")
+    problem = challenge.check(token, str(sent), time.time())
+    if problem is not None:
+        raise RefusedError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"invalid rendezvous token: the request carries {problem}; give every node "
+            "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
+        )
+
+
+def standby_refusal(roles: Roles | None, state: ServiceState) -> RefusedError | None:
+    """Why a client's request is refused here (this service stands by), or None: it hosts."""
+    if roles is None or roles.serving:
+        return None
+    host = roles.host_address()
+    if host is None:
+        return RefusedError(
+            grpc.StatusCode.UNAVAILABLE,
+            "this rendezvous service is a standby, and no host is known yet: ask the host",
+        )
+    return RefusedError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"this rendezvous service is a standby of the host at {host}: ask the host",
+        ((HOST_KEY, host), (CLUSTER_KEY, f"{state.cluster_id:x}")),
+    )
+
+
+class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer):
+    """Status, Follow and Announce, for the service whose state is `state`."""
+
+    def __init__(self, state: ServiceState, token: str | None, replicas: Replicas) -> None:
+        self.s = state
+        self.token = token
+        self.replicas = replicas
+        self.roles: Roles | None = None  # made on the loop (see EmbeddedServer._start)
+
+    async def Status(  # noqa: N802 - gRPC's name
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Served by a standby too: its role, term and revision, in etcd's fields (the other
+        services decide who hosts by them; a client learns what it talks to)."""
+        try:
+            check_token(self.token, context)
+        except RefusedError as e:
+            await refuse(context, e)
+        roles = self.roles
+        host = roles.host if roles is not None else 0
+        return rpc_pb2.StatusResponse(
+            header=self.s.header(),
+            version=EMBEDDED_VERSION,
+            leader=host + 1 if host is not None else 0,
+            raftTerm=self.s.term,
+            isLearner=roles is not None and not roles.serving,
+        )
+
+    async def Follow(  # noqa: N802 - gRPC's name
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """A standby follows this host (:mod:`.embedded_replicas`)."""
+        try:
+            check_token(self.token, context)
+            refusal = standby_refusal(self.roles, self.s)
+            if refusal is not None:
+                raise refusal
+        except RefusedError as e:
+            await refuse(context, e)
+        async for update in self.replicas.follow(requests_of(context), context):
+            yield update
+
+    async def Announce(  # noqa: N802 - gRPC's name
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """A host of a newer term than this service's: it is looked at at once (this service
+        steps down and follows it, as when two hosts find each other)."""
+        try:
+            check_token(self.token, context)
+            if self.roles is None:
+                raise RefusedError(grpc.StatusCode.UNAVAILABLE, "this service is starting")
+            problem = self.roles.announced(int(request.term), int(request.index), request.address)
+            if problem is not None:
+                raise RefusedError(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        except RefusedError as e:
+            await refuse(context, e)
+        return replica_pb2.Announced()
+
+
+async def requests_of(context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """A stream's requests, none of them held while the next is awaited (gRPC's iterator holds
+    the last one until the next arrives: a megabyte a stream, on streams that go quiet)."""
+    while True:
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            return
+        yield request
+        del request

@@ -1,0 +1,15 @@
+"""What the embedded rendezvous service and its clients agree on beyond etcd's own API: how the
+service names itself, and where a standby's refusal says who hosts."""
+
+from __future__ import annotations
+
+#: What the embedded service's Status says it is: clients tell it from etcd by it.
+EMBEDDED_VERSION = "elasticrun-embedded"
+#: A standby's refusal names the host (HOST:PORT) and the cluster id it belongs to (hex) in
+#: the call's trailing metadata, under these keys: a client that knew only the standby finds
+#: the host.
+HOST_KEY = "elasticrun-host"
+CLUSTER_KEY = "elasticrun-cluster"
+#: Where the agents of a job with one endpoint publish the successor they chose: a service
+#: that keeps a synchronous copy of the host's state and takes over when the host is lost.
+SUCCESSOR_KEY = "/elasticrun-service/successor"
