@@ -73,6 +73,8 @@ class Shape:
     #: given the first, all its etcd backends take).
     backend: str = "c10d"
     store: tuple[str, ...] = ()
+    #: --nnodes MIN:nnodes (elastic) when set; the job starts with `nnodes` nodes either way.
+    min_nodes: int | None = None
 
     @property
     def world(self) -> int:
@@ -171,7 +173,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-NODE_FAULTS = ("node", "spare", "host", "host-spare")
+NODE_FAULTS = ("node", "spare", "host", "host-spare", "host-alone")
 FAULTS = ("worker", "hang", "member", *NODE_FAULTS)
 
 
@@ -219,7 +221,9 @@ class JobRun:
         return [
             *LAUNCHERS[self.launcher],
             "--nnodes",
-            str(self.shape.nnodes),
+            str(self.shape.nnodes)
+            if self.shape.min_nodes is None
+            else f"{self.shape.min_nodes}:{self.shape.nnodes}",
             "--nproc-per-node",
             str(self.shape.nproc),
             "--rdzv-backend",
@@ -376,6 +380,9 @@ class JobRun:
             self._until(lambda: self.newest(last) >= at, f"rank {last} at step {at}", *running)
             return time.monotonic(), list(self.workers().values())
         self._until(lambda: (self.completed() or 0) >= at, f"step {at}", *running)
+        if fault.startswith("host") and self._one_endpoint():
+            # Its agents' successor holds a copy of the rendezvous before the host is lost.
+            self._until(self._successor_ready, "a successor standing by", *running)
         if fault == "member":
             self.store_fault()
             at += 10
@@ -399,6 +406,17 @@ class JobRun:
         else:
             raise ValueError(f"fault={fault!r}: give one of {FAULTS}")
         return killed_at, list(workers.values())
+
+    def _one_endpoint(self) -> bool:
+        """elasticrun's embedded rendezvous on one endpoint (its agents choose a successor)."""
+        embedded = self.shape.backend in ("c10d", "embedded") and not self.shape.store
+        return self.launcher == "elasticrun" and embedded and self.shape.endpoints == 1
+
+    def _successor_ready(self) -> bool:
+        """The agents have chosen a successor, and its service holds a copy of the host's."""
+        from elastic_launch.rendezvous.succession import standing_by
+
+        return standing_by(f"127.0.0.1:{self.port}")
 
     def _spare_ready(self, node: subprocess.Popen[bytes]) -> bool:
         """elasticrun: `node` says it waits as a spare, and its zygote is warm (it has forked

@@ -842,6 +842,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Streams an agent of the embedded service holds open: its lease's keep-alive, the watch of its
+#: round, and (one endpoint) the watch of the successor key.
+STREAMS_PER_AGENT = 3
+
+
 def _check_shared_embedded(
     parser: argparse.ArgumentParser, backends: list[str], shapes: list[str], n: int, procs: int
 ) -> None:
@@ -851,11 +856,13 @@ def _check_shared_embedded(
     from elastic_launch.rendezvous.embedded_bounds import STREAMS_PER_CLIENT
 
     per_process = -(-n // procs)
-    if "embedded" in backends and "shared" in shapes and 2 * per_process > STREAMS_PER_CLIENT:
+    streams = STREAMS_PER_AGENT * per_process
+    if "embedded" in backends and "shared" in shapes and streams > STREAMS_PER_CLIENT:
         parser.error(
             f"--channels shared with --backend embedded at --n {n}: {per_process} agents would "
             f"share one connection, and the embedded service opens {STREAMS_PER_CLIENT} streams "
-            "for one connection (two an agent); use --channels own (as deployed) or more --procs"
+            f"for one connection ({STREAMS_PER_AGENT} an agent); use --channels own (as "
+            "deployed) or more --procs"
         )
 
 

@@ -19,6 +19,9 @@ run with default flags besides the job's shape and --max-restarts 3:
 - the node hosting the rendezvous SIGKILLed (elasticrun: the embedded service on two
   endpoints, the other node's standby takes over; torchrun: its c10d store, in the lost
   agent), a replacement started at once, or a third launcher waiting as a spare;
+- the same with one endpoint as torchrun users write it (elasticrun: the successor its
+  agents chose takes over, once it stands by): a replacement started at once at the same
+  address, --nnodes 1:2 and none started, or a third launcher waiting as a spare;
 - a member of a 3-member etcd SIGKILLed (the one named first, or the leader), then a worker
   10 steps later: that kill to the next step (elasticrun: every member named; torchrun:
   etcd-v2, which takes one); a torchrun run that loses its store is watched STORE_LOST_WAIT s;
@@ -69,6 +72,9 @@ SCENARIOS = (
     "node-spare",
     "host",
     "host-spare",
+    "host-one",
+    "host-one-alone",
+    "host-one-spare",
     "etcd-first",
     "etcd-leader",
     "hang",
@@ -350,24 +356,63 @@ def store_losses(two_nodes: Shape) -> dict[str, Scenario]:
             lost,
             baseline="torchrun c10d",
         ),
+        **one_endpoint(two_nodes, lost),
         "etcd-first": etcd("first"),
         "etcd-leader": etcd("leader"),
+    }
+
+
+#: torchrun's runs of a scenario whose torchrun side another measured already (its c10d
+#: takes one endpoint whatever elasticrun is given): the same runs serve both rows.
+_THEIRS: dict[str, Runs] = {}
+
+
+def one_endpoint(two_nodes: Shape, lost: dict[str, Any]) -> dict[str, Scenario]:
+    """The node hosting the rendezvous lost when both launchers are given one endpoint, as
+    torchrun users write it (elasticrun: the successor its agents chose takes over)."""
+    one = "2 x 1 on one endpoint (both launchers), the node hosting the rendezvous SIGKILLed"
+    return {
+        "host-one": Scenario(
+            f"{one}, a new one started at once at its address",
+            "host",
+            two_nodes,
+            {},
+            None,
+            lost,
+            baseline="torchrun c10d",
+        ),
+        "host-one-alone": Scenario(
+            f"{one}, --nnodes 1:2 and none started",
+            "host-alone",
+            replace(two_nodes, min_nodes=1),
+            {},
+            None,
+            lost,
+            baseline="torchrun c10d",
+        ),
+        "host-one-spare": Scenario(
+            f"{one}, a third node waiting as a spare",
+            "host-spare",
+            two_nodes,
+            {"job": LONG},
+            None,
+            lost,
+            baseline="torchrun c10d",
+        ),
     }
 
 
 def measure(root: Path, runs: int, seed: int, sc: Scenario) -> list[Row]:
     """One scenario under both launchers, in one run."""
     ours = job_runs(root, "elasticrun", sc.shape, sc.fault, runs, seed=seed, **sc.how)
-    theirs = job_runs(
-        root,
-        "torchrun",
-        sc.their_shape or sc.shape,
-        sc.fault,
-        sc.their_runs or runs,
-        seed=seed,
-        **{**sc.how, **sc.their_how},
-    )
-    return rows_for(sc.label, ours, theirs, sc.baseline)
+    their_shape = replace(sc.their_shape or sc.shape, endpoints=1)
+    how = {**sc.how, **sc.their_how}
+    key = repr((their_shape, sc.fault, sorted(map(repr, how.items())), sc.their_runs or runs))
+    if key not in _THEIRS:
+        _THEIRS[key] = job_runs(
+            root, "torchrun", their_shape, sc.fault, sc.their_runs or runs, seed=seed, **how
+        )
+    return rows_for(sc.label, ours, _THEIRS[key], sc.baseline)
 
 
 def scenarios(

@@ -1,13 +1,16 @@
-"""deploy/kubernetes/pytorchjob.yaml and trainjob.yaml: Kubeflow's PyTorchJob (training
-operator) and TrainJob (Trainer). Each is validated against its CRD's schema, kept in
-deploy/kubernetes/schemas/ with its source noted, and its pod parts against Kubernetes' own
-schemas. Then elasticrun runs on two local "pods" (processes) with exactly the environment
-each operator sets from the manifest, and the job forms and completes."""
+"""deploy/kubernetes/pytorchjob.yaml, pytorchjob-c10d.yaml and trainjob.yaml: Kubeflow's
+PyTorchJob (training operator; over etcd, and over its default c10d rendezvous) and TrainJob
+(Trainer). Each is validated against its CRD's schema, kept in deploy/kubernetes/schemas/ with
+its source noted, and its pod parts against Kubernetes' own schemas. Then elasticrun runs on
+two local "pods" (processes) with exactly the environment each operator sets from the
+manifest, and the job forms and completes (over c10d, with its first pod killed and started
+again, as the operator does)."""
 
 from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from launcher_util import free_port
+from elastic_launch.rendezvous.succession import standing_by
+from launcher_util import free_port, listening, wait_for
 from test_manifests import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +27,21 @@ KUBERNETES = ROOT / "deploy" / "kubernetes"
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 TRAIN = ["--samples", "64", "--image-size", "8", "--classes", "4", "--batch-size", "16"]
 TRAIN += ["--epochs", "1"]
-KUBEFLOW = {"PyTorchJob": "pytorchjob.yaml", "TrainJob": "trainjob.yaml"}
+#: Each manifest (a kind, or a kind/variant) and its file; a kind's schema has its first file's name.
+KUBEFLOW = {
+    "PyTorchJob": "pytorchjob.yaml",
+    "PyTorchJob/c10d": "pytorchjob-c10d.yaml",
+    "TrainJob": "trainjob.yaml",
+}
 
 
 def documents(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((KUBERNETES / name).read_text()) if d]
 
 
-def the(kind: str) -> dict:
-    (doc,) = [d for d in documents(KUBEFLOW[kind]) if d["kind"] == kind]
+def the(manifest: str) -> dict:
+    kind = manifest.split("/", maxsplit=1)[0]
+    (doc,) = [d for d in documents(KUBEFLOW[manifest]) if d["kind"] == kind]
     return doc
 
 
@@ -225,3 +235,92 @@ def test_elasticrun_under_the_trainers_environment(tmp_path):
     outputs = run_pods(container_argv(trainer["command"], trainer["args"]), envs, tmp_path)
     # Two nodes of one worker each: 64 samples in steps of 16 per worker.
     assert any("done: 2 steps, 1 epochs" in out for out in outputs), outputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_c10d_pytorchjob_goes_on_when_its_first_pod_is_killed_and_started_again(tmp_path):
+    # The operator's default rendezvous: one endpoint, the first worker pod's Service. That
+    # pod is SIGKILLed once the other pod's successor keeps a copy, and started again at the
+    # same name (restartPolicy OnFailure); the job goes on and completes on both.
+    job = the("PyTorchJob/c10d")
+    policy = job["spec"]["elasticPolicy"]
+    assert "rdzvBackend" not in policy and "rdzvHost" not in policy, "the operator's defaults"
+    (c,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    env = pytorchjob_env(job, "elastic-train-c10d-worker-0")
+    assert env["PET_RDZV_ENDPOINT"] == "elastic-train-c10d-worker-0:23456"
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    endpoint = f"127.0.0.1:{free_port()}"  # the Service's name resolves to pod 0 here
+    env |= {"PET_RDZV_ENDPOINT": endpoint, "ELASTICRUN_RDZV_TOKEN": "k" * 32}
+    env |= {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    gates, records = tmp_path / "gates", tmp_path / "records"
+    gates.mkdir()
+    job_args = ["--samples", "512", "--image-size", "8", "--classes", "4", "--batch-size", "16"]
+    job_args += ["--epochs", "1", "--step-time", "0.05", "--hold-at-step", "4"]
+    job_args += ["--hold-dir", str(gates), "--record-samples", str(records)]
+    argv = container_argv(c.get("command", []), c["args"])
+    argv = [*argv[: argv.index(str(EXAMPLE)) + 1], *job_args]
+    pods = Pods(argv, env, tmp_path)
+    try:
+        pods.start(0)
+        assert wait_for(lambda: listening(endpoint), 60), pods.output(0)
+        pods.start(1)
+        assert wait_for(lambda: pods.trained(4), 120), pods.output(1)
+        assert wait_for(lambda: standing_by(endpoint, "k" * 32), 60), "no successor stood by"
+        pods.kill(0)
+        pods.start(0)  # the operator starts the pod again, at the same name
+        (gates / "step-4").touch()
+        assert pods.wait() == [0, 0], "\n\n".join(pods.output(i) for i in range(2))
+        assert pods.trained(16), "the job went on to its last step (16: 512 samples, 2 x 16)"
+    finally:
+        pods.end()
+
+
+class Pods:
+    """Local "pods", each an elasticrun with the operator's environment, started again as
+    the operator would (the same environment, a new process)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], tmp: Path) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+        base["PATH"] = f"{Path(sys.executable).parent}:{base['PATH']}"
+        self.argv, self.env, self.tmp = argv, {**base, **env, "OMP_NUM_THREADS": "1"}, tmp
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.records = Path(argv[argv.index("--record-samples") + 1])
+
+    def start(self, i: int) -> None:
+        ports = {"PET_HEALTH_PORT": f"127.0.0.1:{free_port()}"}
+        ports["PET_METRICS_PORT"] = f"127.0.0.1:{free_port()}"
+        with (self.tmp / f"pod{i}.out").open("a") as out:
+            self.procs[i] = subprocess.Popen(
+                self.argv,
+                env={**self.env, **ports},
+                cwd=self.tmp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+
+    def kill(self, i: int) -> None:
+        os.killpg(self.procs[i].pid, signal.SIGKILL)
+        self.procs[i].wait(30)
+
+    def trained(self, step: int) -> bool:
+        """Whether a rank recorded `step`."""
+        for f in self.records.glob("attempt*-rank*.txt"):
+            for line in f.read_text().splitlines():
+                if line.count(" ") == 2 and int(line.split(" ")[1]) >= step:
+                    return True
+        return False
+
+    def output(self, i: int) -> str:
+        return (self.tmp / f"pod{i}.out").read_text()[-3000:]
+
+    def wait(self) -> list[int]:
+        return [self.procs[i].wait(timeout=180) for i in sorted(self.procs)]
+
+    def end(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)

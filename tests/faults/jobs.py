@@ -167,38 +167,6 @@ def node_args(
     ]
 
 
-def successor_in_sync(endpoint: str, token: str | None = None) -> bool:
-    """Whether the agents of the job at `endpoint` (one embedded endpoint) have chosen a
-    successor and its service holds a copy of the host's state."""
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.etcdpb import rpc_pb2
-    from elastic_launch.rendezvous.store import StoreAccess, StoreError
-    from elastic_launch.rendezvous.succession import parse
-    from elastic_launch.rendezvous.wire import SUCCESSOR_KEY
-
-    access = StoreAccess("the job's service", token=token, retry_for=2, read_timeout=2)
-    store = EtcdV3Store(endpoint, access, watch_from_now=False)
-    try:
-        kv = store.get(SUCCESSOR_KEY)
-        where = parse(kv.value)[1] if kv is not None else None
-        if where is None:
-            return False
-        there = EtcdV3Store(where.target, access, watch_from_now=False)
-        try:
-            conn = there.client.current
-            there.client.log_in(conn)
-            status = conn.maintenance.Status(
-                rpc_pb2.StatusRequest(), timeout=2, metadata=conn.metadata
-            )
-            return status.raftTerm >= 1 and status.isLearner
-        finally:
-            there.close()
-    except (StoreError, OSError, Exception):  # not up yet: asked again
-        return False
-    finally:
-        store.close()
-
-
 def finish_quietly(proc: subprocess.Popen[str]) -> None:
     """End a launcher a test left running (after a failed assertion): its whole group."""
     if proc.poll() is None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args, successor_in_sync
+from elastic_launch.rendezvous.succession import standing_by
+from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args
 from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
 
 
@@ -339,7 +340,7 @@ def host_killed(
     if spare is not None:
         nodes.start_spare(spare)
     if successor:
-        assert wait_for(lambda: successor_in_sync(endpoint), 60), "no successor stood by"
+        assert wait_for(lambda: standing_by(endpoint), 60), "no successor stood by"
     victims = list(nodes.job.workers().values())
     host = nodes.procs.pop(0)
     host.kill()

@@ -24,6 +24,8 @@ from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcd_v3_client import MAX_LEARNED
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.known import Known, rank
+from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, StoreError, Watch
 from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge
 from elastic_launch.rendezvous.succession import parse, value_of
@@ -541,3 +543,71 @@ def test_a_store_started_again_under_a_running_round_costs_no_member(nodes):
     finally:
         held.set()
         again.close(0)
+
+
+class FirstWordStore(EtcdV3Store):
+    """Between a put-back's read and its swap of the state, another node writes first (a
+    replacement's first round, restarts 0): the swap is lost once."""
+
+    raced = False
+
+    def cas(self, key: str, value: bytes, version: int, ttl: float | None = None) -> int:
+        if not self.raced:
+            self.raced = True
+            super().put(key, RoundState(1, Status.JOINABLE).to_json())
+        return super().cas(key, value, version, ttl)
+
+
+def test_a_put_back_that_loses_its_swap_to_an_older_state_reads_again(job):
+    job.host()
+    store = FirstWordStore(job.endpoint.target, StoreAccess("s", token=TOKEN, retry_for=5))
+    try:
+        known = Known()
+        mine = RoundState(7, Status.FINAL, restarts=3)
+        known.saw(mine, mine.to_json())
+        known.put_back(store, "/elasticrun/j/state")
+        assert store.raced
+        kv = store.get("/elasticrun/j/state")
+        assert kv is not None and RoundState.from_json(kv.value).restarts == 3
+    finally:
+        store.close()
+
+
+def test_the_newest_state_a_node_saw_is_the_one_it_knows():
+    known = Known()
+    for version, status, restarts in [
+        (2, Status.FINAL, 1),
+        (3, Status.JOINABLE, 1),
+        (2, Status.FINAL, 1),
+    ]:
+        state = RoundState(version, status, restarts=restarts)
+        known.saw(state, state.to_json())
+    assert known.state is not None and (known.state.version, known.state.status) == (
+        3,
+        Status.JOINABLE,
+    )
+    closed = RoundState(3, Status.CLOSED, restarts=1)
+    known.saw(closed, closed.to_json())
+    assert known.state.status == Status.CLOSED
+    assert rank(RoundState(3, Status.FINAL, restarts=2)) > rank(
+        RoundState(3, Status.FINAL, restarts=1)
+    )
+
+
+def test_a_failing_member_is_left_for_the_successor_named_now_first():
+    # Older successors may be gone (a machine that vanished costs a whole read timeout): the
+    # one the key names now is tried first, then the others in turn.
+    from elastic_launch.cancel import NEVER
+    from elastic_launch.rendezvous.etcd_v3_client import Client
+
+    c = Client("127.0.0.1:1", StoreAccess("s", retry_for=1), NEVER, lambda: None)
+    try:
+        old = c.learn(StoreMember("127.0.0.1", 2), prefer=True)
+        now = c.learn(StoreMember("127.0.0.1", 3), prefer=True)
+        assert old is not None and now is not None
+        assert c.fail_over(c.connections[0], "refused")
+        assert c.current is now
+        assert c.fail_over(now, "refused")
+        assert c.current is c.connections[0], "then the others, in turn"
+    finally:
+        c.close()

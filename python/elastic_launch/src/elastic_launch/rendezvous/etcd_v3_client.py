@@ -164,6 +164,7 @@ class Client:
         self._tls = access.tls
         self.connections = [Connection(i, m, access.tls) for i, m in enumerate(members)]
         self._pinned = 0
+        self._preferred: Connection | None = None  # the member to leave a failing one for
         self._lock = threading.Lock()
         self._cluster: int | None = None  # ours: the cluster id of the first answer
         self._first = ""  # the member that gave it, as written
@@ -187,10 +188,17 @@ class Client:
         """The members given, as a list."""
         return written([c.member for c in self.connections if not c.learned])
 
-    def learn(self, member: StoreMember) -> Connection | None:
+    def learn(self, member: StoreMember, prefer: bool = False) -> Connection | None:
         """A member the store named (the successor the agents chose, the host a standby's
         refusal names): used like those given, after them (None: not used, see
-        :func:`unproven`). At most MAX_LEARNED are kept."""
+        :func:`unproven`). At most MAX_LEARNED are kept. With `prefer` (the successor named
+        now), it is the one a failing member is left for first: older ones may be gone."""
+        conn = self._learn(member)
+        if prefer and conn is not None:
+            self._preferred = conn
+        return conn
+
+    def _learn(self, member: StoreMember) -> Connection | None:
         problem = None if self.logs_in or self._trusted else unproven(member)
         if problem is not None:
             if member.target not in self._refused:
@@ -201,7 +209,11 @@ class Client:
             for conn in self.connections:
                 if conn.member.target == member.target:
                     return conn
-            learned = [c for c in self.connections if c.learned and c is not self.current]
+            learned = [
+                c
+                for c in self.connections
+                if c.learned and c is not self.current and c is not self._preferred
+            ]
             if len(learned) >= MAX_LEARNED:
                 current = self.current
                 self.connections.remove(learned[0])
@@ -265,8 +277,12 @@ class Client:
         with self._lock:
             if self.current is not failed or self.closed.is_set():
                 return True  # another thread moved on already
-            nxt = to if to is not None and to is not failed else None
-            self._pinned = nxt.index if nxt else (failed.index + 1) % len(self.connections)
+            nxt = next(
+                (c for c in (to, self._preferred) if c is not None and c is not failed), None
+            )
+            if nxt is None or nxt not in self.connections:
+                nxt = self.connections[(failed.index + 1) % len(self.connections)]
+            self._pinned = nxt.index
             self.failovers += 1
             nxt = self.current
             said = failed.index in self._said
@@ -348,9 +364,10 @@ class Client:
             )
             return False
         what = (
-            f"its revision went back from {before.revision} to {now.revision}"
+            f"lost its data: its revision went back from {before.revision} to {now.revision}"
             if now.cluster == ours
-            else f"cluster id {ours:x} then {now.cluster:x}"
+            else f"answers as another store (cluster id {ours:x}, then {now.cluster:x}): it was "
+            "started again empty, or it follows the job's host now"
         )
         with self._refill:
             if self.epoch != epoch:
@@ -358,7 +375,7 @@ class Client:
             self._refiller = threading.get_ident()  # before the epoch: see enter()
             try:
                 self._adopt(conn, now)
-                self._fill_again(f"member {conn.member.written} came back empty ({what})")
+                self._fill_again(f"{conn.member.written} {what}")
             finally:
                 self._refiller = None
         return False
@@ -381,8 +398,7 @@ class Client:
     def _fill_again(self, why: str) -> None:
         """Run :attr:`on_replaced` (its calls go through; the other threads' wait)."""
         logger.warning(
-            "%s: %s: the store was started again and lost the job's state; putting back what "
-            "this node knows",
+            "%s: %s; putting back what this node knows of the job, where it is missing",
             self.name,
             why,
         )
@@ -449,49 +465,12 @@ class Client:
 
     def authenticate(self, conn: Connection) -> None:
         """Log in to `conn` (again: etcd's simple tokens expire, and are one member's only)."""
+        timeout = self.read_timeout
         if self._token is not None:
-            self._challenge(conn, self._token)
-            return
-        try:
-            reply = conn.auth.Authenticate(
-                rpc_pb2.AuthenticateRequest(name=self._user or "", password=self._password or ""),
-                timeout=self.read_timeout,
-            )
-        except grpc.RpcError as e:
-            if e.code() in RETRYABLE:
-                raise
-            raise StoreError(
-                f"{self.name} refused user '{self._user}': {e.details()}; check the user and "
-                "password given in --rdzv-conf (user=..., password_file=...)"
-            ) from None
-        conn.metadata = [("token", reply.token)]
-        conn.logged_in = True
-
-    def _challenge(self, conn: Connection, token: str) -> None:
-        """Log in to the embedded service (:mod:`.challenge`): it proves it holds `token`
-        before this node sends anything derived from it."""
-        mine = challenge.nonce()
-        request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
-        try:
-            reply = conn.auth.Authenticate(request, timeout=self.read_timeout)
-        except grpc.RpcError as e:
-            if e.code() in RETRYABLE:
-                raise
-            if "runs without a token" in (e.details() or ""):
-                raise StoreError(
-                    f"invalid rendezvous token: {self.name} runs without a token and this node "
-                    "has one: give every node the same token, or none"
-                ) from None
-            raise self.error(e) from None
-        try:
-            credential = challenge.respond(token, mine, reply.token)
-        except ValueError as e:
-            raise StoreError(
-                f"invalid rendezvous token: {self.name} did not prove that it holds this "
-                f"node's token ({e}); give every node the job's token (--rdzv-conf "
-                "token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)"
-            ) from None
-        conn.metadata = [("token", credential)]
+            conn.metadata = [("token", prove_token(conn, self.name, self._token, timeout))]
+        else:
+            token = user_token(conn, self.name, (self._user or "", self._password or ""), timeout)
+            conn.metadata = [("token", token)]
         conn.logged_in = True
 
     def relog(self, conn: Connection) -> bool:
@@ -591,6 +570,51 @@ class Client:
         self.closed.set()
         for conn in self.connections:
             conn.close()
+
+
+def user_token(
+    conn: Connection, name: str, credentials: tuple[str, str], timeout: float | None
+) -> str:
+    """etcd's token for (user, password) at member `conn` of the store `name`."""
+    user, password = credentials
+    try:
+        reply = conn.auth.Authenticate(
+            rpc_pb2.AuthenticateRequest(name=user, password=password), timeout=timeout
+        )
+    except grpc.RpcError as e:
+        if e.code() in RETRYABLE:
+            raise
+        raise StoreError(
+            f"{name} refused user '{user}': {e.details()}; check the user and password given "
+            "in --rdzv-conf (user=..., password_file=...)"
+        ) from None
+    return str(reply.token)
+
+
+def prove_token(conn: Connection, name: str, token: str, timeout: float | None) -> str:
+    """The credential of a login to the embedded service at `conn` (:mod:`.challenge`): it
+    proves it holds `token` before this node sends anything derived from it."""
+    mine = challenge.nonce()
+    request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+    try:
+        reply = conn.auth.Authenticate(request, timeout=timeout)
+    except grpc.RpcError as e:
+        if e.code() in RETRYABLE:
+            raise
+        if "runs without a token" in (e.details() or ""):
+            raise StoreError(
+                f"invalid rendezvous token: {name} runs without a token and this node has one: "
+                "give every node the same token, or none"
+            ) from None
+        raise error_of(name, e) from None
+    try:
+        return challenge.respond(token, mine, reply.token)
+    except ValueError as e:
+        raise StoreError(
+            f"invalid rendezvous token: {name} did not prove that it holds this node's token "
+            f"({e}); give every node the job's token (--rdzv-conf token_file=PATH, or "
+            "$ELASTICRUN_RDZV_TOKEN)"
+        ) from None
 
 
 def error_of(name: str, e: grpc.RpcError) -> StoreError:

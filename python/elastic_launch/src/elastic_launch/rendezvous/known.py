@@ -18,6 +18,8 @@ from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.store import Store, StoreError
 
 _PHASE = {Status.JOINABLE: 0, Status.FROZEN: 1, Status.FINAL: 2, Status.CLOSED: 3}
+#: Reads and swaps of the state a put-back makes at most (each lost swap: a write came first).
+MAX_TRIES = 10
 
 
 def rank(state: RoundState) -> tuple[int, int, int]:
@@ -56,18 +58,26 @@ class Known:
     def put_back(self, store: Store, state_key: str) -> None:
         """Write the state into `store` if its own is missing or older, and the shards that
         are missing. (This node's own keys: see :meth:`put_back_mine`.)"""
-        if self.state is not None:
-            found = store.get(state_key)
-            theirs = RoundState.from_json(found.value, found.key) if found is not None else None
-            if theirs is None or rank(theirs) < rank(self.state):
-                version = found.version if found is not None else 0
-                ttl = None
-                if self.state.status == Status.CLOSED:
-                    ttl = max(1.0, (self.state.expires_at or time.time()) - time.time())
-                store.cas(state_key, self.text, version, ttl=ttl)
+        for _ in range(MAX_TRIES):  # another node may write between the read and the swap
+            if self.state is None or not self._older_in(store, state_key):
+                break
         for key, value in sorted(self.shards.items()):
             with contextlib.suppress(StoreError):
                 store.create(key, value)
+
+    def _older_in(self, store: Store, state_key: str) -> bool:
+        """Replace the store's state with this node's if the store's is missing or older:
+        True if it was older and another write came first (read it again)."""
+        assert self.state is not None
+        found = store.get(state_key)
+        theirs = RoundState.from_json(found.value, found.key) if found is not None else None
+        if theirs is not None and rank(theirs) >= rank(self.state):
+            return False
+        ttl = None
+        if self.state.status == Status.CLOSED:
+            ttl = max(1.0, (self.state.expires_at or time.time()) - time.time())
+        version = found.version if found is not None else 0
+        return not store.cas(state_key, self.text, version, ttl=ttl)
 
     def put_back_mine(self, store: Store, *what: str) -> None:
         """Write this node's own ephemeral keys of kinds `what` again (with its lease)."""

@@ -23,10 +23,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import grpc
+
 from elastic_launch.api import Cancelled, ConfigError
 from elastic_launch.cancel import join
 from elastic_launch.net import host_port, parse_endpoint
 from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.etcdpb import rpc_pb2
 from elastic_launch.rendezvous.store import HistoryLostError, Inbox, KeyValue, StoreError
 from elastic_launch.rendezvous.wire import SUCCESSOR_KEY
 
@@ -67,6 +70,44 @@ def parse(value: bytes) -> tuple[str, StoreMember | None]:
     except ConfigError as e:
         raise ValueError(str(e)) from None
     return raw["node"], StoreMember(host, port)
+
+
+def successor_of(store: EtcdV3Store, in_sync: bool = False) -> StoreMember | None:
+    """Where the successor named in `store` listens (None: none is named yet; with
+    `in_sync`, also None while its service holds no copy of the host's state). For tools
+    and tests that watch a job from outside; `store`'s client learns the successor."""
+    kv = store.get(SUCCESSOR_KEY)
+    where = parse(kv.value)[1] if kv is not None else None
+    if where is None or not in_sync:
+        return where
+    conn = store.client.learn(where)
+    if conn is None:
+        return None
+    try:
+        store.client.log_in(conn)
+        status = conn.maintenance.Status(
+            rpc_pb2.StatusRequest(), timeout=store.read_timeout, metadata=conn.metadata
+        )
+    except grpc.RpcError:
+        return None
+    return where if status.raftTerm >= 1 and status.isLearner else None
+
+
+def standing_by(endpoint: str, token: str | None = None) -> bool:
+    """Whether the job whose one embedded endpoint is `endpoint` has a successor whose service
+    holds a copy of the host's state (False while the service does not answer): for tools,
+    benchmarks and tests that wait for it from outside."""
+    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store import StoreAccess
+
+    access = StoreAccess("the job's service", token=token, retry_for=2, read_timeout=2)
+    store = EtcdV3Store(endpoint, access, watch_from_now=False)
+    try:
+        return successor_of(store, in_sync=True) is not None
+    except StoreError:
+        return False
+    finally:
+        store.close()
 
 
 class Succession:
@@ -176,7 +217,7 @@ class Succession:
                 logger.warning("the rendezvous successor key holds no successor (%s): left", e)
             return None
         if member is not None:
-            self.store.client.learn(member)
+            self.store.client.learn(member, prefer=True)
         return node
 
     def _stand_up(self) -> None:
