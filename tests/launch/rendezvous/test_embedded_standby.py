@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous import challenge
+from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_roles import HOST, Seen, choose
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.embedded_state import TERM_BITS, ServiceState
@@ -333,6 +335,41 @@ def test_a_standby_that_does_not_acknowledge_is_dropped_and_the_host_goes_on(ser
         resume.set()
         store.close()
     svc.in_sync(1)  # it follows again, from a new copy
+
+
+def test_a_host_of_a_moment_that_stepped_down_is_not_another_cluster(services, monkeypatch):
+    # Two listed services start while neither's look at the other is answered (a busy
+    # machine): each hosts a term of its own, and a client's first answer comes from the
+    # second. Then their looks are answered: the second steps down into the first's store,
+    # which the client takes from then on, not "two different clusters".
+    blind = threading.Event()
+    blind.set()
+    looked = Peer.status
+
+    async def status(self: Peer) -> Any:
+        return None if blind.is_set() else await looked(self)
+
+    monkeypatch.setattr(Peer, "status", status)
+    svc = services(2)
+    first, second = svc.start(0), svc.start(1)
+    wait = time.monotonic() + 10
+    while not (first.hosting and second.hosting):
+        assert time.monotonic() < wait, "both should host, each alone"
+        time.sleep(0.01)
+    access = StoreAccess("the job's service", token=TOKEN, retry_for=10, read_timeout=2)
+    store = EtcdV3Store(f"{svc.members[1].target},{svc.members[0].target}", access)
+    try:
+        store.put("/job/a", b"1")  # on the second, hosting its moment
+        blind.clear()
+        svc.in_sync(1)  # the two hosts find each other: the second follows the first
+        # The client leaves the second (as after a call that went unanswered there): the
+        # first answers for a cluster the client never saw from it.
+        assert store.client.fail_over(store.client.current, "a call timed out")
+        store.put("/job/b", b"2")
+        assert first.state.data[b"/job/b"].value == b"2"
+        assert store.client.epoch == 1, "the store it knew was replaced by the job's"
+    finally:
+        store.close()
 
 
 def test_every_service_holds_the_same_cluster_id(services):

@@ -144,7 +144,7 @@ def test_a_service_that_does_not_hold_the_token_gets_nothing_from_the_client():
     try:
         with pytest.raises(StoreError, match="did not prove that it holds this node's token"):
             store.get("/k")
-        assert store.client.metadata == [], "no credential was made, so none was sent"
+        assert store.client.current.metadata == [], "no credential was made, so none was sent"
     finally:
         store.close()
         server.close()
@@ -170,9 +170,9 @@ def test_an_expired_credential_is_renewed():
         store.put("/k", b"1")
         mine = challenge.nonce()
         expired = challenge.respond("job", mine, challenge.answer("job", mine, 0.0))  # 1970
-        store.client.metadata = [("token", expired)]
+        store.client.current.metadata = [("token", expired)]
         assert store.get("/k").value == b"1", "refused, logged in again, answered"
-        assert store.client.metadata != [("token", expired)]
+        assert store.client.current.metadata != [("token", expired)]
     finally:
         store.close()
         server.close()

@@ -328,7 +328,7 @@ def _ttl(store, lease: int) -> int:
 def test_a_lease_asked_for_early_is_the_one_used(embedded):
     store = _v3(embedded)
     grants: list[str] = []  # counted by kind: the keep-alive stream counts in store.requests
-    original = store.client.lease.LeaseGrant
+    original = store.client.current.lease.LeaseGrant
 
     class Counting:
         def __call__(self, *args, **kwargs):
@@ -339,7 +339,7 @@ def test_a_lease_asked_for_early_is_the_one_used(embedded):
             grants.append("future")
             return original.future(*args, **kwargs)
 
-    store.client.lease.LeaseGrant = Counting()
+    store.client.current.lease.LeaseGrant = Counting()
     try:
         store.request_lease(5.0)  # returns at once
         store.start_liveness(5.0)

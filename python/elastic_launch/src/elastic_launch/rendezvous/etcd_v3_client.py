@@ -168,6 +168,7 @@ class Client:
         self._lock = threading.Lock()
         self._cluster: int | None = None  # ours: the cluster id of the first answer
         self._first = ""  # the member that gave it, as written
+        self._origin: Connection | None = None  # ... and its connection
         self.epoch = 0  # how many times the store was replaced (started again empty)
         self.replaced_at: float | None = None  # when (monotonic), the last time
         #: Fills a replaced store again (the store's lease, then the rendezvous's keys).
@@ -230,15 +231,10 @@ class Client:
         """The host a standby's refusal names (learned), or None. The cluster the standby
         says it follows is judged as its answer: a store this client knew only through it
         may have been replaced by the job's own."""
-        said = dict(_trailing(error))
-        host = said.get(HOST_KEY, "")
-        if not host:
+        named = named_host(error)
+        if named is None:
             return None
-        try:
-            address = StoreMember(*parse_endpoint(host, "the host a standby named"))
-            cluster = int(said.get(CLUSTER_KEY, "0"), 16)
-        except (ConfigError, ValueError):
-            return None
+        address, cluster = named
         if cluster:
             self._judge(failed, cluster, None)
         return self.learn(address)
@@ -250,23 +246,6 @@ class Client:
         """The member in use."""
         return self.connections[self._pinned]
 
-    # The member in use's stubs and credential (tests and the early lease grant reach them).
-    @property
-    def kv(self) -> Any:
-        return self.current.kv
-
-    @property
-    def lease(self) -> Any:
-        return self.current.lease
-
-    @property
-    def metadata(self) -> list[tuple[str, str]]:
-        return self.current.metadata
-
-    @metadata.setter
-    def metadata(self, value: list[tuple[str, str]]) -> None:
-        self.current.metadata = value
-
     def fail_over(self, failed: Connection, why: str, error: grpc.RpcError | None = None) -> bool:
         """Leave member `failed` for the next (if it is still the one in use), or for the host
         its refusal (`error`) names: what still runs on it ends and goes on with that one.
@@ -277,6 +256,8 @@ class Client:
         with self._lock:
             if self.current is not failed or self.closed.is_set():
                 return True  # another thread moved on already
+            if failed is self._preferred:
+                self._preferred = None  # it failed: the others in turn, until another is named
             nxt = next(
                 (c for c in (to, self._preferred) if c is not None and c is not failed), None
             )
@@ -308,28 +289,42 @@ class Client:
             with self._lock:
                 self._said.discard(conn.index)
 
-    def check_cluster(self, conn: Connection, reply: Any, read: bool = False) -> bool:
-        """Judge an answer of member `conn` by the cluster and revision in its header (a
-        `read`'s revision is linearizable: it never goes back while the member keeps its data).
-        True: use it. False: do not (the member was left for one that serves ours, or the
-        store was replaced and is filled again now): ask again. A member of another cluster
-        given with ours is a StoreError naming both."""
+    def floor(self, conn: Connection) -> int:
+        """The revision member `conn` has shown of ours: a read sent now cannot be older."""
+        with self._lock:
+            answered = conn.answered
+            ours = answered is not None and answered.cluster == self._cluster
+            return answered.revision if answered is not None and ours else 0
+
+    def check_cluster(self, conn: Connection, reply: Any, floor: int | None = None) -> bool:
+        """Judge an answer of member `conn` by the cluster and revision in its header (for a
+        read, sent when the member had shown revision `floor`: linearizable, it cannot be
+        older while the member keeps its data). True: use it. False: do not (the member was
+        left for one that serves ours, or the store was replaced and is filled again now):
+        ask again. A member of another cluster given with ours is a StoreError naming both."""
         header = getattr(reply, "header", None)
         cluster = int(getattr(header, "cluster_id", 0))
         if header is None or not cluster:
             return True
-        return self._judge(conn, cluster, int(header.revision) if read else None)
+        revision = int(header.revision) if floor is not None else None
+        return self._judge(conn, cluster, revision, floor or 0)
 
-    def _judge(self, conn: Connection, cluster: int, revision: int | None) -> bool:
+    def _judge(self, conn: Connection, cluster: int, revision: int | None, floor: int = 0) -> bool:
         with self._lock:
             ours, before, epoch = self._cluster, conn.answered, self.epoch
-            verdict = judge(ours, before, cluster, revision)
+            verdict = judge(ours, before, cluster, revision, floor)
             if verdict in (Verdict.FIRST, Verdict.SAME):
                 if verdict is Verdict.FIRST:
-                    self._cluster, self._first = cluster, conn.member.written
+                    self._cluster, self._first, self._origin = cluster, conn.member.written, conn
                 conn.answered = seen(before, cluster, revision)
                 return True
         if verdict is Verdict.FOREIGN and not conn.learned:
+            origin = self._origin
+            if origin is not None and origin is not conn and self._follows(origin, cluster):
+                # Ours came from a member that answers for this cluster now (a host of a
+                # moment that stepped down into it): ours is gone, this is the store.
+                before = origin.answered or Answered(ours or 0)
+                return self._changed(origin, ours or 0, before, Answered(cluster), epoch)
             raise StoreError(
                 f"--rdzv-endpoint {self.target}: {self._first} and {conn.member.written} "
                 f"belong to two different clusters (cluster ids {ours:x} and {cluster:x}); "
@@ -384,7 +379,7 @@ class Client:
         """Take `now` (what member `conn` answered) as the store from now on; the watches
         under way are told their revisions are another store's."""
         with self._lock:
-            self._cluster, self._first = now.cluster, conn.member.written
+            self._cluster, self._first, self._origin = now.cluster, conn.member.written, conn
             self.epoch += 1
             self.replaced_at = time.monotonic()
             for c in self.connections:
@@ -407,20 +402,24 @@ class Client:
         except (StoreError, Cancelled) as e:
             logger.warning("%s: could not put the job's state back: %s", self.name, e)
 
+    def _status(self, conn: Connection) -> Any | None:
+        """Member `conn`'s status (logged in first), or None if it does not answer."""
+        try:
+            self.log_in(conn)
+        except (grpc.RpcError, StoreError, AskAgainError):
+            return None
+        return status_of(conn, min(self.read_timeout or 2.0, 2.0))
+
+    def _follows(self, conn: Connection, cluster: int) -> bool:
+        """Whether member `conn` answers as a member of `cluster` now (a standby of its host)."""
+        reply = self._status(conn)
+        return reply is not None and int(reply.header.cluster_id) == cluster
+
     def _serving(self, ours: int, revision: int, exclude: Connection) -> Connection | None:
         """Another member that still serves cluster `ours` at `revision` at least (as its
         host, for the embedded service); None if none answers so."""
-        timeout = min(self.read_timeout or 2.0, 2.0)
-        for conn in list(self.connections):
-            if conn is exclude:
-                continue
-            try:
-                self.log_in(conn)
-            except (grpc.RpcError, StoreError):
-                continue
-            if serves(conn, ours, revision, timeout):
-                return conn
-        return None
+        others = [c for c in list(self.connections) if c is not exclude]
+        return next((c for c in others if serves(self._status(c), ours, revision)), None)
 
     def same_store(self) -> bool:
         """Ask the member in use for a read (linearizable, of nothing): False if its answer
@@ -459,9 +458,18 @@ class Client:
     def log_in(self, conn: Connection) -> None:
         """Log in to member `conn` if it needs it and has not yet; one request, which raises
         grpc.RpcError when the member cannot be reached (the caller moves on) and StoreError
-        when it refuses this node's credentials."""
-        if self.logs_in and not conn.logged_in:
+        when it refuses this node's credentials. A member the store named that does not log
+        this node in (it cannot prove it holds the token: another process took its port) is
+        left for the next, and AskAgainError raised: it costs a member, not the job."""
+        if not self.logs_in or conn.logged_in:
+            return
+        try:
             self.authenticate(conn)
+        except StoreError as e:
+            if not conn.learned:
+                raise
+            self.fail_over(conn, f"it did not log this node in: {e}")
+            raise AskAgainError(conn.member.written) from None
 
     def authenticate(self, conn: Connection) -> None:
         """Log in to `conn` (again: etcd's simple tokens expire, and are one member's only)."""
@@ -499,12 +507,13 @@ class Client:
             self.cancel.check()
             unanswered.check()
             conn = self.current
+            epoch = self.enter()
             try:
-                return self._attempt(conn, method, request, log_in)
+                return self._attempt(conn, method, request, log_in, epoch)
             except AskAgainError:
                 continue
             except ValueError as e:  # gRPC's "Channel closed!", before the call was sent
-                if "Channel closed" not in str(e):
+                if not _closed_channel(e):
                     raise
                 if self.closed.is_set():
                     raise StoreError(f"{self.name}: the store was closed ({e})") from None
@@ -522,18 +531,22 @@ class Client:
                     why if len(self.connections) == 1 else f"{conn.member.written}: {why}"
                 )
                 failed += 1
-                if self.fail_over(conn, why, e) and failed % len(self.connections):
+                named = e if self.epoch == epoch else None  # a refusal of the store it had
+                if self.fail_over(conn, why, named) and failed % len(self.connections):
                     continue  # the next member at once; a pause once all were tried
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
 
-    def _attempt(self, conn: Connection, method: str, request: Any, log_in: bool) -> Any:
-        """One try of `method` on `conn`: its answer, or the grpc.RpcError it failed with
-        (AskAgainError: an answer not to be used, see :meth:`check_cluster`)."""
-        epoch = self.enter()
+    def _attempt(
+        self, conn: Connection, method: str, request: Any, log_in: bool, epoch: int
+    ) -> Any:
+        """One try of `method` on `conn`, sent in the client's `epoch`: its answer, or the
+        grpc.RpcError it failed with (AskAgainError: an answer not to be used: one to a call
+        sent before the store was replaced is not even judged, see :meth:`check_cluster`)."""
         if log_in:
             self.log_in(conn)
+        floor = self.floor(conn)
         self.count()
         future = conn.method(method).future(
             request, timeout=self.read_timeout, metadata=conn.metadata
@@ -545,9 +558,11 @@ class Client:
             raise Cancelled(self.cancel.signum) from None
         finally:
             unregister()
-        if not self.check_cluster(conn, reply, read=method.startswith("kv.")):
+        if self.epoch != epoch:  # sent to the store before it was replaced
             raise AskAgainError(method)
-        if self.epoch != epoch:  # sent to the store before it was filled again
+        if not self.check_cluster(conn, reply, floor if method.startswith("kv.") else None):
+            raise AskAgainError(method)
+        if self.epoch != epoch:  # replaced while this answer was judged
             raise AskAgainError(method)
         self.answered(conn)
         return reply
@@ -645,17 +660,38 @@ def _words(name: str, code: grpc.StatusCode, details: str) -> str:
     return f"{name}: {code.name}: {details}"
 
 
-def serves(conn: Connection, ours: int, revision: int, timeout: float) -> bool:
-    """Whether member `conn` (logged in) answers as a member of cluster `ours` that holds
-    `revision` at least (the host, for the embedded service)."""
+def status_of(conn: Connection, timeout: float) -> Any | None:
+    """Member `conn`'s status (it is logged in), or None if it does not answer."""
     try:
-        reply = conn.maintenance.Status(
+        return conn.maintenance.Status(
             rpc_pb2.StatusRequest(), timeout=timeout, metadata=conn.metadata
         )
     except grpc.RpcError:
+        return None
+
+
+def serves(status: Any | None, ours: int, revision: int) -> bool:
+    """Whether a member's `status` says it serves cluster `ours` at `revision` at least (as
+    its host, for the embedded service)."""
+    if status is None:
         return False
-    hosts = reply.version != EMBEDDED_VERSION or reply.leader == reply.header.member_id
-    return bool(hosts and reply.header.cluster_id == ours and reply.header.revision >= revision)
+    header = status.header
+    hosts = status.version != EMBEDDED_VERSION or status.leader == header.member_id
+    return bool(hosts and header.cluster_id == ours and header.revision >= revision)
+
+
+def named_host(error: grpc.RpcError) -> tuple[StoreMember, int] | None:
+    """The host a standby's refusal `error` names, and the cluster it says it follows (0:
+    not said); None if it names none."""
+    said = dict(_trailing(error))
+    host = said.get(HOST_KEY, "")
+    if not host:
+        return None
+    try:
+        address = StoreMember(*parse_endpoint(host, "the host a standby named"))
+        return address, int(said.get(CLUSTER_KEY, "0"), 16)
+    except (ConfigError, ValueError):
+        return None
 
 
 def unproven(member: StoreMember) -> str | None:
@@ -675,6 +711,13 @@ def unproven(member: StoreMember) -> str | None:
             "proves it is the job's"
         )
     return None
+
+
+def _closed_channel(e: ValueError) -> bool:
+    """Whether `e` is gRPC's refusal of a call on a channel another thread closed ("Channel
+    closed!", "Cannot invoke RPC on closed channel!")."""
+    text = str(e).lower()
+    return "channel closed" in text or "closed channel" in text
 
 
 def _trailing(error: grpc.RpcError) -> list[tuple[str, str]]:

@@ -19,7 +19,13 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, STREAM_METADATA, Client, Connection
+from elastic_launch.rendezvous.etcd_v3_client import (
+    RETRYABLE,
+    STREAM_METADATA,
+    AskAgainError,
+    Client,
+    Connection,
+)
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
 from elastic_launch.rendezvous.store import StoreError
 
@@ -67,7 +73,7 @@ class Lease:
             conn = c.current
             try:
                 c.log_in(conn)
-            except grpc.RpcError:
+            except (grpc.RpcError, AskAgainError):
                 return  # unreachable now: `start` asks, with retries and their notices
             c.count()
             grant = conn.lease.LeaseGrant.future(
@@ -205,14 +211,8 @@ class Lease:
             for reply in stream:
                 last[0] = time.monotonic()
                 answered = True
-                if not c.check_cluster(conn, reply) or c.epoch != epoch:
+                if not self._take(conn, reply, epoch):
                     return True  # another member, or the store filled again: a new stream
-                c.answered(conn)
-                if reply.TTL <= 0 and not self._stop.is_set():
-                    if not c.same_store():
-                        return True  # it was started again empty: the lease is back now
-                    with contextlib.suppress(StoreError, Cancelled):
-                        self.replace(reply.ID)
         except grpc.RpcError as e:
             if self._stop.is_set():
                 return answered
@@ -220,11 +220,29 @@ class Lease:
             if unauthenticated and c.logs_in and c.relog(conn):
                 return answered
             if e.code() in RETRYABLE or unauthenticated:
-                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}", e)
+                named = e if c.epoch == epoch else None  # a refusal of the store it had
+                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}", named)
         except StoreError as e:  # a member of another cluster: said, and tried again later
             logger.warning("the rendezvous lease keep-alive: %s", e)
             return False
+        except AskAgainError:  # the member was left for another: go on there at once
+            return True
         return answered
+
+    def _take(self, conn: Connection, reply: Any, epoch: int) -> bool:
+        """One keep-alive answer: False when this stream is to end for a new one (its member
+        was left, or the store was started again and filled, this lease back in it); a lease
+        the store no longer has is replaced."""
+        c = self.client
+        if c.epoch != epoch or not c.check_cluster(conn, reply) or c.epoch != epoch:
+            return False  # an answer of the store before it was replaced is not judged
+        c.answered(conn)
+        if reply.TTL <= 0 and not self._stop.is_set():
+            if not c.same_store():
+                return False  # it was started again empty: the lease is back now
+            with contextlib.suppress(StoreError, Cancelled):
+                self.replace(reply.ID)
+        return True
 
     def _requests(
         self, conn: Connection, last: list[float], call: list[Any], interval: float

@@ -14,7 +14,13 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import RETRYABLE, STREAM_METADATA, Client, Connection
+from elastic_launch.rendezvous.etcd_v3_client import (
+    RETRYABLE,
+    STREAM_METADATA,
+    AskAgainError,
+    Client,
+    Connection,
+)
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
 from elastic_launch.rendezvous.store import (
     Change,
@@ -125,15 +131,7 @@ class EtcdWatch(Watch):
             )
             if self._closed.is_set():  # closed before the call existed to be cancelled
                 self._call.cancel()
-            for reply in self._call:
-                retry.reset()
-                if not client.check_cluster(conn, reply):
-                    self._same_store()
-                    return True  # on the member that serves the job's store, at once
-                self._same_store()
-                if not self._take(reply):
-                    return None
-            return False
+            return self._deliver(conn, retry)
         except StoreError as error:  # the gap could not be read (compacted, unreachable)
             if not self._closed.is_set():
                 self.inbox.put(error)
@@ -146,9 +144,25 @@ class EtcdWatch(Watch):
                 return True
         except grpc.RpcError as e:
             return self._again(e, retry, conn)
+        except AskAgainError:  # the member was left for another: go on there at once
+            return True
         finally:
             self._from_now = False  # from now on, every stream goes on where the last ended
         return None
+
+    def _deliver(self, conn: Connection, retry: _Retry) -> bool | None:
+        """The stream's replies, delivered: as :meth:`_stream` says when it ends. A reply of
+        another member's (it was left) opens a new stream at once."""
+        for reply in self._call:
+            retry.reset()
+            self._same_store()  # an answer of the store before it was replaced is not judged
+            if not self._client.check_cluster(conn, reply):
+                self._same_store()
+                return True  # on the member that serves the job's store, at once
+            self._same_store()
+            if not self._take(reply):
+                return None
+        return False
 
     def _same_store(self) -> None:
         """Raise HistoryLostError if the store was replaced since this watch began: its
@@ -212,7 +226,8 @@ class EtcdWatch(Watch):
         cut_off = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut off" in (e.details() or "")
         if (code in RETRYABLE or cut_off) and now - retry.failing_since <= client.retry_for:
             why = f"watch: {code.name}: {e.details()}"
-            if code in RETRYABLE and client.fail_over(conn, why, e):
+            named = e if client.epoch == self._epoch else None  # a refusal of the store it had
+            if code in RETRYABLE and client.fail_over(conn, why, named):
                 retry.tried += 1
                 return retry.tried % len(client.connections) != 0  # a pause once all were tried
             return False  # a stream the service cut off (it fell behind) is watched again

@@ -3,9 +3,11 @@ a client holds the cluster it first reached, what each member last answered with
 every new answer against both (:func:`judge`, pure):
 
 - ours, from a member whose revision did not go back: the same store;
-- ours, from a member whose revision went back (a read, which is linearizable): that member
-  lost its data. etcd started again empty has the same cluster id (etcd derives it from its
-  configuration), so the revision tells it;
+- ours, from a member whose revision went back: that member lost its data. etcd started again
+  empty has the same cluster id (etcd derives it from its configuration), so the revision
+  tells it. Only a read sent after the member had shown a revision counts (the `floor`): a
+  read is linearizable, so it cannot be older than what was seen before it was sent, while
+  answers to calls under way together may come back in any order;
 - another cluster, from a member that answered for ours before: that member changed. It was
   started again empty at its address (the embedded service, a new process), or it now follows
   another host (its refusal names the cluster it follows);
@@ -37,15 +39,21 @@ class Answered:
     revision: int = 0
 
 
-def judge(ours: int | None, before: Answered | None, cluster: int, revision: int | None) -> Verdict:
+def judge(
+    ours: int | None,
+    before: Answered | None,
+    cluster: int,
+    revision: int | None,
+    floor: int = 0,
+) -> Verdict:
     """An answer of `cluster` (a read's `revision`, or None for an answer that is not a read)
-    from a member that answered `before` (None: never), when the client's cluster is `ours`."""
+    from a member that answered `before` (None: never), when the client's cluster is `ours`;
+    `floor`: the revision the member had shown when the read was sent."""
     if ours is None:
         return Verdict.FIRST
     if cluster == ours:
-        if before is not None and before.cluster == ours and revision is not None:
-            return Verdict.CHANGED if revision < before.revision else Verdict.SAME
-        return Verdict.SAME
+        went_back = revision is not None and revision < floor
+        return Verdict.CHANGED if went_back and before is not None else Verdict.SAME
     if before is not None and before.cluster == ours:
         return Verdict.CHANGED
     return Verdict.FOREIGN

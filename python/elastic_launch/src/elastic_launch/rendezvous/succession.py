@@ -29,6 +29,7 @@ from elastic_launch.api import Cancelled, ConfigError
 from elastic_launch.cancel import join
 from elastic_launch.net import host_port, parse_endpoint
 from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.etcd_v3_client import AskAgainError
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
 from elastic_launch.rendezvous.store import HistoryLostError, Inbox, KeyValue, StoreError
 from elastic_launch.rendezvous.wire import SUCCESSOR_KEY
@@ -88,7 +89,7 @@ def successor_of(store: EtcdV3Store, in_sync: bool = False) -> StoreMember | Non
         status = conn.maintenance.Status(
             rpc_pb2.StatusRequest(), timeout=store.read_timeout, metadata=conn.metadata
         )
-    except grpc.RpcError:
+    except (grpc.RpcError, AskAgainError):
         return None
     return where if status.raftTerm >= 1 and status.isLearner else None
 
