@@ -17,7 +17,7 @@ import grpc
 import pytest
 from elastic_launch.cancel import CancelToken
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import challenge, embedded_roles
+from elastic_launch.rendezvous import challenge, embedded_replicas, embedded_roles
 from elastic_launch.rendezvous.api import CloseReason, RendezvousParameters, RestartReason
 from elastic_launch.rendezvous.backends import SUCCESSOR_BASE, EmbeddedRendezvous
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -30,7 +30,7 @@ from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, StoreError, Watch
 from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge
 from elastic_launch.rendezvous.succession import parse, value_of
-from elastic_launch.rendezvous.wire import SUCCESSOR_KEY
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY, SUCCESSOR_KEY
 from test_elastic import form_round
 from test_embedded_standby import a_lease_a_key_and_a_watch, kept
 
@@ -654,3 +654,142 @@ def test_a_failing_member_is_left_for_the_successor_named_now_first():
         assert c.current is c.connections[0], "then the others, in turn"
     finally:
         c.close()
+
+
+# ---- found by review: the host lost twice, a stale copy, an orphan standby, a flood -------------
+
+
+def handler3(port: int, run_id: str, **conf: str) -> EmbeddedRendezvous:
+    """A node of a job of up to three."""
+    config = {"token": TOKEN, "join_timeout": "30", "last_call_timeout": "5", **conf}
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", run_id, 1, 3, 1, config, max_restarts=3
+    )
+    return EmbeddedRendezvous(params)
+
+
+def named_and_in_sync(h: EmbeddedRendezvous, host: EmbeddedServer) -> EmbeddedServer:
+    """The successor `h` stands by with, once it holds `host`'s copy."""
+    wait_for(lambda: successor_of(h) == h.node, "it was not chosen")
+    standby = h._succession.server
+    assert standby is not None
+    in_sync(standby, host)
+    return standby
+
+
+def test_the_host_lost_twice_each_time_a_successor_takes_over():
+    port, run_id = free_port(), f"twice-{time.monotonic_ns()}"
+    a, b, c = (handler3(port, run_id) for _ in range(3))
+    try:
+        form_round([a, b, c])
+        wait_for(lambda: successor_of(a) in (b.node, c.node), "no successor was chosen")
+        first, second = (b, c) if successor_of(a) == b.node else (c, b)
+        s1 = named_and_in_sync(first, a.server)
+        a.server.close(0)  # the host's node is lost
+        wait_for(lambda: s1.hosting, "the first successor did not take over")
+        s2 = named_and_in_sync(second, s1)  # another stands by, following the new host
+        s1.close(0)  # lost again
+        wait_for(lambda: s2.hosting, "the second successor did not take over")
+        state, _ = second.job.read()
+        assert state is not None and state.version == 1, "the job's state, through the second"
+    finally:
+        for h in (c, b, a):
+            h.shutdown(stopped())
+
+
+def test_a_copy_that_fell_behind_and_took_over_is_filled_by_the_client(job, monkeypatch):
+    # The host drops a successor that stalls, too far behind to send it the change (it
+    # answers on without it), then is lost before the successor follows again: the successor
+    # takes over with a copy short of what the client saw. The client finds its copy ends
+    # before that (its status), and puts back what it knows.
+    host, successor, store = standing_by(job)
+    filled: list[int] = []
+
+    def fill() -> None:
+        filled.append(store.client.epoch)
+        store.put("/job/a", b"3")
+
+    store.on_replaced = fill
+    resume = threading.Event()
+    try:
+        store.put("/job/a", b"2")
+        in_sync(successor, host)
+        successor._loop.call_soon_threadsafe(resume.wait, 30)  # it stalls
+        monkeypatch.setattr(embedded_replicas, "QUEUE_BYTES", 1)  # ... too far behind
+        store.put("/job/a", b"3")  # answered without it: the host dropped it
+        assert not host._service.replicas.standbys
+        job.kill(host)
+        resume.set()
+        wait_for(lambda: successor.hosting, "the successor did not take over")
+        assert successor.state.data[b"/job/a"].value == b"2", "its copy is short"
+        assert store.get("/job/a").value == b"3", "put back before the read"
+        assert filled == [1]
+    finally:
+        resume.set()
+        store.close()
+
+
+def test_a_successor_no_longer_named_stops_and_one_named_without_its_address_says_it(nodes):
+    a = nodes()
+    b = nodes()
+    form_round([a, b])
+    standby = named_and_in_sync(b, a.server)
+    a.store.put(SUCCESSOR_KEY, value_of(b.node))  # its address lost
+    wait_for(
+        lambda: (
+            (parse(a.store.get(SUCCESSOR_KEY).value)[1] or StoreMember("", 0)).port == standby.port
+        ),
+        "it did not say where it listens again",
+    )
+    a.store.put(SUCCESSOR_KEY, value_of("another-node", "127.0.0.1:9"))  # another named
+    wait_for(lambda: b._succession.server is None, "it kept standing by, unnamed")
+
+
+def test_announcements_to_a_standby_keep_its_peers_bounded(job):
+    _, successor, store = standing_by(job)
+    store.close()
+    target = f"127.0.0.1:{successor.port}"
+    for i in range(3 * embedded_roles.MAX_ANNOUNCED):
+        with grpc.insecure_channel(target) as channel:
+            mine = challenge.nonce()
+            reply = rpc_pb2_grpc.AuthStub(channel).Authenticate(
+                rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+            )
+            metadata = [("token", challenge.respond(TOKEN, mine, reply.token))]
+            request = replica_pb2.Announcement(term=50 + i, index=2000 + i, address="127.0.0.1:9")
+            replica_pb2_grpc.ReplicaStub(channel).Announce(request, metadata=metadata, timeout=5)
+    roles = successor._service.roles
+    assert len(roles.peers) <= 1 + embedded_roles.MAX_ANNOUNCED + 1  # the endpoint, its host
+    assert len(roles._retired) == 0, "closed at once: no look runs while it follows"
+
+
+def test_a_state_that_is_not_one_is_replaced_by_a_put_back(job):
+    job.host()
+    store = client(job.endpoint.target)
+    try:
+        store.put("/elasticrun/j/state", b"not a state")
+        known = Known()
+        mine = RoundState(4, Status.FINAL, restarts=2)
+        known.saw(mine, mine.to_json())
+        known.put_back(store, "/elasticrun/j/state")
+        assert RoundState.from_json(store.get("/elasticrun/j/state").value).restarts == 2
+    finally:
+        store.close()
+
+
+def test_a_standby_with_no_copy_names_no_cluster_in_its_refusal():
+    from elastic_launch.rendezvous.embedded_peering import standby_refusal
+    from elastic_launch.rendezvous.embedded_state import ServiceState
+
+    class Roles:
+        serving = False
+
+        def host_address(self) -> str:
+            return "127.0.0.1:9"
+
+    state = ServiceState()
+    refusal = standby_refusal(Roles(), state)  # type: ignore[arg-type]
+    assert refusal is not None and dict(refusal.metadata) == {HOST_KEY: "127.0.0.1:9"}
+    state.take_over(1)
+    refusal = standby_refusal(Roles(), state)  # type: ignore[arg-type]
+    assert refusal is not None and CLUSTER_KEY in dict(refusal.metadata)

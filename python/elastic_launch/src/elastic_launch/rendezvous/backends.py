@@ -193,13 +193,16 @@ class EmbeddedRendezvous(ElasticRendezvous):
 
     def _stand_by(self) -> EmbeddedServer | None:
         """This agent's service as the successor: on its address, a port the kernel picks,
-        the job's token, TLS and bounds; None if it cannot start (said)."""
+        the job's token, TLS and bounds; None if it cannot start (said). It looks for the
+        host among every member this agent's client knows: the endpoint, and the successors
+        named before (one of them may host now)."""
         from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 
-        index = len(self._members) + SUCCESSOR_BASE + secrets.randbelow(1 << 30)
+        known = [c.member for c in self._v3.client.connections]
+        index = len(known) + SUCCESSOR_BASE + secrets.randbelow(1 << 30)
         conf = self.conf
         try:
-            return EmbeddedServer(self.addr, 0, conf.token, _tls(conf), self._members, index)
+            return EmbeddedServer(self.addr, 0, conf.token, _tls(conf), known, index)
         except OSError as e:
             logger.warning("this node cannot stand by for the rendezvous service: %s", e)
             return None

@@ -68,10 +68,13 @@ def standby_refusal(roles: Roles | None, state: ServiceState) -> RefusedError | 
             grpc.StatusCode.UNAVAILABLE,
             "this rendezvous service is a standby, and no host is known yet: ask the host",
         )
+    said: tuple[tuple[str, str], ...] = ((HOST_KEY, host),)
+    if state.term:  # it holds the host's copy: its cluster is the host's (not its own yet)
+        said += ((CLUSTER_KEY, f"{state.cluster_id:x}"),)
     return RefusedError(
         grpc.StatusCode.UNAVAILABLE,
         f"this rendezvous service is a standby of the host at {host}: ask the host",
-        ((HOST_KEY, host), (CLUSTER_KEY, f"{state.cluster_id:x}")),
+        said,
     )
 
 
@@ -99,6 +102,7 @@ class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer
             header=self.s.header(),
             version=EMBEDDED_VERSION,
             leader=host + 1 if host is not None else 0,
+            raftIndex=max(self.s.fork, 0),
             raftTerm=self.s.term,
             isLearner=roles is not None and not roles.serving,
         )

@@ -207,6 +207,10 @@ class Roles:
             gone = self.peers.pop(oldest, None) if oldest != self.host else None
             if gone is not None:
                 self._retired.append(gone)  # closed after the look that may be using it
+            if self.role == STANDBY:  # no look runs while it follows: close them now
+                retired, self._retired = self._retired, []
+                for peer in retired:
+                    asyncio.get_running_loop().create_task(peer.close())
         self.peers[index] = self._make_peer(index, StoreMember(host, port))
         self._announced.append(index)
         self._wake.set()

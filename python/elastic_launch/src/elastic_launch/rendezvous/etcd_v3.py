@@ -63,13 +63,16 @@ class EtcdV3Store(Store):
 
     @property
     def replaced_at(self) -> float | None:
-        return self.client.replaced_at
+        return self.client.identity.replaced_at
 
     def _replaced(self) -> None:
         """The store was started again empty: this node's lease first (its id and TTL, so that
-        nothing that names it changes), then what the rendezvous puts back."""
-        self.lease.restore()
-        self.on_replaced()
+        nothing that names it changes), then what the rendezvous puts back (even if the lease
+        could not be granted again: its keys may be written with a new one)."""
+        try:
+            self.lease.restore()
+        finally:
+            self.on_replaced()
 
     # ---- key-value ---------------------------------------------------------------------------
 
@@ -120,6 +123,8 @@ class EtcdV3Store(Store):
         try:
             return write(lease)
         except LeaseGoneError:
+            if not self.client.same_store():
+                return write(self.lease.id)  # the store was filled again, this lease with it
             self.lease.replace(lease)
             return write(self.lease.id)
 

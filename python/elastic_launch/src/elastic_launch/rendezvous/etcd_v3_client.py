@@ -33,6 +33,7 @@ from elastic_launch.cancel import CancelToken
 from elastic_launch.net import is_loopback, listener_owners, parse_endpoint
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
+from elastic_launch.rendezvous.etcd_v3_identity import StoreIdentity
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import (
     HistoryLostError,
@@ -42,8 +43,8 @@ from elastic_launch.rendezvous.store import (
     Unanswered,
     nospace,
 )
-from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge, seen
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
+from elastic_launch.rendezvous.store_identity import Answered
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -163,19 +164,13 @@ class Client:
         self.count = count
         self._tls = access.tls
         self.connections = [Connection(i, m, access.tls) for i, m in enumerate(members)]
-        self._pinned = 0
+        self._current = self.connections[0]  # the member in use (not an index: the list changes)
         self._preferred: Connection | None = None  # the member to leave a failing one for
         self._lock = threading.Lock()
-        self._cluster: int | None = None  # ours: the cluster id of the first answer
-        self._first = ""  # the member that gave it, as written
-        self._origin: Connection | None = None  # ... and its connection
-        self.epoch = 0  # how many times the store was replaced (started again empty)
-        self.replaced_at: float | None = None  # when (monotonic), the last time
         #: Fills a replaced store again (the store's lease, then the rendezvous's keys).
         self.on_replaced: Callable[[], None] = lambda: None
-        self._refill = threading.RLock()  # held while a replaced store is filled again
-        self._watches: set[Any] = set()  # told that their revisions are another store's
-        self._refiller: int | None = None  # the thread that fills it
+        #: Which store the members answer for, and what is done when it was replaced.
+        self.identity = StoreIdentity(self)
         self._user, self._password = access.user, access.password
         self._trusted = access.trusted_network
         self._refused: set[str] = set()  # members named but not used, said once
@@ -216,12 +211,10 @@ class Client:
                 if c.learned and c is not self.current and c is not self._preferred
             ]
             if len(learned) >= MAX_LEARNED:
-                current = self.current
                 self.connections.remove(learned[0])
                 learned[0].close()
                 for i, c in enumerate(self.connections):
                     c.index = i
-                self._pinned = current.index
                 self._said.clear()
             conn = Connection(len(self.connections), member, self._tls, learned=True)
             self.connections.append(conn)
@@ -236,7 +229,7 @@ class Client:
             return None
         address, cluster = named
         if cluster:
-            self._judge(failed, cluster, None)
+            self.identity.judge(failed, cluster)
         return self.learn(address)
 
     # ---- the member in use -------------------------------------------------------------------
@@ -244,7 +237,7 @@ class Client:
     @property
     def current(self) -> Connection:
         """The member in use."""
-        return self.connections[self._pinned]
+        return self._current
 
     def fail_over(self, failed: Connection, why: str, error: grpc.RpcError | None = None) -> bool:
         """Leave member `failed` for the next (if it is still the one in use), or for the host
@@ -261,9 +254,9 @@ class Client:
             nxt = next(
                 (c for c in (to, self._preferred) if c is not None and c is not failed), None
             )
-            if nxt is None or nxt not in self.connections:
-                nxt = self.connections[(failed.index + 1) % len(self.connections)]
-            self._pinned = nxt.index
+            if nxt is None or nxt not in self.connections or not self._usable(nxt):
+                nxt = self._after(failed)
+            self._current = nxt
             self.failovers += 1
             nxt = self.current
             said = failed.index in self._said
@@ -283,126 +276,30 @@ class Client:
         failed.reset()
         return True
 
+    def _after(self, failed: Connection) -> Connection:
+        """The member after `failed` in turn that may be used (the first if none may)."""
+        n = len(self.connections)
+        start = failed.index if failed in self.connections else -1
+        for step in range(1, n + 1):
+            conn = self.connections[(start + step) % n]
+            if self._usable(conn):
+                return conn
+        return self.connections[0]
+
+    def _usable(self, conn: Connection) -> bool:
+        """Whether `conn` may be used: a member the store named is checked again each time
+        without a credential (its port may have been taken by another user since)."""
+        if not conn.learned or self.logs_in or self._trusted:
+            return True
+        return unproven(conn.member) is None
+
     def answered(self, conn: Connection) -> None:
         """Member `conn` answered: a failure of it will be said again."""
         if conn.index in self._said:
             with self._lock:
                 self._said.discard(conn.index)
 
-    def floor(self, conn: Connection) -> int:
-        """The revision member `conn` has shown of ours: a read sent now cannot be older."""
-        with self._lock:
-            answered = conn.answered
-            ours = answered is not None and answered.cluster == self._cluster
-            return answered.revision if answered is not None and ours else 0
-
-    def check_cluster(self, conn: Connection, reply: Any, floor: int | None = None) -> bool:
-        """Judge an answer of member `conn` by the cluster and revision in its header (for a
-        read, sent when the member had shown revision `floor`: linearizable, it cannot be
-        older while the member keeps its data). True: use it. False: do not (the member was
-        left for one that serves ours, or the store was replaced and is filled again now):
-        ask again. A member of another cluster given with ours is a StoreError naming both."""
-        header = getattr(reply, "header", None)
-        cluster = int(getattr(header, "cluster_id", 0))
-        if header is None or not cluster:
-            return True
-        revision = int(header.revision) if floor is not None else None
-        return self._judge(conn, cluster, revision, floor or 0)
-
-    def _judge(self, conn: Connection, cluster: int, revision: int | None, floor: int = 0) -> bool:
-        with self._lock:
-            ours, before, epoch = self._cluster, conn.answered, self.epoch
-            verdict = judge(ours, before, cluster, revision, floor)
-            if verdict in (Verdict.FIRST, Verdict.SAME):
-                if verdict is Verdict.FIRST:
-                    self._cluster, self._first, self._origin = cluster, conn.member.written, conn
-                conn.answered = seen(before, cluster, revision)
-                return True
-        if verdict is Verdict.FOREIGN and not conn.learned:
-            origin = self._origin
-            if origin is not None and origin is not conn and self._follows(origin, cluster):
-                # Ours came from a member that answers for this cluster now (a host of a
-                # moment that stepped down into it): ours is gone, this is the store.
-                before = origin.answered or Answered(ours or 0)
-                return self._changed(origin, ours or 0, before, Answered(cluster), epoch)
-            raise StoreError(
-                f"--rdzv-endpoint {self.target}: {self._first} and {conn.member.written} "
-                f"belong to two different clusters (cluster ids {ours:x} and {cluster:x}); "
-                "give the members of one cluster only"
-            )
-        if verdict is Verdict.FOREIGN:  # a member the store named, taken since by another
-            self.fail_over(conn, f"it belongs to another cluster ({cluster:x})")
-            return False
-        assert ours is not None
-        assert before is not None
-        return self._changed(conn, ours, before, Answered(cluster, revision or 0), epoch)
-
-    def _changed(
-        self, conn: Connection, ours: int, before: Answered, now: Answered, epoch: int
-    ) -> bool:
-        """Member `conn` answered for `ours` with `before` (in `epoch`), and now with `now`:
-        it was started
-        again empty, or follows another host. If another member still serves ours, `conn` is
-        left for it; if none does, the store was replaced: `now` is ours from now on, and the
-        store is filled again (:attr:`on_replaced`) before any other call goes on."""
-        elsewhere = self._serving(ours, before.revision, conn)
-        if elsewhere is not None:
-            with self._lock:
-                if self.current is conn:
-                    self._pinned = elsewhere.index
-            logger.info(
-                "%s: member %s answers as another store now; going on with %s, which serves "
-                "the job's",
-                self.name,
-                conn.member.written,
-                elsewhere.member.written,
-            )
-            return False
-        what = (
-            f"lost its data: its revision went back from {before.revision} to {now.revision}"
-            if now.cluster == ours
-            else f"answers as another store (cluster id {ours:x}, then {now.cluster:x}): it was "
-            "started again empty, or it follows the job's host now"
-        )
-        with self._refill:
-            if self.epoch != epoch:
-                return False  # another thread took the new store first
-            self._refiller = threading.get_ident()  # before the epoch: see enter()
-            try:
-                self._adopt(conn, now)
-                self._fill_again(f"{conn.member.written} {what}")
-            finally:
-                self._refiller = None
-        return False
-
-    def _adopt(self, conn: Connection, now: Answered) -> None:
-        """Take `now` (what member `conn` answered) as the store from now on; the watches
-        under way are told their revisions are another store's."""
-        with self._lock:
-            self._cluster, self._first, self._origin = now.cluster, conn.member.written, conn
-            self.epoch += 1
-            self.replaced_at = time.monotonic()
-            for c in self.connections:
-                c.answered = None
-            conn.answered = now
-            self._pinned = conn.index
-            watches = list(self._watches)
-        for watch in watches:  # those idle on the new store would wait for revisions
-            watch.store_replaced()  # that it may reach only much later
-
-    def _fill_again(self, why: str) -> None:
-        """Run :attr:`on_replaced` (its calls go through; the other threads' wait)."""
-        logger.warning(
-            "%s: %s; putting back what this node knows of the job, where it is missing",
-            self.name,
-            why,
-        )
-        try:
-            self.on_replaced()
-        except (StoreError, Cancelled) as e:
-            logger.warning("%s: could not put the job's state back: %s", self.name, e)
-
-    def _status(self, conn: Connection) -> Any | None:
+    def status(self, conn: Connection) -> Any | None:
         """Member `conn`'s status (logged in first), or None if it does not answer."""
         try:
             self.log_in(conn)
@@ -410,16 +307,19 @@ class Client:
             return None
         return status_of(conn, min(self.read_timeout or 2.0, 2.0))
 
-    def _follows(self, conn: Connection, cluster: int) -> bool:
-        """Whether member `conn` answers as a member of `cluster` now (a standby of its host)."""
-        reply = self._status(conn)
-        return reply is not None and int(reply.header.cluster_id) == cluster
+    def pin(self, conn: Connection) -> None:
+        """Use member `conn` from now on."""
+        with self._lock:
+            self._current = conn
 
-    def _serving(self, ours: int, revision: int, exclude: Connection) -> Connection | None:
-        """Another member that still serves cluster `ours` at `revision` at least (as its
-        host, for the embedded service); None if none answers so."""
-        others = [c for c in list(self.connections) if c is not exclude]
-        return next((c for c in others if serves(self._status(c), ours, revision)), None)
+    def check_cluster(self, conn: Connection, reply: Any, floor: int | None = None) -> bool:
+        """See :meth:`.etcd_v3_identity.StoreIdentity.check`."""
+        return self.identity.check(conn, reply, floor)
+
+    @property
+    def epoch(self) -> int:
+        """How many times the store was replaced (started again empty)."""
+        return self.identity.epoch
 
     def same_store(self) -> bool:
         """Ask the member in use for a read (linearizable, of nothing): False if its answer
@@ -431,22 +331,6 @@ class Client:
         except StoreError:
             return True  # unreachable: nothing to tell (the caller goes on as it would)
         return self.epoch == epoch
-
-    def watching(self, watch: Any) -> Callable[[], None]:
-        """Tell `watch` (its ``store_replaced()``) when the store is replaced; the undo."""
-        with self._lock:
-            self._watches.add(watch)
-        return lambda: self._watches.discard(watch)
-
-    def enter(self) -> int:
-        """Before a call: wait while another thread fills a replaced store again (a read of
-        it before then would find it empty); the store's epoch."""
-        epoch = self.epoch  # first: a store replaced after this read is seen by the caller
-        other = self._refiller not in (None, threading.get_ident())
-        if other and self._refill.acquire(timeout=self.retry_for):
-            self._refill.release()
-            return self.epoch
-        return epoch
 
     # ---- logging in ------------------------------------------------------------------------
 
@@ -507,7 +391,7 @@ class Client:
             self.cancel.check()
             unanswered.check()
             conn = self.current
-            epoch = self.enter()
+            epoch = self.identity.enter()
             try:
                 return self._attempt(conn, method, request, log_in, epoch)
             except AskAgainError:
@@ -519,6 +403,8 @@ class Client:
                     raise StoreError(f"{self.name}: the store was closed ({e})") from None
                 continue  # another thread left this member and closed its channel: go on
             except grpc.RpcError as e:
+                if self.epoch != epoch:
+                    continue  # a refusal of the store before it was replaced: ask again
                 code = e.code()
                 unauthenticated = code == grpc.StatusCode.UNAUTHENTICATED and self.logs_in
                 if unauthenticated and conn.index not in relogged:
@@ -546,7 +432,7 @@ class Client:
         sent before the store was replaced is not even judged, see :meth:`check_cluster`)."""
         if log_in:
             self.log_in(conn)
-        floor = self.floor(conn)
+        floor = self.identity.floor(conn)
         self.count()
         future = conn.method(method).future(
             request, timeout=self.read_timeout, metadata=conn.metadata
@@ -668,16 +554,6 @@ def status_of(conn: Connection, timeout: float) -> Any | None:
         )
     except grpc.RpcError:
         return None
-
-
-def serves(status: Any | None, ours: int, revision: int) -> bool:
-    """Whether a member's `status` says it serves cluster `ours` at `revision` at least (as
-    its host, for the embedded service)."""
-    if status is None:
-        return False
-    header = status.header
-    hosts = status.version != EMBEDDED_VERSION or status.leader == header.member_id
-    return bool(hosts and header.cluster_id == ours and header.revision >= revision)
 
 
 def named_host(error: grpc.RpcError) -> tuple[StoreMember, int] | None:

@@ -200,7 +200,7 @@ class Lease:
         """One keep-alive stream on member `conn`, until it ends; whether it was answered."""
         c = self.client
         answered = False
-        epoch = c.enter()
+        epoch = c.epoch  # not enter(): renewals go on while a replaced store is filled again
         try:
             c.log_in(conn)
             stream = conn.lease.LeaseKeepAlive(requests, metadata=conn.metadata + STREAM_METADATA)
@@ -238,8 +238,8 @@ class Lease:
             return False  # an answer of the store before it was replaced is not judged
         c.answered(conn)
         if reply.TTL <= 0 and not self._stop.is_set():
-            if not c.same_store():
-                return False  # it was started again empty: the lease is back now
+            if c.identity.refilling or not c.same_store():
+                return False  # it was started again empty: the lease is (soon) back
             with contextlib.suppress(StoreError, Cancelled):
                 self.replace(reply.ID)
         return True

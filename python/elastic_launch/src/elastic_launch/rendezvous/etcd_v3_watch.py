@@ -78,7 +78,7 @@ class EtcdWatch(Watch):
         self._from_now = from_now  # the first stream's start: see the class's docstring
         self._epoch = client.epoch  # the store this watch's revisions are of
         super().__init__(inbox)
-        self._unwatch = client.watching(self)
+        self._unwatch = client.identity.watching(self)
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
         self._call: Any = None

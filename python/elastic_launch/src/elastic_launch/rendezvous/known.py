@@ -14,6 +14,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+from elastic_launch.rendezvous.api import StoreValueError
 from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.store import Store, StoreError
 
@@ -70,7 +71,10 @@ class Known:
         True if it was older and another write came first (read it again)."""
         assert self.state is not None
         found = store.get(state_key)
-        theirs = RoundState.from_json(found.value, found.key) if found is not None else None
+        try:
+            theirs = RoundState.from_json(found.value, found.key) if found is not None else None
+        except StoreValueError:
+            theirs = None  # not a state: this node's replaces it
         if theirs is not None and rank(theirs) >= rank(self.state):
             return False
         ttl = None

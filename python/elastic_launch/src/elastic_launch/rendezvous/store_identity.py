@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
 
 
 class Verdict(enum.Enum):
@@ -64,3 +67,23 @@ def seen(before: Answered | None, cluster: int, revision: int | None) -> Answere
     if before is None or before.cluster != cluster:
         return Answered(cluster, revision or 0)
     return Answered(cluster, max(before.revision, revision or 0))
+
+
+def serves(status: Any | None, ours: int, revision: int) -> bool:
+    """Whether a member's `status` says it serves cluster `ours` at `revision` at least (as
+    its host, for the embedded service)."""
+    if status is None:
+        return False
+    header = status.header
+    hosts = status.version != EMBEDDED_VERSION or status.leader == header.member_id
+    return bool(hosts and header.cluster_id == ours and header.revision >= revision)
+
+
+def lacks(status: Any | None, revision: int) -> bool:
+    """Whether a host's `status` says its copy lacks `revision`: an embedded service that took
+    over ends its copy of the host before it at its fork (``raftIndex``), and a standby
+    dropped for falling behind has a copy short of what the host answered since."""
+    if status is None or status.version != EMBEDDED_VERSION or status.isLearner:
+        return False
+    fork = int(status.raftIndex)
+    return bool(fork) and fork < revision

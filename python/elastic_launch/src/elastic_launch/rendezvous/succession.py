@@ -163,24 +163,42 @@ class Succession:
         """Read the key, act on it, and wait on a watch until it changes (or this node may
         now stand by, or its service took over)."""
         kvs, revision = self.store.range(SUCCESSOR_KEY)
-        named = self._learn(next((kv for kv in kvs if kv.key == SUCCESSOR_KEY), None))
-        if not self._act(named):
+        found = next((kv for kv in kvs if kv.key == SUCCESSOR_KEY), None)
+        named = self._learn(found)
+        if not self._act(named, found.value if found is not None else b""):
             self._wait(revision, named)
 
-    def _act(self, named: str | None) -> bool:
-        """Change the key if this node should (True: read it again)."""
+    def _act(self, named: str | None, value: bytes) -> bool:
+        """Change the key, or this node's service, if this node should (True: read the key
+        again). Only the node named keeps a service standing by: two standbys that do not
+        know each other would both take over when the host is lost."""
         server = self.server
-        if named is None and server is not None and not server.hosting:
-            # Its service stands by, unnamed (the store was started again): name it again.
-            self.store.create(SUCCESSOR_KEY, self._value(server), ephemeral=True)
-            return True
-        if named is None and self._may_stand_up():
-            self._stand_up()
-            return True
-        if self._hosting_named(named):
-            self.store.delete(SUCCESSOR_KEY)  # it hosts now: another node stands by instead
-            return True
-        return False
+        if server is None:
+            if named is None and self._may_stand_up():
+                self._stand_up()
+                return True
+            return False
+        if server.hosting:
+            if named == self.node:
+                self.store.delete(SUCCESSOR_KEY)  # it hosts now: another node stands by
+            return named == self.node
+        return self._keep_named(server, named, value)
+
+    def _keep_named(self, server: EmbeddedServer, named: str | None, value: bytes) -> bool:
+        """This node's service stands by: keep the key naming it where it listens (True:
+        read the key again), or stop it if another node was named meanwhile."""
+        mine = self._value(server)
+        if named is None:  # the key went (the store was started again): name it again
+            self.store.create(SUCCESSOR_KEY, mine, ephemeral=True)
+        elif named != self.node:  # another was named meanwhile (this node's lease lapsed)
+            logger.info("another node stands by for the rendezvous service: this one stops")
+            server.close(0.0)
+            self.server = None
+        elif value != mine:  # named, but not where its service listens
+            self.store.put(SUCCESSOR_KEY, mine, ephemeral=True)
+        else:
+            return False
+        return True
 
     def _wait(self, revision: int, named: str | None) -> None:
         """Until the key changes after `revision`, or this node has something to do."""
