@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -92,6 +93,7 @@ class Outcome:
     gone_s: float | None  # the kill to the last worker of its time gone (the loss seen)
     weights: Path
     log: str
+    restarts: int | None = None  # elasticrun's: restarts of the job's budget spent
 
     @property
     def lost(self) -> int | None:
@@ -349,7 +351,9 @@ class JobRun:
                 for node in self.nodes
                 if node is not self.killed
             ]
-            return Outcome(codes, completed, resumed, recovery, gone, self.weights, self._log())
+            outcome = Outcome(codes, completed, resumed, recovery, gone, self.weights, self._log())
+            outcome.restarts = self.restarts_spent()
+            return outcome
         finally:
             self.stop()
 
@@ -458,6 +462,14 @@ class JobRun:
                 if var.startswith(b"RANK="):
                     found[int(entry.name)] = (int(var[5:]), parent)
         return {rank: pid for pid, (rank, parent) in found.items() if parent not in found}
+
+    def restarts_spent(self) -> int | None:
+        """elasticrun's: the restarts of the job's budget its nodes say were spent (the node
+        whose workers failed says "restart N of M"); None under torchrun."""
+        if self.launcher != "elasticrun":
+            return None
+        said = "\n".join(p.read_text(errors="replace") for p in self.logs)
+        return max((int(n) for n in re.findall(r"\(restart (\d+) of \d+\)", said)), default=0)
 
     def _log(self) -> str:
         return "\n".join(

@@ -446,13 +446,14 @@ def _count_leases_and_commits() -> None:
 
 def _instrument_server() -> None:
     """The embedded service's side: calls by method, and the streams open at once."""
+    from elastic_launch.rendezvous import embedded_peering
     from elastic_launch.rendezvous import embedded_server as es
 
     service = es._Service
     open_streams = collections.Counter[str]()
-
-    for name in ("Range", "Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke", "Status"):
-        original = getattr(service, name)
+    unary = ("Range", "Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke")
+    for owner, name in [(service, n) for n in unary] + [(embedded_peering.Peering, "Status")]:
+        original = getattr(owner, name)
 
         def make(original: Any = original, name: str = name) -> Any:
             async def call(self: Any, request: Any, context: Any) -> Any:
@@ -461,7 +462,7 @@ def _instrument_server() -> None:
 
             return call
 
-        setattr(service, name, make())
+        setattr(owner, name, make())
 
     for name in ("Watch", "LeaseKeepAlive"):
         original = getattr(service, name)

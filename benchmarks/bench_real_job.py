@@ -95,6 +95,7 @@ class Runs:
     lost: list[int]
     failed: int
     gone_s: list[float] = field(default_factory=list)  # the fault to the old workers gone
+    restarts: list[int] = field(default_factory=list)  # elasticrun's, spent per run
 
     @property
     def median_s(self) -> float:
@@ -106,6 +107,9 @@ class Runs:
         said = f"{len(self.recovery_s)}/{total} recovered, {lost}"
         if self.gone_s:
             said += f", loss seen (old workers gone) at {statistics.median(self.gone_s):.2f} s"
+        if self.restarts:
+            spent = "no restart spent" if not any(self.restarts) else f"restarts {self.restarts}"
+            said += f", {spent}"
         return said
 
 
@@ -129,6 +133,8 @@ def job_runs(root: Path, launcher: str, shape: Shape, fault: str, runs: int, **h
             got.recovery_s.append(outcome.recovery_s)
         if outcome.gone_s is not None:
             got.gone_s.append(outcome.gone_s)
+        if outcome.restarts is not None:
+            got.restarts.append(outcome.restarts)
         got.lost.append(outcome.lost if outcome.lost is not None else -1)
         if any(outcome.returncodes):
             print(f"{launcher}, {fault} at step {kill_at}: ended {outcome.returncodes}")

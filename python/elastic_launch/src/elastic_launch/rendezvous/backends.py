@@ -65,6 +65,10 @@ HOST_WAIT = 60.0
 #: A successor's index is past the listed endpoints by this much and a random part: each one
 #: the agents choose is another member of the job's services.
 SUCCESSOR_BASE = 1 << 16
+#: The nodes of a job begin to follow the successor key at moments spread over N / RATE s,
+#: SPREAD s at most (1,024 nodes beginning at once starved their own leases: 41 s to a round).
+SUCCESSION_RATE = 200.0
+SUCCESSION_SPREAD = 5.0
 
 
 class EmbeddedRendezvous(ElasticRendezvous):
@@ -102,7 +106,6 @@ class EmbeddedRendezvous(ElasticRendezvous):
             if len(members) == 1 and params.max_nodes > 1:
                 stand_by = self._stand_by if self._may_stand_by() else None
                 self._succession = Succession(store, self.node, stand_by)
-                self._succession.start()
         except StoreError as e:
             store.close()
             self._stop_serving()
@@ -208,7 +211,13 @@ class EmbeddedRendezvous(ElasticRendezvous):
             return None
 
     def _joined(self) -> None:
+        """In the job: follow the successor key from now on (not before: the first round's
+        requests go first), and stand by if no other node does. The nodes of a large job
+        begin at moments spread over a time that grows with its size (5 s at most): not all
+        at once, as the round they all entered was final."""
         if self._succession is not None:
+            spread = min(SUCCESSION_SPREAD, self.params.max_nodes / SUCCESSION_RATE)
+            self._succession.start(delay=secrets.randbelow(1000) / 1000 * spread)
             self._succession.may_stand_by()
 
     @property

@@ -130,9 +130,17 @@ class Succession:
         self._stop = threading.Event()
         self._inbox: Inbox | None = None
         self._said_bad = b""
+        self._started = False
+        self._delay = 0.0
         self._thread = threading.Thread(target=self._run, name="elasticrun-succession", daemon=True)
 
-    def start(self) -> None:
+    def start(self, delay: float = 0.0) -> None:
+        """Follow the key from a thread, beginning after `delay` seconds (once; again is
+        nothing)."""
+        if self._started:
+            return
+        self._started = True
+        self._delay = delay
         self._thread.start()
 
     def may_stand_by(self) -> None:
@@ -147,6 +155,8 @@ class Succession:
             inbox.wake()
 
     def _run(self) -> None:
+        if self._stop.wait(self._delay):
+            return
         while not self._stop.is_set():
             try:
                 self._step()
