@@ -246,16 +246,17 @@ class FakeRendezvous(RendezvousHandler):
         return RendezvousCounters(rounds=self._round, store_requests=None, phase="fake")
 
 
-def embedded_login(channel, token: str | None) -> list[tuple[str, str]]:
-    """The metadata a raw gRPC client sends to the embedded service: none without a token,
-    else the credential its challenge gives (the token itself is never sent)."""
+def embedded_login(channel, token: str | None, dialed: str) -> list[tuple[str, str]]:
+    """The metadata a raw gRPC client of the embedded service it reached at `dialed` sends:
+    none without a token, else the credential its challenge gives (the token itself is never
+    sent)."""
     if not token:
         return []
     from elastic_launch.rendezvous import challenge
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
-    mine = challenge.nonce()
+    asked = challenge.ask(dialed)
     reply = rpc_pb2_grpc.AuthStub(channel).Authenticate(
-        rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine), timeout=10
+        rpc_pb2.AuthenticateRequest(name=challenge.USER, password=asked.password), timeout=10
     )
-    return [("token", challenge.respond(token, mine, reply.token))]
+    return [("token", challenge.respond(token, asked, reply.token))]

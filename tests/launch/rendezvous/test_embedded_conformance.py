@@ -166,8 +166,8 @@ def test_the_embedded_service_refuses_calls_and_streams_without_the_job_token():
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "invalid rendezvous token" in (info.value.details() or "")
         with pytest.raises(ValueError, match="proof does not match"):
-            embedded_login(c.channel, "wrong")
-        right = embedded_login(c.channel, "right")
+            embedded_login(c.channel, "wrong", f"127.0.0.1:{port}")
+        right = embedded_login(c.channel, "right", f"127.0.0.1:{port}")
         reply = c.kv.Range(rpc_pb2.RangeRequest(key=b"/a"), timeout=TIMEOUT, metadata=right)
         assert reply.header.revision >= 1
     finally:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from elastic_launch.cancel import CancelToken
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import challenge, embedded_replicas, embedded_roles
+from elastic_launch.rendezvous import embedded_replicas, embedded_roles
 from elastic_launch.rendezvous.api import CloseReason, RendezvousParameters, RestartReason
 from elastic_launch.rendezvous.backends import SUCCESSOR_BASE, EmbeddedRendezvous
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -31,6 +31,7 @@ from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, Store
 from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge
 from elastic_launch.rendezvous.succession import parse, value_of
 from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY, SUCCESSOR_KEY
+from launch_fakes import embedded_login
 from test_elastic import form_round
 from test_embedded_standby import a_lease_a_key_and_a_watch, kept
 
@@ -296,12 +297,7 @@ def announce(target: str, term: int, credential: bool = True) -> grpc.RpcError |
     with grpc.insecure_channel(target) as channel:
         metadata = []
         if credential:
-            mine = challenge.nonce()
-            auth = rpc_pb2_grpc.AuthStub(channel)
-            reply = auth.Authenticate(
-                rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
-            )
-            metadata = [("token", challenge.respond(TOKEN, mine, reply.token))]
+            metadata = embedded_login(channel, TOKEN, target)
         request = replica_pb2.Announcement(term=term, index=9, address="127.0.0.1:9")
         try:
             replica_pb2_grpc.ReplicaStub(channel).Announce(request, metadata=metadata, timeout=5)
@@ -340,11 +336,7 @@ def test_sustained_announcements_of_hosts_that_are_not_there_are_bounded(job):
 
     def flood() -> None:
         with grpc.insecure_channel(job.endpoint.target) as channel:
-            mine = challenge.nonce()
-            reply = rpc_pb2_grpc.AuthStub(channel).Authenticate(
-                rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
-            )
-            metadata = [("token", challenge.respond(TOKEN, mine, reply.token))]
+            metadata = embedded_login(channel, TOKEN, job.endpoint.target)
             replica = replica_pb2_grpc.ReplicaStub(channel)
             while not stop.is_set():
                 sent[0] += 1
@@ -751,11 +743,7 @@ def test_announcements_to_a_standby_keep_its_peers_bounded(job):
     target = f"127.0.0.1:{successor.port}"
     for i in range(3 * embedded_roles.MAX_ANNOUNCED):
         with grpc.insecure_channel(target) as channel:
-            mine = challenge.nonce()
-            reply = rpc_pb2_grpc.AuthStub(channel).Authenticate(
-                rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
-            )
-            metadata = [("token", challenge.respond(TOKEN, mine, reply.token))]
+            metadata = embedded_login(channel, TOKEN, target)
             request = replica_pb2.Announcement(term=50 + i, index=2000 + i, address="127.0.0.1:9")
             replica_pb2_grpc.ReplicaStub(channel).Announce(request, metadata=metadata, timeout=5)
     roles = successor._service.roles

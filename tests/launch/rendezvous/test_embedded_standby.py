@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_roles import HOST, Seen, choose
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
@@ -22,6 +21,7 @@ from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, Watch
 from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
+from launch_fakes import embedded_login
 
 TOKEN = "t" * 32
 
@@ -184,10 +184,7 @@ def test_the_first_service_hosts_and_a_standby_refuses_clients_naming_the_host(s
     assert svc.host() == 0
     svc.in_sync(1)
     with grpc.insecure_channel(svc.members[1].target) as channel:
-        auth = rpc_pb2_grpc.AuthStub(channel)
-        mine = challenge.nonce()
-        reply = auth.Authenticate(rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine))
-        credential = [("token", challenge.respond(TOKEN, mine, reply.token))]
+        credential = embedded_login(channel, TOKEN, svc.members[1].target)
         with pytest.raises(grpc.RpcError) as e:
             rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=b"/x"), metadata=credential)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE

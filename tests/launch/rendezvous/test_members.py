@@ -262,3 +262,29 @@ def test_a_watch_moves_on_and_resumes_after_the_last_revision_it_delivered(servi
         watch.close()
     finally:
         client.close()
+
+
+@pytest.mark.slow  # two real etcd clusters
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_a_list_mixing_two_clusters_is_an_error_at_start_whatever_its_order(
+    backend, etcd_v2, etcd_clusters
+):
+    # Two agents given the same two clusters in opposite orders formed two one-node jobs
+    # under one run id: each checked only the member it used until a failover.
+    from elastic_launch.rendezvous.registry import create_handler
+
+    other = etcd_clusters(1)
+    said = []
+    for endpoint in (
+        f"{etcd_v2.endpoint},{other.endpoint}",
+        f"{other.endpoint},{etcd_v2.endpoint}",
+    ):
+        params = RendezvousParameters(backend, endpoint, "job", 1, 2, 1)
+        with pytest.raises(StoreError, match="belong to two different clusters") as e:
+            create_handler(params).shutdown()
+        message = str(e.value)
+        assert etcd_v2.endpoint in message and other.endpoint in message
+        said.append(re.search(r"cluster ids (\S+) and (\S+)\)", message).groups())
+    assert said[0] == said[1], "the same two clusters, whatever the order"
+    # One cluster, every member named: no error.
+    create_handler(RendezvousParameters(backend, other.endpoint, "job", 1, 2, 1)).shutdown()

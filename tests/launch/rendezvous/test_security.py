@@ -124,17 +124,50 @@ def test_an_unresolvable_host_says_so_rather_than_asking_for_a_token():
 # ---- the challenge ---------------------------------------------------------------------------
 
 
+def _anywhere(_dialed: str) -> bool:
+    return True
+
+
 def test_a_proof_made_with_another_token_is_refused():
-    mine = challenge.nonce()
+    asked = challenge.ask("127.0.0.1:1")
     with pytest.raises(ValueError, match="proof does not match"):
-        challenge.respond("mine", mine, challenge.answer("theirs", mine, 0.0))
-    credential = challenge.respond("job", mine, challenge.answer("job", mine, 100.0))
-    assert challenge.check("job", credential, 100.0) is None
-    assert challenge.check("other", credential, 100.0) == "a credential made with another token"
-    assert challenge.check("job", credential, 100.0 + challenge.SESSION_SECONDS + 1) == (
+        challenge.respond("mine", asked, challenge.answer("theirs", asked, challenge.HOST, 0.0))
+    reply = challenge.answer("job", asked, challenge.HOST, 100.0)
+    credential = challenge.respond("job", asked, reply)
+    assert challenge.check("job", credential, 100.0, _anywhere) is None
+    assert challenge.check("other", credential, 100.0, _anywhere) == (
+        "a credential made with another token"
+    )
+    assert challenge.check("job", credential, 100.0 + challenge.SESSION_SECONDS + 1, _anywhere) == (
         "an expired credential"
     )
     assert "job" not in credential, "the token itself is never in what is sent"
+
+
+def test_a_proof_or_a_credential_is_bound_to_the_endpoint_who_asks_and_the_direction():
+    asked = challenge.ask("10.0.0.2:29400")
+    reply = challenge.answer("job", asked, challenge.HOST, 100.0)
+    # The same reply, for a login that dialed another endpoint, or asked as a service.
+    for other in (
+        challenge.Ask(asked.nonce, "10.0.0.1:29400", asked.asker),
+        challenge.Ask(asked.nonce, asked.dialed, challenge.SERVICE),
+    ):
+        with pytest.raises(ValueError, match="proof does not match"):
+            challenge.respond("job", other, reply)
+    # A role said in the reply is what was proven: changing it breaks the proof.
+    forged = reply.replace(f":{challenge.HOST}:", f":{challenge.STANDBY}:")
+    with pytest.raises(ValueError, match="proof does not match"):
+        challenge.respond("job", asked, forged)
+    credential = challenge.respond("job", asked, reply)
+    assert challenge.check("job", credential, 100.0, lambda d: d == "10.0.0.2:29400") is None
+    assert challenge.check("job", credential, 100.0, lambda d: d == "10.0.0.1:29400") == (
+        "a credential for 10.0.0.2:29400, which is not this service"
+    )
+    # Another endpoint written into the credential breaks its MAC.
+    moved = credential.replace("10.0.0.2:29400", "10.0.0.1:29400")
+    assert challenge.check("job", moved, 100.0, _anywhere) == "a credential made with another token"
+    # The service's proof is not a client's credential, nor the other way round.
+    assert challenge.check("job", reply, 100.0, _anywhere) is not None
 
 
 def test_a_service_that_does_not_hold_the_token_gets_nothing_from_the_client():
@@ -168,8 +201,9 @@ def test_an_expired_credential_is_renewed():
     store = EtcdV3Store(f"127.0.0.1:{port}", StoreAccess("the service", token="job", retry_for=5))
     try:
         store.put("/k", b"1")
-        mine = challenge.nonce()
-        expired = challenge.respond("job", mine, challenge.answer("job", mine, 0.0))  # 1970
+        asked = challenge.ask(f"127.0.0.1:{port}")
+        reply = challenge.answer("job", asked, challenge.HOST, 0.0)  # 1970
+        expired = challenge.respond("job", asked, reply)
         store.client.current.metadata = [("token", expired)]
         assert store.get("/k").value == b"1", "refused, logged in again, answered"
         assert store.client.current.metadata != [("token", expired)]

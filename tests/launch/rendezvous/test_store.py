@@ -207,7 +207,7 @@ def test_the_embedded_service_refuses_to_read_a_past_revision(embedded):
     endpoint, token = embedded
     with grpc.insecure_channel(endpoint) as channel:
         kv = rpc_pb2_grpc.KVStub(channel)
-        metadata = embedded_login(channel, token)
+        metadata = embedded_login(channel, token, endpoint)
         put = kv.Put(rpc_pb2.PutRequest(key=b"/p", value=b"1"), metadata=metadata, timeout=5)
         request = rpc_pb2.RangeRequest(key=b"/p", revision=put.header.revision - 1)
         with pytest.raises(grpc.RpcError) as e:

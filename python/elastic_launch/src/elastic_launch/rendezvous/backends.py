@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from elastic_launch.cancel import NEVER, CancelToken
@@ -513,6 +514,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
     _check_files(conf)
     tls = (conf.cacert, conf.cert, conf.key) if protocol == "https" else None
     store = EtcdV3Store(members, _etcd_access(conf, members, tls))
+    _one_cluster(store, store.client.check_one_cluster)
     return _over(params, store, conf, members[0].host)
 
 
@@ -524,4 +526,14 @@ def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
     _check_files(conf)
     access = _etcd_access(conf, members, (conf.cacert, conf.cert, conf.key))
     store = EtcdV2Store(members, access, protocol)
+    _one_cluster(store, store.check_one_cluster)
     return _over(params, store, conf, members[0].host)
+
+
+def _one_cluster(store: Store, check: Callable[[], None]) -> None:
+    """`check` that the listed members belong to one cluster; `store` closed if not."""
+    try:
+        check()
+    except BaseException:
+        store.close()
+        raise

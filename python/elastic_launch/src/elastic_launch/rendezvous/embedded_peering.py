@@ -2,7 +2,8 @@
 shares: a service's status (its role, term and revision, in etcd's fields), a standby's Follow
 stream, and a host's announcement to a service that hosts an older term without knowing it.
 
-Every call needs the job's token when it has one (:func:`check_token`). A standby refuses a
+Every call needs the job's token when it has one (:class:`Guard`), and the answers a
+service's peers act on prove who gives them. A standby refuses a
 client's request with the host's address and the cluster it now belongs to in the call's
 trailing metadata, so that a client that knew only this service finds the host
 (:mod:`.wire`).
@@ -19,6 +20,7 @@ import grpc
 from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.embedded_state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.reached import ReachedAt
 from elastic_launch.rendezvous.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
 
 if TYPE_CHECKING:
@@ -44,18 +46,68 @@ async def refuse(context: grpc.aio.ServicerContext, e: RefusedError) -> None:
     await context.abort(e.code, e.details, e.metadata)
 
 
-def check_token(token: str | None, context: grpc.aio.ServicerContext) -> None:
-    """Refuse a call that does not carry a credential earned with the job's token."""
-    if token is None:
-        return
-    sent = dict(context.invocation_metadata() or ()).get("token", "")
-    problem = challenge.check(token, str(sent), time.time())
-    if problem is not None:
-        raise RefusedError(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"invalid rendezvous token: the request carries {problem}; give every node "
-            "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
-        )
+class Guard:
+    """What a call to this service must show when the job has a `token`: a credential earned
+    with it (:mod:`.challenge`) for an endpoint at which this service is reached (`reached`,
+    set once it listens)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+        self.reached = ReachedAt((), 0)
+
+    def check(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a call that does not carry such a credential."""
+        if self.token is None:
+            return
+        sent = _metadata(context).get("token", "")
+        problem = challenge.check(self.token, sent, time.time(), self.reached)
+        if problem is not None:
+            raise RefusedError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"invalid rendezvous token: the request carries {problem}; give every node "
+                "the job's token (--rdzv-conf token_file=PATH, or $ELASTICRUN_RDZV_TOKEN)",
+            )
+
+    async def log_in(self, name: str, password: str, role: str) -> str:
+        """The challenge's answer to a login as `name` with `password`, from this service in
+        `role`; RefusedError if it is not a login, or not one to this service."""
+        if self.token is None:
+            raise RefusedError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this rendezvous service runs without a token and the node asking has one: "
+                "give every node the same token, or none",
+            )
+        asked = challenge.parse_ask(password) if name == challenge.USER else None
+        if asked is None:
+            raise RefusedError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"log in as {challenge.USER!r} with the password NONCE|DIALED|ASKER (a nonce "
+                "of 32 hex digits, the endpoint dialed, agent or service)",
+            )
+        if not await self.reached.learn(asked.dialed):
+            raise RefusedError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this rendezvous service is reached at {self.reached}, not at "
+                f"{asked.dialed}: the process at {asked.dialed} passed a login on to it, "
+                "or --rdzv-endpoint names it by an address that is not its own; give "
+                "every node the same --rdzv-endpoint",
+            )
+        return challenge.answer(self.token, asked, role, time.time())
+
+    def attest(self, context: grpc.aio.ServicerContext, *said: str) -> tuple[tuple[str, str], ...]:
+        """The metadata that proves this service gives this answer (`said`) to this call,
+        when the call sent a nonce (:func:`challenge.attest`); none otherwise."""
+        sent = _metadata(context)
+        call_nonce, credential = sent.get(challenge.NONCE_KEY, ""), sent.get("token", "")
+        if self.token is None or not challenge.valid_nonce(call_nonce):
+            return ()
+        dialed = credential.split("|")[3] if credential.count("|") == 5 else ""
+        proof = challenge.attest(self.token, dialed, call_nonce, *said)
+        return ((challenge.PROOF_KEY, proof),)
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (context.invocation_metadata() or ())}
 
 
 def standby_refusal(roles: Roles | None, state: ServiceState) -> RefusedError | None:
@@ -81,9 +133,9 @@ def standby_refusal(roles: Roles | None, state: ServiceState) -> RefusedError | 
 class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer):
     """Status, Follow and Announce, for the service whose state is `state`."""
 
-    def __init__(self, state: ServiceState, token: str | None, replicas: Replicas) -> None:
+    def __init__(self, state: ServiceState, guard: Guard, replicas: Replicas) -> None:
         self.s = state
-        self.token = token
+        self.guard = guard
         self.replicas = replicas
         self.roles: Roles | None = None  # made on the loop (see EmbeddedServer._start)
 
@@ -93,12 +145,12 @@ class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer
         """Served by a standby too: its role, term and revision, in etcd's fields (the other
         services decide who hosts by them; a client learns what it talks to)."""
         try:
-            check_token(self.token, context)
+            self.guard.check(context)
         except RefusedError as e:
             await refuse(context, e)
         roles = self.roles
         host = roles.host if roles is not None else 0
-        return rpc_pb2.StatusResponse(
+        status = rpc_pb2.StatusResponse(
             header=self.s.header(),
             version=EMBEDDED_VERSION,
             leader=host + 1 if host is not None else 0,
@@ -106,18 +158,25 @@ class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer
             raftTerm=self.s.term,
             isLearner=roles is not None and not roles.serving,
         )
+        proof = self.guard.attest(context, *challenge.status_said(status))
+        if proof:
+            await context.send_initial_metadata(proof)
+        return status
 
     async def Follow(  # noqa: N802 - gRPC's name
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """A standby follows this host (:mod:`.embedded_replicas`)."""
         try:
-            check_token(self.token, context)
+            self.guard.check(context)
             refusal = standby_refusal(self.roles, self.s)
             if refusal is not None:
                 raise refusal
         except RefusedError as e:
             await refuse(context, e)
+        proof = self.guard.attest(context, "follow")
+        if proof:
+            await context.send_initial_metadata(proof)
         async for update in self.replicas.follow(requests_of(context), context):
             yield update
 
@@ -127,7 +186,7 @@ class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer
         """A host of a newer term than this service's: it is looked at at once (this service
         steps down and follows it, as when two hosts find each other)."""
         try:
-            check_token(self.token, context)
+            self.guard.check(context)
             if self.roles is None:
                 raise RefusedError(grpc.StatusCode.UNAVAILABLE, "this service is starting")
             problem = self.roles.announced(int(request.term), int(request.index), request.address)

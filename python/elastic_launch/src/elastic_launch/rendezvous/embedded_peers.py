@@ -1,11 +1,16 @@
 """Another service of the same job, as this embedded service sees it: a channel on this
 service's event loop, logged in with the job's token (the peer proves it holds the token
 before anything derived from it is sent, as for any client), its status, its Follow stream
-when this service follows it, and the announcement a host makes to it."""
+when this service follows it, and the announcement a host makes to it. With a token, a status
+or a stream is believed only with the peer's proof of it (:func:`challenge.attest`): a process
+that took the port of a peer once logged in to cannot make one up."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,8 +21,16 @@ from elastic_launch.rendezvous.etcd_v3_client import CHANNEL_OPTIONS, read_file
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import Tls
 
+logger = logging.getLogger(__name__)
+
 #: Seconds a peer has to answer a status probe: a stopped one must not hold the others up.
 PROBE_TIMEOUT = 1.0
+#: Seconds a host has to start a Follow stream (its first word proves who it is).
+FOLLOW_TIMEOUT = 2.0
+
+
+class UnprovenError(ValueError):
+    """A peer's answer that does not prove it comes from a holder of the job's token."""
 
 
 class Peer:
@@ -46,6 +59,7 @@ class Peer:
         self._maintenance = rpc_pb2_grpc.MaintenanceStub(self.channel)
         self.replica = replica_pb2_grpc.ReplicaStub(self.channel)
         self.metadata: list[tuple[str, str]] = []
+        self._unproven_said = False
 
     async def _reopen(self) -> None:
         """A new channel: the next call connects afresh (gRPC would wait out its backoff)."""
@@ -59,10 +73,32 @@ class Peer:
         cannot be reached, ValueError if it does not prove it holds the token."""
         if self._token is None:
             return
-        mine = challenge.nonce()
-        request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+        asked = challenge.ask(self.member.target, challenge.SERVICE)
+        request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=asked.password)
         reply = await self._auth.Authenticate(request, timeout=PROBE_TIMEOUT)
-        self.metadata = [("token", challenge.respond(self._token, mine, reply.token))]
+        self.metadata = [("token", challenge.respond(self._token, asked, reply.token))]
+
+    def _asking(self) -> tuple[str, list[tuple[str, str]]]:
+        """A fresh nonce for a call whose answer must be proven, and the call's metadata."""
+        call_nonce = challenge.nonce()
+        if self._token is None:
+            return call_nonce, self.metadata
+        return call_nonce, [*self.metadata, (challenge.NONCE_KEY, call_nonce)]
+
+    def _check_proof(self, sent: Any, call_nonce: str, *said: str) -> None:
+        """UnprovenError unless the answer's metadata `sent` proves `said` (with a token)."""
+        if self._token is None:
+            return
+        proof = dict((str(k), str(v)) for k, v in (sent or ())).get(challenge.PROOF_KEY, "")
+        if not challenge.attested(self._token, self.member.target, call_nonce, proof, *said):
+            if not self._unproven_said:
+                self._unproven_said = True
+                logger.warning(
+                    "the rendezvous service at %s answers without proving that it holds the "
+                    "job's token: it is not followed (another process may hold its port)",
+                    self.member.written,
+                )
+            raise UnprovenError(f"{self.member.written} did not prove its answer")
 
     async def status(self) -> Any:
         """Its status (its role, term and revision), or None when it does not answer as a
@@ -72,9 +108,15 @@ class Peer:
             try:
                 if not self.metadata:
                     await self.log_in()
-                return await self._maintenance.Status(
-                    rpc_pb2.StatusRequest(), timeout=PROBE_TIMEOUT, metadata=self.metadata
+                call_nonce, metadata = self._asking()
+                call = self._maintenance.Status(
+                    rpc_pb2.StatusRequest(), timeout=PROBE_TIMEOUT, metadata=metadata
                 )
+                status = await call
+                self._check_proof(
+                    await call.initial_metadata(), call_nonce, *challenge.status_said(status)
+                )
+                return status
             except grpc.RpcError as e:
                 if attempt or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     return None  # a stopped peer is waited for once, not twice
@@ -82,6 +124,32 @@ class Peer:
             except ValueError:
                 return None
         return None
+
+    async def follow(self, requests: AsyncIterator[Any]) -> Any:
+        """A Follow stream to the peer, once its first word proves who it is; grpc.RpcError
+        or ValueError (UnprovenError) if it refuses or does not prove it."""
+        if not self.metadata:
+            await self.log_in()
+        call_nonce, metadata = self._asking()
+        call = self.replica.Follow(requests, metadata=metadata)
+        try:
+            sent = await asyncio.wait_for(call.initial_metadata(), FOLLOW_TIMEOUT)
+            if self._token is not None and not any(k == challenge.PROOF_KEY for k, _ in sent):
+                await self._refused(call)  # a refusal says nothing first
+            self._check_proof(sent, call_nonce, "follow")
+        except BaseException:
+            call.cancel()
+            raise
+        return call
+
+    async def _refused(self, call: Any) -> None:
+        """ValueError saying why, if `call` ended refused (within FOLLOW_TIMEOUT)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            code = await asyncio.wait_for(call.code(), FOLLOW_TIMEOUT)
+            if code != grpc.StatusCode.OK:
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    self.metadata = []
+                raise ValueError(f"{code.name}: {await call.details()}")
 
     async def announce(self, term: int, index: int, address: str) -> str:
         """Tell the peer that this service (the `index`-th, at `address`) hosts `term`; why

@@ -142,6 +142,7 @@ class Roles:
         self._on_hosting = on_hosting
         self._announced: list[int] = []  # peers learned from announcements, oldest first
         self._retired: list[Peer] = []  # forgotten ones, to close
+        self._foreign_said: set[int] = set()  # ports of another user's, said once
         self._started = asyncio.get_running_loop().time()
         self._wake = asyncio.Event()  # an announcement: look now
         self.looks = 0  # at the others, so far
@@ -223,6 +224,23 @@ class Roles:
             return True
         return is_loopback(host) and listener_owners(port) <= {os.getuid()}
 
+    def _foreign(self, peer: Peer) -> bool:
+        """Without the job's token: whether another user listens at `peer`'s port on
+        loopback (a service there is never followed, whatever term it claims; said once)."""
+        member = peer.member
+        if self.place.token or not is_loopback(member.host):
+            return False
+        others = listener_owners(member.port) - {os.getuid()}
+        if others and member.port not in self._foreign_said:
+            self._foreign_said.add(member.port)
+            logger.warning(
+                "the rendezvous endpoint %s is held by another user (uid %d): without a token "
+                "nothing proves a service there is the job's, so it is never followed",
+                member.written,
+                min(others),
+            )
+        return bool(others)
+
     async def _look(self) -> list[Seen]:
         """What each of the others says of itself (those that do not answer in time left
         out): their probes run together, within a bound."""
@@ -230,7 +248,7 @@ class Roles:
         retired, self._retired = self._retired, []
         for peer in retired:
             await peer.close()
-        peers = dict(self.peers)
+        peers = {i: p for i, p in self.peers.items() if not self._foreign(p)}
         probes = [asyncio.ensure_future(p.status()) for p in peers.values()]
         if not probes:
             return []
@@ -325,11 +343,9 @@ async def follow(peer: Peer, state: ServiceState, member: int) -> str:
             yield ack
 
     try:
-        if not peer.metadata:
-            await peer.log_in()
-        call = peer.replica.Follow(requests(), metadata=peer.metadata)
-    except (grpc.RpcError, ValueError) as e:
-        return f"cannot follow it ({e})"
+        call = await peer.follow(requests())
+    except (grpc.RpcError, ValueError, asyncio.TimeoutError) as e:
+        return f"cannot follow it ({e or type(e).__name__})"
     try:
         return await _apply_updates(call, state, acks)
     except asyncio.TimeoutError:

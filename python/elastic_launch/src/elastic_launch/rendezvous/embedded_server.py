@@ -33,9 +33,9 @@ from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous import embedded_bounds as bounds
 from elastic_launch.rendezvous.embedded_bounds import Outbox
 from elastic_launch.rendezvous.embedded_peering import (
+    Guard,
     Peering,
     RefusedError,
-    check_token,
     refuse,
     requests_of,
     standby_refusal,
@@ -46,6 +46,7 @@ from elastic_launch.rendezvous.embedded_roles import Place, Roles
 from elastic_launch.rendezvous.embedded_state import ServedWatch, ServiceState, size_of
 from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
+from elastic_launch.rendezvous.reached import ReachedAt
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,9 @@ class _Service(
     answered whole between two awaits, so the store needs no lock, and a thousand nodes' streams
     cost a coroutine each, not a thread each."""
 
-    def __init__(self, state: ServiceState, token: str | None, members: int) -> None:
+    def __init__(self, state: ServiceState, guard: Guard, members: int) -> None:
         self.s = state
-        self.token = token
+        self.guard = guard
         self.replicas = Replicas(state, members)
         self.roles: Roles | None = None  # made on the loop (see EmbeddedServer._start)
         self.streams: set[Outbox] = set()  # the watch streams open, told when it steps down
@@ -122,7 +123,7 @@ class _Service(
             out.put(("standby", None))
 
     def _check(self, context: grpc.aio.ServicerContext) -> None:
-        check_token(self.token, context)
+        self.guard.check(context)
 
     def _charge_answer(self, size: int) -> None:
         """Count `size` bytes of the answer being built until its call ends (see `_answering`);
@@ -147,23 +148,15 @@ class _Service(
     async def Authenticate(  # noqa: N802 - gRPC's name
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
-        """The challenge's first step (:mod:`.challenge`): prove this service holds the token."""
-        if self.token is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this rendezvous service runs without a token and the node asking has one: "
-                "give every node the same token, or none",
-            )
-        if request.name != challenge.USER or not challenge.valid_nonce(request.password):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"log in as {challenge.USER!r} with a nonce of 32 hex digits",
-            )
-        assert self.token is not None
-        return rpc_pb2.AuthenticateResponse(
-            header=self.s.header(),
-            token=challenge.answer(self.token, request.password, time.time()),
-        )
+        """The challenge's first step (:mod:`.challenge`): prove this service holds the token,
+        to a client that reached it where it is."""
+        roles = self.roles
+        role = challenge.HOST if roles is None or roles.serving else challenge.STANDBY
+        try:
+            reply = await self.guard.log_in(request.name, request.password, role)
+        except RefusedError as e:
+            await refuse(context, e)
+        return rpc_pb2.AuthenticateResponse(header=self.s.header(), token=reply)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> str:
         """A stream starts only with the job's token, and within its connection's share of
@@ -485,8 +478,9 @@ class EmbeddedServer:
         self._kept: frozenset[int] = frozenset()  # the state's, as its loop last told
         self._kept_changed = threading.Condition()
         self.state.on_kept = self._told
-        self._service = _Service(self.state, token, max(len(self._members), 1))
-        self._peering = Peering(self.state, token, self._service.replicas)
+        self._guard = Guard(token)
+        self._service = _Service(self.state, self._guard, max(len(self._members), 1))
+        self._peering = Peering(self.state, self._guard, self._service.replicas)
         self.on_hosting: Callable[[], None] = lambda: None
         self._host = host
         self._address = host_port(host, port)
@@ -574,6 +568,11 @@ class EmbeddedServer:
             raise OSError(f"cannot listen on {self._address} (in use?)")
         await server.start()
         self._server = server
+        own = [host_port(self._host, port)]
+        if self._index < len(self._members):
+            listed = self._members[self._index]
+            own += [listed.target, listed.written]
+        self._guard.reached = ReachedAt(own, port)
         self._roles(port)
         started.set_result(port)
 

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from elastic_launch.api import Cancelled
@@ -27,8 +28,13 @@ from elastic_launch.rendezvous.store import (
     Watch,
     nospace,
 )
+from elastic_launch.rendezvous.store_identity import mixed, two_clusters
 
 logger = logging.getLogger(__name__)
+
+#: A key no job writes: reading it asks a member which cluster it belongs to (every answer,
+#: "not found" included, names it).
+_PROBE_KEY = "/elasticrun-which-cluster"
 
 # A long poll that hears nothing ends after this long and is asked again: every watch costs the
 # store a request per period while quiet (a thousand nodes' watches polled every second were a
@@ -147,6 +153,25 @@ class EtcdV2Store(Store):
         )
         return True
 
+    def check_one_cluster(self) -> None:
+        """At start: the members that answer (asked together, within 2 s each) belong to one
+        cluster; StoreError naming two that do not, whatever the order of the list."""
+        if len(self.members) < 2:
+            return
+
+        def cluster_of(i: int) -> str | None:
+            client = self.client_of(i, read_timeout=2.0)
+            with contextlib.suppress(Exception):  # a missing key answers with the id too
+                client.read(_PROBE_KEY)
+            return getattr(client, "expected_cluster_id", None) or None
+
+        with ThreadPoolExecutor(len(self.members), thread_name_prefix="elasticrun-status") as pool:
+            ids = list(pool.map(cluster_of, range(len(self.members))))
+        answers = [(m.written, c) for m, c in zip(self.members, ids) if c is not None]
+        problem = mixed(written(self.members), answers)
+        if problem is not None:
+            raise StoreError(problem)
+
     def _check_cluster(self, i: int, client: Any) -> None:
         """Every member must belong to one cluster (python-etcd records the id it saw)."""
         cluster = getattr(client, "expected_cluster_id", None)
@@ -159,9 +184,9 @@ class EtcdV2Store(Store):
             first, where = self._cluster
         if cluster != first:
             raise StoreError(
-                f"--rdzv-endpoint {written(self.members)}: {where.written} and "
-                f"{self.members[i].written} belong to two different clusters (cluster ids "
-                f"{first} and {cluster}); give the members of one cluster only"
+                two_clusters(
+                    written(self.members), where.written, self.members[i].written, (first, cluster)
+                )
             )
 
     def _call(self, fn: Any, members: Members | None = None, stop: Any = None) -> Any:

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -43,7 +44,7 @@ from elastic_launch.rendezvous.store import (
     Unanswered,
     nospace,
 )
-from elastic_launch.rendezvous.store_identity import Answered
+from elastic_launch.rendezvous.store_identity import Answered, mixed
 from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ STREAM_METADATA = [("hasleader", "true")]
 
 class LeaseGoneError(StoreError):
     """A write named a lease the store no longer has: it expired while this node was cut off."""
+
+
+class NotProvenError(StoreError):
+    """A member that did not prove it holds the job's token (a wrong token, or a process
+    without it that took the member's port and passes logins on)."""
 
 
 class AskAgainError(Exception):
@@ -257,6 +263,7 @@ class Client:
             if nxt is None or nxt not in self.connections or not self._usable(nxt):
                 nxt = self._after(failed)
             self._current = nxt
+            nxt.logged_in = False  # it proves again who it is before it is used
             self.failovers += 1
             nxt = self.current
             said = failed.index in self._said
@@ -287,11 +294,15 @@ class Client:
         return self.connections[0]
 
     def _usable(self, conn: Connection) -> bool:
-        """Whether `conn` may be used: a member the store named is checked again each time
-        without a credential (its port may have been taken by another user since)."""
-        if not conn.learned or self.logs_in or self._trusted:
+        """Whether `conn` may be used: without a credential, a member is checked again each
+        time (its port may have been taken by another user since); one the store named must
+        be on loopback too."""
+        if self.logs_in or self._trusted:
             return True
-        return unproven(conn.member) is None
+        if conn.learned:
+            return unproven(conn.member) is None
+        member = conn.member
+        return not (is_loopback(member.host) and listener_owners(member.port) - {os.getuid()})
 
     def answered(self, conn: Connection) -> None:
         """Member `conn` answered: a failure of it will be said again."""
@@ -306,6 +317,24 @@ class Client:
         except (grpc.RpcError, StoreError, AskAgainError):
             return None
         return status_of(conn, min(self.read_timeout or 2.0, 2.0))
+
+    def check_one_cluster(self) -> None:
+        """At start: the listed members that answer (asked together, each within the status
+        bound) belong to one cluster; StoreError naming two that do not, whatever the order
+        of the list (agents given it in two orders would otherwise make two jobs)."""
+        listed = [c for c in self.connections if not c.learned]
+        if len(listed) < 2:
+            return
+        with ThreadPoolExecutor(len(listed), thread_name_prefix="elasticrun-status") as pool:
+            statuses = list(pool.map(self.status, listed))
+        answers = [
+            (c.member.written, f"{s.header.cluster_id:x}")
+            for c, s in zip(listed, statuses)
+            if s is not None
+        ]
+        problem = mixed(self.target, answers)
+        if problem is not None:
+            raise StoreError(problem)
 
     def pin(self, conn: Connection) -> None:
         """Use member `conn` from now on."""
@@ -344,7 +373,8 @@ class Client:
         grpc.RpcError when the member cannot be reached (the caller moves on) and StoreError
         when it refuses this node's credentials. A member the store named that does not log
         this node in (it cannot prove it holds the token: another process took its port) is
-        left for the next, and AskAgainError raised: it costs a member, not the job."""
+        left for the next, and AskAgainError raised: it costs a member, not the job. A listed
+        one raises NotProvenError: the call tries the others while it may."""
         if not self.logs_in or conn.logged_in:
             return
         try:
@@ -396,11 +426,15 @@ class Client:
                 return self._attempt(conn, method, request, log_in, epoch)
             except AskAgainError:
                 continue
-            except ValueError as e:  # gRPC's "Channel closed!", before the call was sent
-                if not _closed_channel(e):
+            except NotProvenError as e:  # a listed member: the others may be the job's
+                if len(self.connections) == 1 or time.monotonic() + delay > until:
                     raise
-                if self.closed.is_set():
-                    raise StoreError(f"{self.name}: the store was closed ({e})") from None
+                unanswered.failed(f"{conn.member.written}: {e}")
+                failed += 1
+                if self.fail_over(conn, str(e)) and failed % len(self.connections):
+                    continue
+            except ValueError as e:  # gRPC's "Channel closed!", before the call was sent
+                self._check_closed(e)
                 continue  # another thread left this member and closed its channel: go on
             except grpc.RpcError as e:
                 if self.epoch != epoch:
@@ -423,6 +457,14 @@ class Client:
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
             delay = min(delay * 2, 1.0)
+
+    def _check_closed(self, e: ValueError) -> None:
+        """Return if `e` is gRPC's refusal of a call on a channel another thread closed (the
+        call is asked again); raise what it means otherwise."""
+        if not _closed_channel(e):
+            raise e
+        if self.closed.is_set():
+            raise StoreError(f"{self.name}: the store was closed ({e})") from None
 
     def _attempt(
         self, conn: Connection, method: str, request: Any, log_in: bool, epoch: int
@@ -495,8 +537,8 @@ def user_token(
 def prove_token(conn: Connection, name: str, token: str, timeout: float | None) -> str:
     """The credential of a login to the embedded service at `conn` (:mod:`.challenge`): it
     proves it holds `token` before this node sends anything derived from it."""
-    mine = challenge.nonce()
-    request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=mine)
+    asked = challenge.ask(conn.member.target)
+    request = rpc_pb2.AuthenticateRequest(name=challenge.USER, password=asked.password)
     try:
         reply = conn.auth.Authenticate(request, timeout=timeout)
     except grpc.RpcError as e:
@@ -507,11 +549,13 @@ def prove_token(conn: Connection, name: str, token: str, timeout: float | None) 
                 f"invalid rendezvous token: {name} runs without a token and this node has one: "
                 "give every node the same token, or none"
             ) from None
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+            raise NotProvenError(f"{name} at {conn.member.written}: {e.details()}") from None
         raise error_of(name, e) from None
     try:
-        return challenge.respond(token, mine, reply.token)
+        return challenge.respond(token, asked, reply.token)
     except ValueError as e:
-        raise StoreError(
+        raise NotProvenError(
             f"invalid rendezvous token: {name} did not prove that it holds this node's token "
             f"({e}); give every node the job's token (--rdzv-conf token_file=PATH, or "
             "$ELASTICRUN_RDZV_TOKEN)"

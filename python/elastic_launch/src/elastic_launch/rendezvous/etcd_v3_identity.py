@@ -26,6 +26,7 @@ from elastic_launch.rendezvous.store_identity import (
     lacks,
     seen,
     serves,
+    two_clusters,
 )
 
 logger = logging.getLogger(__name__)
@@ -123,9 +124,9 @@ class StoreIdentity:
             now = Answered(cluster)
             return self._changed(origin, before, now, epoch, _what(ours, before, now))
         raise StoreError(
-            f"--rdzv-endpoint {self.client.target}: {self._first} and {conn.member.written} "
-            f"belong to two different clusters (cluster ids {ours:x} and {cluster:x}); "
-            "give the members of one cluster only"
+            two_clusters(
+                self.client.target, self._first, conn.member.written, (f"{ours:x}", f"{cluster:x}")
+            )
         )
 
     def _same_history(self, conn: Any, term: int, revision: int | None) -> bool:

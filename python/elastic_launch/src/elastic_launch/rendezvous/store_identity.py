@@ -87,3 +87,26 @@ def lacks(status: Any | None, revision: int) -> bool:
         return False
     fork = int(status.raftIndex)
     return bool(fork) and fork < revision
+
+
+def two_clusters(target: str, first: str, other: str, ids: tuple[str, str]) -> str:
+    """The error for members `first` and `other` of the list `target` that answer for two
+    clusters (`ids`, as the store writes them)."""
+    return (
+        f"--rdzv-endpoint {target}: {first} and {other} belong to two different clusters "
+        f"(cluster ids {ids[0]} and {ids[1]}); give the members of one cluster only"
+    )
+
+
+def mixed(target: str, answers: list[tuple[str, str]]) -> str | None:
+    """The error if the listed members that answered (`answers`: member, cluster id, in the
+    list's order) belong to more than one cluster; None if they belong to one. Whatever the
+    order of the list, the same two clusters are named."""
+    if not answers:
+        return None
+    first, cluster = answers[0]
+    other = next(((m, c) for m, c in answers if c != cluster), None)
+    if other is None:
+        return None
+    ids = tuple(sorted((cluster, other[1])))
+    return two_clusters(target, first, other[0], (ids[0], ids[1]))
