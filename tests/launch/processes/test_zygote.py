@@ -335,3 +335,132 @@ def test_load_gets_what_a_from_import_gets_from_a_lazy_package(tmp_path, monkeyp
     assert "lazy_pkg.part" in sys.modules
     with pytest.raises(ImportError):
         load("lazy_pkg:nothing_of_that_name")
+
+
+# ---- what comes over the zygote's socket is checked ------------------------------------------
+
+
+def test_check_message_takes_well_formed_messages_and_names_the_rest():
+    from elastic_launch.processes.zygote import check_message
+
+    children = {41}
+    assert check_message({"op": "spawned", "id": 0, "pid": 41}, children) == (
+        "spawned",
+        {"id": 0, "pid": 41},
+    )
+    assert check_message({"op": "exited", "pid": 41, "status": 256}, children)[0] == "exited"
+    ready = {"op": "ready", "seconds": 1.5, "failed": {"m": "ImportError: x"}, "unsafe": None}
+    assert check_message(ready, set())[0] == "ready"
+    for bad in (
+        "a message that is not JSON",
+        [1, 2],
+        7,
+        {"op": "exited", "pid": 41, "status": "x"},
+        {"op": "exited", "pid": 41, "status": 1 << 20},
+        {"op": "exited", "pid": True, "status": 0},
+        {"op": "spawned", "id": "a", "pid": 41},
+        {"op": "spawned", "id": 0, "pid": -1},
+        {"op": "ready", "seconds": "soon", "failed": {}, "unsafe": None},
+        {"op": "ready", "seconds": 1, "failed": {"m": 3}, "unsafe": None},
+        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": 5},
+        {"op": "reboot"},
+    ):
+        assert isinstance(check_message(bad, children), str), bad
+    assert "did not spawn" in check_message({"op": "exited", "pid": 1, "status": 0}, children)
+
+
+FORGER = """
+import json, os, socket, stat
+# Whatever a preloaded module (or a process it forks) does with the zygote's socket.
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if stat.S_ISSOCK(os.fstat(int(fd)).st_mode):
+            s = socket.socket(fileno=os.dup(int(fd)))
+            break
+    except OSError:
+        pass
+for message in (b'"x"', b"[1, 2]", b"null", b"{not json", b"[" * 100000,
+                json.dumps({"op": "exited", "pid": 1, "status": "x"}).encode(),
+                json.dumps({"op": "spawned", "id": "a", "pid": -1}).encode(),
+                json.dumps({"op": "ready", "seconds": "x", "failed": 3}).encode()):
+    s.send(message)
+"""
+
+
+def _on_path(monkeypatch, folder: Path) -> None:
+    """Modules in `folder` importable by the zygote."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    )
+
+
+def test_forged_messages_on_the_zygotes_socket_cost_the_launcher_nothing(
+    tmp_path, caplog, monkeypatch
+):
+    (tmp_path / "forger.py").write_text(FORGER)
+    _on_path(monkeypatch, tmp_path)
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    z = Zygote(["forger"])
+    try:
+        assert z.wait_ready(60) and not z.dead, "the reader took every message and goes on"
+        out = tmp_path / "out.json"
+        pid = z.spawn(["--", str(script), str(out), "0"], dict(os.environ), KEEP, KEEP)
+        z.acknowledge(pid)
+        assert z.wait_status(pid, 30) == 0, "a worker that exited 0 is seen to exit 0"
+        assert z._reader.is_alive()
+        assert caplog.text.count("the zygote's socket carried") == 1, "said once"
+    finally:
+        z.close()
+
+
+def test_a_zygote_whose_import_waits_is_not_waited_for(tmp_path, caplog, monkeypatch):
+    """A package that blocks at import (no CPU time used): the first spawn waits until that is
+    seen (ZYGOTE_STALL of no progress), not ZYGOTE_START_TIMEOUT; later spawns do not wait."""
+    from elastic_launch.processes import spawn as spawn_module
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    (tmp_path / "blocks.py").write_text("import time\ntime.sleep(600)\n")
+    _on_path(monkeypatch, tmp_path)
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork(
+        PreloadPlan(["blocks"], zygote=True),
+        FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))),
+    )
+    try:
+        for n in range(2):
+            out = tmp_path / f"out{n}.json"
+            started = time.monotonic()
+            process = spawner.spawn(
+                SpawnRequest(0, ["--", str(script), str(out), "0"], {**os.environ})
+            )
+            waited = time.monotonic() - started
+            assert waited < spawn_module.ZYGOTE_START_TIMEOUT / 2, "the bound is the stall's"
+            assert process.reaped_by_agent, "a fresh interpreter"
+            assert process.reap(60) == (0, None)
+        assert "used no CPU time" in caplog.text and caplog.text.count("has not finished") == 1
+        assert spawner.zygote is not None, "kept: it is used once its imports are done"
+    finally:
+        spawner.close()
+
+
+def test_a_zygote_stopped_after_its_imports_is_given_up_at_the_spawn_answer(tmp_path, caplog):
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    spawner = ZygoteFork(
+        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
+    try:
+        z = spawner.zygote
+        assert z is not None and z.wait_ready(30)
+        os.kill(z.pid, signal.SIGSTOP)  # its socket has room: the request is taken, never read
+        out = tmp_path / "out.json"
+        process = spawner.spawn(SpawnRequest(0, ["--", str(script), str(out), "0"], {**os.environ}))
+        assert process.reaped_by_agent and process.reap(60) == (0, None)
+        assert "did not answer a spawn request within" in caplog.text
+        assert spawner.zygote is None, "the stopped zygote is gone (its late child with it)"
+    finally:
+        spawner.close()

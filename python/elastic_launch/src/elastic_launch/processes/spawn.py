@@ -38,7 +38,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a spawn waits at most for the zygote's imports while they progress.
 ZYGOTE_START_TIMEOUT = 300.0
+#: Seconds without progress (a stopped zygote, an import that waits and uses no CPU time)
+#: after which spawns stop waiting for it: workers start as fresh interpreters until it is
+#: ready, and later spawns use it only if it is.
+ZYGOTE_STALL = 3.0
 
 
 @dataclass
@@ -235,6 +240,7 @@ class ZygoteFork(Spawner):
         self.chosen, self.spares = chosen, spares
         self.zygote: Zygote | None = None
         self.why_not: str | None = None  # why workers are not forked, once known
+        self._waited = False  # a spawn waited for the zygote's imports: none waits again
         self._start(chosen.modules)
 
     def _start(self, modules: list[str]) -> None:
@@ -262,18 +268,25 @@ class ZygoteFork(Spawner):
         z = self.zygote
         if z is None:
             return None
-        deadline = Deadline(ZYGOTE_START_TIMEOUT)
+        deadline = Deadline(0.0 if self._waited else ZYGOTE_START_TIMEOUT)
         while not z.wait_ready(deadline.left(0.1)):
             if z.dead:
                 self._give_up("the --preload zygote exited while importing")
                 return None
             if self.cancel.cancelled:
                 raise Cancelled(self.cancel.signum)
-            if deadline.passed:
-                self._give_up(
-                    f"the --preload zygote did not finish its imports in {ZYGOTE_START_TIMEOUT:g} s"
-                )
+            stalled = None if deadline.passed else z.stalled(ZYGOTE_STALL)
+            if deadline.passed or stalled:
+                if not self._waited:
+                    logger.warning(
+                        "the --preload zygote has not finished its imports (%s): %s; workers "
+                        "start as fresh interpreters until it has",
+                        ", ".join(self.chosen.modules) or "none",
+                        stalled or f"not in {ZYGOTE_START_TIMEOUT:g} s",
+                    )
+                self._waited = True
                 return None
+        self._waited = True
         for name, error in z.failed.items():
             logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
         z.failed = {}
@@ -301,6 +314,7 @@ class ZygoteFork(Spawner):
             optional=(),
         )
         self._start(self.chosen.modules)
+        self._waited = False  # the new one's imports are waited for as the first's were
         return self._ready_zygote()
 
     @property

@@ -47,10 +47,13 @@ from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_wor
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 1 << 20
-_SPAWN_ANSWER_TIMEOUT = 30.0
+#: Seconds the zygote has to answer a spawn (a fork, or a warm spare handed the request: ms);
+#: one that does not is stopped or stuck, and is given up for fresh interpreters.
+SPAWN_ANSWER_TIMEOUT = 5.0
 #: The longest a message to the zygote may wait to be taken (seconds): one that waits longer
 #: means the zygote is stopped or stuck, and the agent gives it up for fresh interpreters.
 SEND_DEADLINE = 2.0
+_MALFORMED = "a message that is not JSON"
 
 
 def send(
@@ -82,8 +85,9 @@ def send(
                 raise TimeoutError(f"the zygote took no message within {deadline:g} s") from None
 
 
-def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and its descriptors; (None, []) at end of file."""
+def recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    """The next message and its descriptors; (None, []) at end of file. What is not JSON
+    (or is JSON's null) comes as a string saying so: it is checked by whoever reads it."""
     fds = array.array("i")
     data, ancdata, _, _ = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_LEN(16 * fds.itemsize))
     for level, kind, payload in ancdata:
@@ -91,7 +95,11 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
     if not data:
         return None, list(fds)
-    return json.loads(data), list(fds)
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError):
+        return _MALFORMED, list(fds)
+    return (_MALFORMED if message is None else message), list(fds)
 
 
 # ---- the zygote process ----------------------------------------------------------------------
@@ -144,6 +152,7 @@ def load(name: str) -> None:
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
     sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)  # a program a preloaded module starts does not get it
     modules = [m for m in modules if m.strip()]  # the blank one is room for workers' titles
     set_title(
         [sys.executable, "-u", "-m", "elastic_launch.processes.zygote", str(fd), *modules]
@@ -305,6 +314,61 @@ def _wait_as_spare(channel: socket.socket) -> None:
 # ---- the agent's side ------------------------------------------------------------------------
 
 
+def check_message(message: Any, children: set[int]) -> tuple[str, dict[str, Any]] | str:
+    """`message` from the zygote as (op, fields), its fields of the right types; or why it is
+    dropped: malformed, or an exit of a process that is not one of its `children`."""
+    if not isinstance(message, dict):
+        return message if isinstance(message, str) else "a message that is not an object"
+    op = message.get("op")
+    fields_of = _FIELDS.get(op) if isinstance(op, str) else None
+    if fields_of is None:
+        return f"a message of an unknown kind ({str(op)[:40]!r})"
+    fields = fields_of(message)
+    if fields is None:
+        return f"a malformed {op!r} message"
+    if op == "exited" and fields["pid"] not in children:
+        return f"an exit of pid {fields['pid']}, which the zygote did not spawn for this agent"
+    return str(op), fields
+
+
+def _ready_fields(message: dict[str, Any]) -> dict[str, Any] | None:
+    seconds: Any = message.get("seconds")
+    failed, unsafe = message.get("failed"), message.get("unsafe")
+    if not _number(seconds) or not isinstance(failed, dict) or not _text_or_none(unsafe):
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
+        return None
+    return {"seconds": float(seconds), "failed": dict(failed), "unsafe": unsafe}
+
+
+def _spawned_fields(message: dict[str, Any]) -> dict[str, Any] | None:
+    request_id, pid = message.get("id"), message.get("pid")
+    return {"id": request_id, "pid": pid} if _count(request_id) and _count(pid, 1) else None
+
+
+def _exited_fields(message: dict[str, Any]) -> dict[str, Any] | None:
+    pid: Any = message.get("pid")
+    status: Any = message.get("status")
+    if not (_count(pid, 1) and _count(status) and status < 1 << 16):
+        return None
+    return {"pid": pid, "status": status}
+
+
+_FIELDS = {"ready": _ready_fields, "spawned": _spawned_fields, "exited": _exited_fields}
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return type(value) is int and least <= value < 1 << 31
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and value >= 0
+
+
+def _text_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
 class ZygoteUnavailableError(RuntimeError):
     """The zygote is not ready, failed, or is gone; the caller starts a fresh interpreter."""
 
@@ -341,6 +405,9 @@ class Zygote:
         self._stuck = False  # a message was not taken within SEND_DEADLINE
         self._statuses: dict[int, int] = {}
         self._spawned: dict[int, int] = {}
+        self._spawned_pids: set[int] = set()  # its children the agent has not seen exit
+        self._malformed_said = False
+        self._progress: tuple[int, float] | None = None  # CPU ticks, and when they last moved
         self._next_id = 0
         self.startup_seconds: float | None = None
         self.failed: dict[str, str] = {}
@@ -359,22 +426,56 @@ class Zygote:
                 message, fds = None, []
             for f in fds:
                 os.close(f)
-            with self._cond:
-                if message is None:
+            if message is None:
+                with self._cond:
                     self._dead = True
                     self._cond.notify_all()
-                    return
-                op = message.get("op")
-                if op == "ready":
-                    self._ready = True
-                    self.startup_seconds = message["seconds"]
-                    self.failed = message["failed"]
-                    self.unsafe = message.get("unsafe")
-                elif op == "spawned":
-                    self._spawned[message["id"]] = message["pid"]
-                elif op == "exited":
-                    self._statuses[message["pid"]] = message["status"]
-                self._cond.notify_all()
+                return
+            self._take(message)
+
+    def _take(self, message: Any) -> None:
+        """One message from the zygote's socket, checked like a store value: the socket is
+        shared with whatever the zygote forked before it closed it, so a malformed message is
+        dropped (and said once), never the launcher's reader."""
+        checked = check_message(message, self._spawned_pids)
+        if isinstance(checked, str):
+            if not self._malformed_said:
+                self._malformed_said = True
+                logger.warning("the zygote's socket carried %s: dropped", checked)
+            return
+        op, fields = checked
+        with self._cond:
+            if op == "ready":
+                self._ready = True
+                self.startup_seconds = fields["seconds"]
+                self.failed = fields["failed"]
+                self.unsafe = fields["unsafe"]
+            elif op == "spawned":
+                self._spawned[fields["id"]] = fields["pid"]
+                self._spawned_pids.add(fields["pid"])
+            else:
+                self._statuses[fields["pid"]] = fields["status"]
+                self._spawned_pids.discard(fields["pid"])
+            self._cond.notify_all()
+
+    def stalled(self, quiet: float) -> str | None:
+        """Why the zygote's imports make no progress, or None while they do: it is stopped,
+        or it used no CPU time for `quiet` seconds (an import that waits, not one that
+        works: a slow machine is still seen working)."""
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            state, ticks = fields[0], int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            return None  # gone: its end of file says so
+        if state in (b"T", b"t"):
+            return "it is stopped"
+        now = time.monotonic()
+        if self._progress is None or ticks != self._progress[0]:
+            self._progress = (ticks, now)
+        if now - self._progress[1] >= quiet:
+            return f"it used no CPU time for {quiet:g} s (an import that waits)"
+        return None
 
     @property
     def ready(self) -> bool:
@@ -428,10 +529,10 @@ class Zygote:
             raise ZygoteUnavailableError(f"the zygote cannot take the request: {e}") from None
         with self._cond:
             if not self._cond.wait_for(
-                lambda: request_id in self._spawned or self._dead, _SPAWN_ANSWER_TIMEOUT
+                lambda: request_id in self._spawned or self._dead, SPAWN_ANSWER_TIMEOUT
             ):
                 raise ZygoteUnavailableError(
-                    f"the zygote did not answer a spawn request within {_SPAWN_ANSWER_TIMEOUT:g} s"
+                    f"the zygote did not answer a spawn request within {SPAWN_ANSWER_TIMEOUT:g} s"
                 )
             if request_id not in self._spawned:
                 raise ZygoteUnavailableError("the zygote has exited")
