@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from elastic_launch._version import __version__
 from elastic_launch.api import RestartBudget
@@ -45,6 +46,7 @@ from elastic_launch.rendezvous.api import (
 from elastic_launch.rendezvous.conf import RendezvousConf
 from elastic_launch.rendezvous.follower import Follower
 from elastic_launch.rendezvous.job import Job, JobKeys
+from elastic_launch.rendezvous.pace import RATE, Pace, write_lost
 from elastic_launch.rendezvous.round import Member, RoundState, Status
 from elastic_launch.rendezvous.session import Session
 from elastic_launch.rendezvous.store import HistoryLostError, Store, StoreError
@@ -52,7 +54,7 @@ from elastic_launch.rendezvous.waits import RoundWaits
 
 logger = logging.getLogger(__name__)
 #: Looks a second, at most, at a state no node can go on from (before the join timeout).
-STALL_RATE = 10.0
+STALL_RATE = RATE
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -133,15 +135,18 @@ class ElasticRendezvous(RendezvousHandler):
             self._leave(reason, failure)
         deadline = Deadline(self.conf.join_timeout)
         stalled: list[int] = []  # the state's version, when a look gave nothing to wait on
+        pace = Pace(self._lost("joining"), deadline, cancel)
         while True:
             cancel.check()
             state, version = self._open_state()
             if state is None:
-                continue  # another node created it first: read theirs
+                pace.again()  # another node created it first: read theirs
+                continue
             try:
                 final = self._wait(state, version, deadline)
             except HistoryLostError as e:  # its watch cannot go on: read again, watch again
                 logger.warning("rendezvous: %s; reading the round again", e)
+                pace.again()
                 continue
             if final is not None:
                 return self._enter(final)
@@ -170,6 +175,18 @@ class ElasticRendezvous(RendezvousHandler):
                 f"{self.conf.join_timeout:g} s; give the job a new --rdzv-id"
             )
         cancel.wait(min(deadline.left(), 1.0 / STALL_RATE))
+
+    def _lost(self, what: str) -> Callable[[], str]:
+        """What a paced loop says at its deadline (:mod:`.pace`)."""
+        return write_lost(f"{what} job '{self.params.run_id}'", self.store.name, self._patience)
+
+    def _pace(self, what: str, cancel: CancelToken = NEVER) -> Pace:
+        """A pace for a write outside a join: bounded by how long a request keeps trying."""
+        return Pace(self._lost(what), Deadline(self._patience), cancel)
+
+    @property
+    def _patience(self) -> float:
+        return max(self.store.retry_for, self.conf.join_timeout)
 
     def _open_state(self) -> tuple[RoundState | None, int]:
         """The job's state, created if there is none yet (None: another node created it as we
@@ -227,6 +244,7 @@ class ElasticRendezvous(RendezvousHandler):
         ours = self._round.version
         self._round = None
         detail = f"{failure} (on {socket.gethostname()})" if failure else ""
+        pace = self._pace("leaving the round of")
         while True:
             state, version = self.job.read()
             if not rnd.still_runs(state, ours):
@@ -235,9 +253,11 @@ class ElasticRendezvous(RendezvousHandler):
             nxt = rnd.reopen(state, reason, self.params.max_restarts, detail)
             if self.job.commit(nxt, version):
                 return
+            pace.again()
 
     def spend_restart(self, limit: int, cancel: CancelToken = NEVER) -> RestartBudget | None:
         """One of the job's restarts, spent in the state (the count group restarts spend)."""
+        pace = self._pace("spending a restart of", cancel)
         while True:
             cancel.check()
             state, version = self.job.read()
@@ -248,6 +268,7 @@ class ElasticRendezvous(RendezvousHandler):
                 return None
             if self.job.commit(spent, version):
                 return RestartBudget(spent.restarts, limit)
+            pace.again()
 
     def _put_back(self) -> None:
         """The store was started again empty (:attr:`.store.Store.on_replaced`): put back
@@ -298,6 +319,7 @@ class ElasticRendezvous(RendezvousHandler):
         if self._round is None:
             raise RuntimeError("post_note() needs a running round")
         ours = self._round.version
+        pace = self._pace("posting a note to")
         while True:  # in the state, which every member watches already
             state, version = self.job.read()
             if not rnd.still_runs(state, ours):
@@ -306,6 +328,7 @@ class ElasticRendezvous(RendezvousHandler):
             noted = dataclasses.replace(state, notes={**state.notes, name: value})
             if self.job.commit(noted, version):
                 return
+            pace.again()
 
     def note(self, name: str) -> str | None:
         """A note of the running round, as far as this member's watch has seen."""
@@ -344,12 +367,14 @@ class ElasticRendezvous(RendezvousHandler):
         )
 
     def set_closed(self, reason: CloseReason, detail: str = "") -> None:
+        pace = self._pace("closing")
         while True:
             state, version = self.job.read()
             if state is None or state.status == Status.CLOSED:
                 return
             if self.job.commit(rnd.close(state, reason, detail), version):
                 return
+            pace.again()
 
     def mark_done(self) -> bool:
         """Our workers succeeded. The last member to finish closes the job as succeeded.
@@ -363,6 +388,7 @@ class ElasticRendezvous(RendezvousHandler):
         kvs, _ = self.store.range(keys.done)
         done = {kv.key.rsplit("/", 1)[1] for kv in kvs}
         ours = self._round.version if self._round is not None else 0
+        pace = self._pace("closing (done)")
         while True:
             state, version = self.job.read()
             if state is None or state.status == Status.CLOSED:
@@ -375,6 +401,7 @@ class ElasticRendezvous(RendezvousHandler):
                 return False
             if self.job.commit(rnd.close(state, CloseReason.SUCCEEDED), version):
                 return True
+            pace.again()
 
     def ended_here(self) -> bool:
         """True once the job is closed or this node's workers finished: the others then end
