@@ -11,8 +11,10 @@ run id, and whose state it is: the rank that saved it and the world it saved in,
 state every rank shares. A copy of another job, or one whose bytes changed, is never returned;
 a slot returns only its owner's copies (a replica slot, `_replica`, holds a peer's). A copy
 holds a payload (`_payload`): a state laid out so that its tensors are copied in, not
-serialized, that names the same owner, world, step and run inside its checksummed bytes; a
-copy whose bytes name another than its descriptor is refused with a warning, as a torn one is.
+serialized, that names the same owner, world, step and run inside its checksummed bytes. A
+copy is sealed only if its bytes name what its descriptor will (`seal`), and one whose bytes
+name another than its descriptor (a descriptor rewritten in the file) is refused with a
+warning, as a torn one is.
 
 Layout (little-endian): ``magic(8) version(4) pad(4) capacity(8)``, then two descriptors of
 ``seq(8) step(8) size(8) crc32c(4) owner(4) world(4) run(32)`` at 64 and 192; buffers at 4096 and
@@ -215,9 +217,9 @@ class MemorySlot:
 
     def _intact(self, c: _Copy) -> bool:
         with self.view(c) as view:
-            return c.run == self.run and _payload.checksum(view) == c.crc and self._named(c, view)
+            return c.run == self.run and _payload.checksum(view) == c.crc and self.names(c, view)
 
-    def _named(self, c: _Copy, data: Any) -> bool:
+    def names(self, c: _Copy, data: Any) -> bool:
         """Whether the bytes of `c` name what its descriptor says (a warning, once, if not)."""
         expected = _payload.Identity(c.owner, c.world, c.step, c.run)
         try:
@@ -260,7 +262,7 @@ class MemorySlot:
             return None
         data = bytearray(c.size)
         start = self._base + HEADER + c.index * self._capacity
-        if _payload.copy_out(data, start, c.size) != c.crc or not self._named(c, data):
+        if _payload.copy_out(data, start, c.size) != c.crc or not self.names(c, data):
             return None
         return data
 
@@ -371,8 +373,13 @@ class MemorySlot:
     def seal(self, index: int, step: int, size: int, crc: int, owner: int, world: int) -> None:
         """Make the copy written into buffer `index` the newest, as `owner`'s step `step`
         with checksum `crc` (for a copy `receive` wrote, its sender's: every reader checks it,
-        so a copy damaged on its way is never returned)."""
+        so a copy damaged on its way is never returned). A `ForeignCopyError`, the buffer left
+        unsealed, if its bytes name another owner, world, step or job."""
         assert self._map is not None
+        expected = _payload.Identity(owner, world, step, self.run)
+        with self._region(index, size) as region:  # its head only: a pass would cost more
+            where = f"the copy written into '{self.path}'"
+            _payload.check_identity(region, expected, where, "is to be sealed as")
         copies = self._copies(anyone=True)
         seq = (copies[0].seq if copies else 0) + 1
         at = _DESC_AT[index]

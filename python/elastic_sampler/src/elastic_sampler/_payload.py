@@ -5,12 +5,13 @@ than through a serializer.
 A payload is ``MAGIC(8) skeleton_size(8)`` and whose state it is (`Identity`: the owner rank,
 or -1 for a state every rank shares, the world size, the step, a digest of the run id), the
 skeleton, then (from the next page) each tensor's bytes, 64-byte aligned, large tensors on
-pages of their own. The identity is inside the checksummed bytes: a copy sealed in a slot as
-one rank's step but holding another's state (or step, or job) is refused when it is read
-(`check_identity`), so a restore takes the next source. The skeleton is a pickle
-of ``{"state": ..., "at": [...]}`` holding nothing but builtins, OrderedDicts, torch dtypes and
-devices, and tensor references (`TensorRef`): the state with every tensor replaced by a
-reference to its entry in ``at`` (its offset after the skeleton, dtype name, shape and device).
+pages of their own. The identity is inside the checksummed bytes: a copy that holds another
+rank's state (or step, or job) than it is taken for is refused (`check_identity`) when it is
+sealed, received, sent back or read, so a restore takes the next source. The skeleton is a
+pickle of ``{"state": ..., "at": [...]}`` holding nothing but builtins, OrderedDicts, torch
+dtypes and devices, and tensor references (`TensorRef`): the state with every tensor replaced
+by a reference to its entry in ``at`` (its offset after the skeleton, dtype name, shape and
+device).
 It is read back by an unpickler that builds those types and refuses any other, so a payload is
 as safe to read as ``weights_only=True``.
 
@@ -95,17 +96,18 @@ def identity_of(data: Any) -> Identity | None:
     return Identity(owner, world, step, run)
 
 
-def check_identity(data: Any, expected: Identity, where: str) -> None:
-    """A `ForeignCopyError` unless `data` is a payload naming `expected`."""
+def check_identity(data: Any, expected: Identity, where: str, claim: str = "is sealed as") -> None:
+    """A `ForeignCopyError` unless `data` is a payload naming `expected`; its message says
+    that `where` `claim` (is sealed as, is to be sealed as, ...) what `expected` names."""
     found = identity_of(data)
     if found == expected:
         return
     if found is None:
         raise ForeignCopyError(f"{where} names no owner: it was not written by this version")
     if found.run != expected.run:
-        raise ForeignCopyError(f"{where} holds another job's state: it is not restored")
+        raise ForeignCopyError(f"{where} holds another job's state: it is refused")
     raise ForeignCopyError(
-        f"{where} is sealed as {expected.says()} but holds {found.says()}: it is not restored"
+        f"{where} {claim} {expected.says()} but holds {found.says()}: it is refused"
     )
 
 

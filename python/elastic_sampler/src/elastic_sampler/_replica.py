@@ -8,9 +8,15 @@ own copy, from the slot, not the state: the next optimizer step does not wait fo
 save does. The receiver seals the bytes with the sender's checksum once they are all in: every
 reader checks it (a restore does), so checking again on arrival would only cost a pass.
 
+Whose copy it is travels with it at every hop: its head on the wire names its step, owner and
+world (`_head`), and its bytes name them and the job inside what is checksummed (`_payload`).
+A copy whose head or bytes name another than the rank it is taken for is refused where it
+arrives, said in a warning: it is never sealed in a slot, never sent on, never restored.
+
 `restore` is the way back: the ranks agree on the newest step held for every rank (in any
 node's memory, or on that rank's disk), and each rank receives its own state from the lowest
-rank holding it.
+rank holding it. A copy refused on the way back (another's, or damaged) is not taken again:
+the ranks agree anew without it, on the next source, the disk, or an older step.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import datetime
 import os
 import re
 import warnings
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +43,12 @@ from elastic_sampler.api import CheckpointError
 TIMEOUT = datetime.timedelta(seconds=300)
 _HEAD, _DATA = 1, 2  # message tags: a copy's header, then its bytes
 _NONE = -1
+#: A copy's head on the wire: step, size, checksum, owner, world (`_head`); a size below 0
+#: sends no bytes (nothing new, or a copy its holder refused to send).
+_HEAD_FIELDS = 5
+_NOTHING = [_NONE, _NONE, 0, _NONE, _NONE]
+#: How a rank's part of a restore went (`_agree`).
+_OK, _REFUSED, _FAILED = 0, 1, 2
 #: Entries a rank reports in `restore`: its two slots' copies (two each), and its disk's newest
 #: steps that verify. A report is ``banned, other world, `_ENTRIES` x (owner, step, tier)``.
 _MEMORY_ENTRIES, _DISK_ENTRIES = 4, 4
@@ -77,6 +90,16 @@ def ring_of(places: list[tuple[int, int]], rank: int) -> Ring | None:
         partner=nodes[order[(i + 1) % len(order)]][local],
         source=nodes[order[(i - 1) % len(order)]][local],
     )
+
+
+class RefusedCopyError(CheckpointError):
+    """A copy a restore does not take (another's, damaged, or not sent): the next source
+    serves."""
+
+
+def _head(c: _Copy | None) -> list[int]:
+    """The head that goes before copy `c`'s bytes (`_NOTHING` for none)."""
+    return _NOTHING if c is None else [c.step, c.size, c.crc, c.owner, c.world]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -174,31 +197,52 @@ class Replicator:
         """The copies' headers, then their bytes (ours: `latest`, whose bytes are `view`)."""
         import torch.distributed as dist
 
-        head = [_NONE, _NONE, 0] if latest is None else [latest.step, latest.size, latest.crc]
-        sends = _post(self.group, ring.partner, head, view)
-        got = torch.empty(3, dtype=torch.int64)
+        sends = _post(self.group, ring.partner, _head(latest), view)
+        got = torch.empty(_HEAD_FIELDS, dtype=torch.int64)
         dist.recv(got, src=ring.source, group=self.group, tag=_HEAD)
-        step, size, crc = (int(v) for v in got)
+        step, size, crc, owner, world = (int(v) for v in got)
         try:
             if size > 0:
-                self._keep(ring.source, step, size, crc)
+                self._keep(ring.source, (step, size, crc), (owner, world))
         finally:
             for request in sends:
                 request.wait()
 
-    def _keep(self, source: int, step: int, size: int, crc: int) -> None:
+    def _keep(self, source: int, copy: tuple[int, int, int], names: tuple[int, int]) -> None:
+        """Take the source's copy (step, size, checksum) off the wire into the replica slot,
+        and seal it there unless its head (`names`: owner, world) or its bytes name another
+        than the source: that one is refused with a warning (the exchange goes on: the ring
+        is still in step, and the slot keeps its newest copy)."""
         import torch.distributed as dist
+
+        step, size, crc = copy
 
         def fill(region: memoryview) -> None:
             target = torch.frombuffer(region, dtype=torch.uint8)
             dist.recv(target, src=source, group=self.group, tag=_DATA)
 
+        def drop() -> None:  # off the wire all the same, to stay in step
+            dist.recv(torch.empty(size, dtype=torch.uint8), src=source, group=self.group, tag=_DATA)
+
+        whose = f"the checkpoint copy of step {step} that rank {source} sent"
+        if names != (source, self.world):
+            drop()
+            owner, world = names
+            warnings.warn(
+                f"refused {whose}: it names rank {owner}'s state in a world of {world}, not "
+                f"rank {source}'s in a world of {self.world}; it is not kept",
+                stacklevel=2,
+            )
+            return
         try:
             index = self.replica.receive(size, fill)
-        except CheckpointError:  # no room for it: taken off the wire all the same, in step
-            dist.recv(torch.empty(size, dtype=torch.uint8), src=source, group=self.group, tag=_DATA)
+        except CheckpointError:  # no room for it
+            drop()
             raise
-        self.replica.seal(index, step, size, crc, source, self.world)
+        try:
+            self.replica.seal(index, step, size, crc, source, self.world)
+        except _payload.ForeignCopyError as e:
+            warnings.warn(f"refused {whose}: {e}", stacklevel=2)
 
 
 def _post(group: Any, dst: int, head: list[int], view: memoryview | None) -> list[Any]:
@@ -307,11 +351,12 @@ def _inventory(
 
 
 def _held(
-    reports: list[list[int]], world: int
+    reports: list[list[int]], world: int, refused: Set[tuple[int, int, int]]
 ) -> tuple[dict[tuple[int, int], list[int]], set[tuple[int, int]]]:
     """Who holds what: (owner, step) to the ranks holding it in memory, and the (owner, step)
     on the owner's disk. A step whose restores from memory died `_restores.LIMIT` times on any
-    rank, and every older one, come from disk only (as without replicas: memory, then disk)."""
+    rank, and every older one, come from disk only (as without replicas: memory, then disk).
+    A memory copy in `refused` (owner, step, holder) is held by no one."""
     banned = max((r[0] for r in reports), default=_NONE)
     memory: dict[tuple[int, int], list[int]] = {}
     disk: set[tuple[int, int]] = set()
@@ -321,20 +366,22 @@ def _held(
             owner, step, tier = report[at : at + 3]
             if owner < 0 or owner >= world or step < 0:
                 continue
-            if tier == _MEMORY and step > banned:
+            if tier == _MEMORY and step > banned and (owner, step, holder) not in refused:
                 memory.setdefault((owner, step), []).append(holder)
             elif tier == _DISK and owner == holder:
                 disk.add((owner, step))
     return memory, disk
 
 
-def choose(reports: list[list[int]], world: int) -> tuple[int, list[tuple[int, int]]] | None:
+def choose(
+    reports: list[list[int]], world: int, refused: Set[tuple[int, int, int]] = frozenset()
+) -> tuple[int, list[tuple[int, int]]] | None:
     """From every rank's report: the newest step held for every rank, and for each rank who
     gives it its state and from which tier: the rank itself from memory, else its own disk,
     else the lowest rank holding it in memory. None if no rank holds anything; a
     CheckpointError if no one step is held for every rank, or if only another world's
-    per-rank states are."""
-    memory, disk = _held(reports, world)
+    per-rank states are. The memory copies `refused` (owner, step, holder) are not taken."""
+    memory, disk = _held(reports, world, refused)
     others = sorted({r[1] for r in reports if r[1] > 0})
     steps = {step for _, step in memory} | {step for _, step in disk}
     if not steps and not others:
@@ -372,40 +419,64 @@ def choose(reports: list[list[int]], world: int) -> tuple[int, list[tuple[int, i
 
 def restore(tier: ReplicaTier, map_location: Any, weights_only: bool) -> tuple[Any, int] | None:
     """(this rank's state, step) at the newest step held for every rank; None if there is
-    none. Every rank must call it. A rank that fails makes every rank fail."""
+    none. Every rank must call it. A rank that fails makes every rank fail; a copy a rank
+    refuses (`RefusedCopyError`) is left out, and the ranks choose again without it."""
     import torch.distributed as dist
 
     rep = tier.replicator
     rep.ready()
     mine, copies = _inventory(tier)
-    reports = [torch.empty(len(mine), dtype=torch.int64) for _ in range(rep.world)]
-    dist.all_gather(reports, torch.tensor(mine, dtype=torch.int64), group=rep.group)
-    chosen = choose([r.tolist() for r in reports], rep.world)  # the same on every rank
-    if chosen is None:
-        return None
-    step, plan = chosen
-    problem: BaseException | None = None
-    state: Any = None
-    mine_here = copies.get((rep.rank, step), (None, None))
-    try:
-        state = _restore_mine(tier, copies, step, plan, (map_location, weights_only))
+    gathered = [torch.empty(len(mine), dtype=torch.int64) for _ in range(rep.world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64), group=rep.group)
+    reports = [r.tolist() for r in gathered]
+    refused: set[tuple[int, int, int]] = set()
+    while True:  # each round leaves out one copy more at least: it ends
+        chosen = choose(reports, rep.world, refused)  # the same on every rank
+        if chosen is None:
+            return None
+        step, plan = chosen
+        got: tuple[Any, bytearray | None] | None = None
+        problem: BaseException | None = None
+        try:
+            got = _restore_mine(tier, copies, step, plan, (map_location, weights_only))
+        except RefusedCopyError as e:
+            warnings.warn(f"{e}; the restore takes the next source", stacklevel=4)
+        except Exception as e:
+            problem = e
+        status = _FAILED if problem else _OK if got else _REFUSED
+        refusals = _agree(rep, step, status, problem)
+        if not refusals:
+            break
+        refused |= {(owner, step, plan[owner][0]) for owner in refusals}
+    assert got is not None
+    state, raw = got
+    problem, own = None, None
+    try:  # only now: kept before every rank had its state, it could overwrite one to send
+        own = _keep_restored(tier, copies, step, plan, (state, raw))
     except Exception as e:
         problem = e
-    failed = [torch.zeros(1, dtype=torch.int64) for _ in range(rep.world)]
-    dist.all_gather(failed, torch.tensor([1 if problem else 0]), group=rep.group)
+    _agree(rep, step, _FAILED if problem else _OK, problem)
+    rep.send(own is not None, own)  # the peer node holds this step again before training
+    return state, step
+
+
+def _agree(rep: Replicator, step: int, status: int, problem: BaseException | None) -> list[int]:
+    """Tell every rank how this rank's part went (`status`); the ranks that refused a copy.
+    Every rank raises if one failed (this one: `problem`)."""
+    import torch.distributed as dist
+
+    said = [torch.zeros(1, dtype=torch.int64) for _ in range(rep.world)]
+    dist.all_gather(said, torch.tensor([status], dtype=torch.int64), group=rep.group)
     if problem is not None:
         raise problem
-    who = [r for r, f in enumerate(failed) if int(f.item())]
+    statuses = [int(s.item()) for s in said]
+    who = [r for r, s in enumerate(statuses) if s == _FAILED]
     if who:
         raise CheckpointError(
             f"rank(s) {who} could not restore checkpoint step {step} (their errors say why); "
             "no rank resumes without the others"
         )
-    # The peer node holds this step again before training: the copy this rank had, or the
-    # one it just put in its slot (its newest).
-    own = mine_here[1] if mine_here[0] is rep.own else rep.own.last()
-    rep.send(own is not None, own)
-    return state, step
+    return [r for r, s in enumerate(statuses) if s == _REFUSED]
 
 
 def _restore_mine(
@@ -414,23 +485,40 @@ def _restore_mine(
     step: int,
     plan: list[tuple[int, int]],
     load: tuple[Any, bool],
-) -> Any:
+) -> tuple[Any, bytearray | None]:
     """This rank's state at `step` (`load`: map_location, weights_only), from its memory, its
-    disk or a peer's memory, kept in its own slot for the next failure; the copies it gives
-    are sent meanwhile."""
+    disk or a peer's memory, and its bytes if they came from memory; the copies it gives are
+    sent meanwhile. A `RefusedCopyError` if its copy is refused (another's, damaged, or not
+    sent)."""
     rep = tier.replicator
     map_location, weights_only = load
     raw, holder = _take(rep, copies, step, plan)
     if raw is None:  # from this rank's disk, verified as it is loaded
-        state = tier.disk.load(step, map_location, weights_only)
-        rep.own.put(state, step)  # this node's own copy, for the next failure
-        return state
-    tier.memory.restored(step)
+        return tier.disk.load(step, map_location, weights_only), None
     where = f"checkpoint step {step} of rank {rep.rank} (from rank {holder}'s memory)"
-    state = _payload.decode(raw, where, map_location, weights_only)
-    if copies.get((rep.rank, step), (None,))[0] is not rep.own:
-        rep.own.put_bytes(raw, step)  # this node's own copy, for the next failure
-    return state
+    return _payload.decode(raw, where, map_location, weights_only), raw
+
+
+def _keep_restored(
+    tier: ReplicaTier,
+    copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]],
+    step: int,
+    plan: list[tuple[int, int]],
+    got: tuple[Any, bytearray | None],
+) -> _Copy | None:
+    """Keep the restored state (`got`: it, and its bytes if from memory) in this rank's own
+    slot for the next failure, unless it is there; the copy there, to send to the peer."""
+    rep = tier.replicator
+    state, raw = got
+    if raw is None:
+        rep.own.put(state, step)
+        return rep.own.last()
+    tier.memory.restored(step)
+    slot, c = copies.get((rep.rank, step), (None, None))
+    if plan[rep.rank] == (rep.rank, _MEMORY) and slot is rep.own:
+        return c
+    rep.own.put_bytes(raw, step)  # checked again as it is sealed
+    return rep.own.last()
 
 
 def _take(
@@ -441,31 +529,26 @@ def _take(
 ) -> tuple[bytearray | None, int]:
     """This rank's part of a restore: send the copies it gives, and get its own from its
     memory or a peer's; (its bytes, or None when its disk gives it; the rank that gave
-    them)."""
+    them). A `RefusedCopyError`, once its sends are done, if its own copy is refused."""
     me = rep.rank
     views: list[memoryview] = []
     sends: list[Any] = []
+    refusal: RefusedCopyError | None = None
+    raw: bytearray | None = None
     try:
         for owner, (holder, tier) in enumerate(plan):
             if holder != me or owner == me or tier != _MEMORY:
                 continue
             slot, c = copies[owner, step]
             views.append(slot.view(c))
-            sends += _post(rep.group, owner, [c.size, c.crc], views[-1])
+            # The bytes as they are now (a slot's file can change): never another's.
+            ok = slot.names(c, views[-1])
+            sends += _post(rep.group, owner, _head(c if ok else None), views[-1] if ok else None)
         holder, tier = plan[me]
-        raw: bytearray | None = None
-        if tier == _DISK:
-            pass  # read by the caller, verified as it is loaded
-        elif holder == me:
-            slot, c = copies[me, step]
-            raw = slot.read_copy(c)
-            if raw is None:
-                raise CheckpointError(
-                    f"rank {me}'s memory copy of checkpoint step {step} changed since it was "
-                    "verified: is another job using this node's memory slots?"
-                )
-        else:
-            raw = _receive(rep, holder, step)
+        try:
+            raw = None if tier == _DISK else _own_copy(rep, copies, step, holder)
+        except RefusedCopyError as e:
+            refusal = e  # the others' sends go on all the same
         for request in sends:
             request.wait()
     except BaseException:
@@ -474,21 +557,54 @@ def _take(
         raise
     for view in views:
         view.release()
+    if refusal is not None:
+        raise refusal
     return raw, holder
 
 
+def _own_copy(
+    rep: Replicator, copies: dict[tuple[int, int], tuple[MemorySlot, _Copy]], step: int, holder: int
+) -> bytearray:
+    """This rank's copy of `step` from `holder`'s memory (this rank's or a peer's)."""
+    if holder != rep.rank:
+        return _receive(rep, holder, step)
+    slot, c = copies[rep.rank, step]
+    raw = slot.read_copy(c)
+    if raw is None:
+        raise RefusedCopyError(
+            f"refused checkpoint step {step} of rank {rep.rank} from its own memory: it "
+            "changed since it was verified (is another job using this node's memory slots?)"
+        )
+    return raw
+
+
 def _receive(rep: Replicator, holder: int, step: int) -> bytearray:
+    """This rank's copy of `step` as `holder` sends it, checked: a `RefusedCopyError` unless
+    its head and its bytes name this rank, world, step and job, and its checksum verifies."""
     import torch.distributed as dist
 
-    head = torch.empty(2, dtype=torch.int64)
+    head = torch.empty(_HEAD_FIELDS, dtype=torch.int64)
     dist.recv(head, src=holder, group=rep.group, tag=_HEAD)
-    size, crc = (int(v) for v in head)
-    data = bytearray(size)
+    sent_step, size, crc, owner, world = (int(v) for v in head)
+    refused = f"refused checkpoint step {step} of rank {rep.rank} sent by rank {holder}"
+    if size <= 0:  # the holder refused to send it: its warning says why
+        raise RefusedCopyError(
+            f"checkpoint step {step} of rank {rep.rank} was not sent by rank {holder}: its "
+            f"copy there no longer names rank {rep.rank}'s state"
+        )
+    data = bytearray(size)  # taken off the wire whatever it names, to stay in step
     dist.recv(torch.frombuffer(data, dtype=torch.uint8), src=holder, group=rep.group, tag=_DATA)
+    expected = _payload.Identity(rep.rank, rep.world, step, rep.own.run)
+    if (owner, world, sent_step) != (rep.rank, rep.world, step):
+        named = _payload.Identity(owner, world, sent_step, expected.run)
+        raise RefusedCopyError(f"{refused}: its head names {named.says()}")
     received = _payload.checksum(memoryview(data))
     if received != crc:
-        raise CheckpointError(
-            f"checkpoint step {step} of rank {rep.rank}, sent by rank {holder}, arrived "
-            f"damaged (checksum {received:#x}, sent {crc:#x})"
+        raise RefusedCopyError(
+            f"{refused}: it arrived damaged (checksum {received:#x}, sent {crc:#x})"
         )
+    try:
+        _payload.check_identity(data, expected, "the copy", "is meant to be")
+    except _payload.ForeignCopyError as e:
+        raise RefusedCopyError(f"{refused}: {e}") from e
     return data
