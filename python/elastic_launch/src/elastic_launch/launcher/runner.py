@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_launch import compat
-from elastic_launch.agent import shm
+from elastic_launch.agent import fencing, shm
 from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import Events
@@ -86,10 +86,12 @@ def run(
         if rdzv is None:
             rdzv = create_handler(plan.rendezvous)
             stack.callback(rdzv.shutdown, cancel)
+        fence = stack.enter_context(fencing.fence(guardian))
         env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
-        env.update(container.env())
+        env.update({**container.env(), **fence.env()})
         context = NodeContext(c, run_id, entrypoint, layout)
         group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env))
+        fence.start(fencing.held_until_of(rdzv), fencing.waker(group))
         agent = ElasticAgent(group, rdzv, events, cancel, team)
         if plan.health is not None:
             stack.enter_context(HealthServer(*plan.health, agent.health))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from elastic_launch import spare, teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
 from elastic_launch.files import write_atomically
-from elastic_launch.processes import cgroup
+from elastic_launch.processes import cgroup, fence
 
 if TYPE_CHECKING:
     import importlib.machinery
@@ -235,6 +235,8 @@ def become_worker(handover: Handover | None = None) -> None:
     _reset_signals()
     die_with_parent()
     spare.idle_while_spare()
+    if os.environ.get(fence.FENCE_FILE_ENV):  # a rank now: held while the agent's place is
+        fence.start_watch(os.environ[fence.FENCE_FILE_ENV])
     install_hooks()
     sys.excepthook = _excepthook
 

@@ -75,6 +75,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._round: RoundState | None = None  # our final round, while it runs
         self._seen_open = False  # whether this node saw the job before it closed
         self._rounds = 0
+        self._entered_with = 0  # the lease grant the running round was entered with
         self._closed_phase = False
         self._follower: Follower | None = None
         self._done = False  # this node's workers finished (its done key is written)
@@ -291,6 +292,8 @@ class ElasticRendezvous(RendezvousHandler):
         """The round is final with us in it: the workers may start."""
         self._round = state
         self._rounds += 1
+        hold = self.store.lease_hold()
+        self._entered_with = hold[0] if hold is not None else 0
         self._joined()
         # From now on the job runs: a store that goes away (an etcd restart) may come back
         # within `reconnect_timeout`; beyond that the job cannot go on without it.
@@ -301,6 +304,18 @@ class ElasticRendezvous(RendezvousHandler):
         return rnd.round_info(state, self.node)
 
     # ---- while the workers run -------------------------------------------------------------------
+
+    def held_until(self) -> float | None:
+        """Until when (``time.monotonic``) this node's place in the running round is certain:
+        while the lease it entered the round with is renewed, the others cannot have gone on
+        without it (:mod:`elastic_launch.processes.fence`). 0.0: not certain now (that lease
+        expired: the round may have gone on without this node). None: nothing to say (no
+        round runs, or the store cannot say)."""
+        hold = self.store.lease_hold()
+        if hold is None or self._round is None:
+            return None
+        grants, until = hold
+        return until if grants == self._entered_with else 0.0
 
     def _stop_follower(self) -> None:
         if self._follower is not None:

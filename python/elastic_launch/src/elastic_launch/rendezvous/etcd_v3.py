@@ -213,6 +213,11 @@ class EtcdV3Store(Store):
     def ensure_lease(self) -> None:
         self.lease.ensure()
 
+    def lease_hold(self) -> tuple[int, float] | None:
+        """(leases granted so far, until when (monotonic) the one in use is held for sure)."""
+        lease = self.lease
+        return (lease.grants, lease.held_until) if lease.id else None
+
     @property
     def leases(self) -> set[int]:
         """The ids of the leases this connection holds (the one in use, one asked for early)."""

@@ -8,6 +8,7 @@ others see this node leave at once.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -45,6 +46,10 @@ class Lease:
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self._keep_call: Any = None  # the keep-alive stream
+        #: Until when (monotonic) the store holds the lease for sure: a renewal asked at t and
+        #: answered with TTL holds it until t + TTL at least (the store counts from later).
+        self.held_until = 0.0
+        self.grants = 0  # leases granted so far: a new one holds nothing the old one held
 
     def start(self, ttl: float, on_lost: Callable[[], None] | None = None) -> None:
         """Grant the lease (or take the early one) and keep it alive from a thread."""
@@ -120,12 +125,16 @@ class Lease:
 
     def _grant(self) -> None:
         c = self.client
-        reply = self._early_reply() or c.call(
-            "lease.LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl))
-        )
+        asked = self._early[1] if self._early is not None else time.monotonic()
+        reply = self._early_reply()
+        if reply is None:
+            asked = time.monotonic()
+            reply = c.call("lease.LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl)))
         if reply.error:
             raise StoreError(f"{c.name} refused a lease: {reply.error}")
         self.id = reply.ID
+        self.grants += 1
+        self.held_until = asked + reply.TTL
 
     def restore(self) -> None:
         """The store was started again empty: grant this lease again, with its id and TTL."""
@@ -168,11 +177,11 @@ class Lease:
             conn = self.client.current
             last = [time.monotonic()]  # the last answer (or the stream's start)
             call: list[Any] = []
+            sent: collections.deque[float] = collections.deque()  # requests not answered yet
             answered = False
             try:
-                answered = self._stream(
-                    conn, self._requests(conn, last, call, interval), last, call
-                )
+                requests = self._requests(conn, last, call, interval, sent)
+                answered = self._stream(conn, requests, last, call, sent)
             except ValueError:  # "Channel closed": the store is closing, or left this member
                 if self.client.closed.is_set():
                     return
@@ -195,9 +204,15 @@ class Lease:
         return max(self.ttl * 0.8, 2 * interval)
 
     def _stream(
-        self, conn: Connection, requests: Iterator[Any], last: list[float], call: list[Any]
+        self,
+        conn: Connection,
+        requests: Iterator[Any],
+        last: list[float],
+        call: list[Any],
+        sent: collections.deque[float],
     ) -> bool:
-        """One keep-alive stream on member `conn`, until it ends; whether it was answered."""
+        """One keep-alive stream on member `conn`, until it ends; whether it was answered
+        (`sent`: when each request not answered yet was sent, oldest first)."""
         c = self.client
         answered = False
         epoch = c.epoch  # not enter(): renewals go on while a replaced store is filled again
@@ -211,8 +226,11 @@ class Lease:
             for reply in stream:
                 last[0] = time.monotonic()
                 answered = True
+                asked = sent.popleft() if sent else 0.0
                 if not self._take(conn, reply, epoch):
                     return True  # another member, or the store filled again: a new stream
+                if reply.TTL > 0 and reply.ID == self.id and asked:
+                    self.held_until = max(self.held_until, asked + reply.TTL)
         except grpc.RpcError as e:
             if self._stop.is_set():
                 return answered
@@ -245,7 +263,12 @@ class Lease:
         return True
 
     def _requests(
-        self, conn: Connection, last: list[float], call: list[Any], interval: float
+        self,
+        conn: Connection,
+        last: list[float],
+        call: list[Any],
+        interval: float,
+        sent: collections.deque[float],
     ) -> Iterator[rpc_pb2.LeaseKeepAliveRequest]:
         """The keep-alive stream's requests, in gRPC's own thread for the stream: one per
         tick; when its answers stop coming (`last`: the last one), the member is left and
@@ -255,6 +278,7 @@ class Lease:
         while True:
             if time.monotonic() >= due:
                 self.client.count()
+                sent.append(time.monotonic())
                 yield rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
                 due = time.monotonic() + interval
             wake = min(due, last[0] + stale) - time.monotonic()

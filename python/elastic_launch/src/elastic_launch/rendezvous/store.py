@@ -279,6 +279,12 @@ class Store(abc.ABC):
         """Make sure the lease is valid now (grant a new one if it expired), before writing
         ephemeral keys again after an expiry."""
 
+    def lease_hold(self) -> tuple[int, float] | None:
+        """(leases granted so far, until when (``time.monotonic``) the store holds the one in
+        use for sure), or None where this store cannot say (its workers are then not fenced:
+        :mod:`elastic_launch.processes.fence`)."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Revoke the lease (ephemeral keys go at once) and disconnect; idempotent."""
