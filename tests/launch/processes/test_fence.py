@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Callable
 
-import pytest
 from elastic_launch.processes import fence
 
 WORKER = """
@@ -83,13 +82,36 @@ def test_an_unreadable_fence_is_said_and_the_worker_runs(tmp_path, capsys):
     assert "cannot be read" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("size", [0, 3])
-def test_a_fence_file_cut_short_by_a_worker_fences_no_one(tmp_path, size):
+def test_what_a_worker_does_to_the_fence_file_costs_the_agent_nothing(tmp_path):
+    """The agent writes through the descriptor it made the file with and never reads it: a
+    worker that cuts it, replaces it with a directory or removes it changes what workers
+    read, never the agent. (The file is the user's: a worker can write a fence into it and
+    stop its node's workers, as it can signal them; no other node's.)"""
     path = tmp_path / "fence"
-    path.write_bytes(b"\x01" * size)
-    fd = os.open(path, os.O_RDONLY)
+    writer = fence.FenceWriter(str(path))
     try:
-        raw = os.pread(fd, 8, 0)
-        assert len(raw) < 8  # what _watch reads as no fence: the agent rewrites it whole
+        reader = os.open(path, os.O_RDONLY)
+        try:
+            os.truncate(path, 3)
+            assert fence.read_value(reader) == fence.NO_FENCE, "cut short: no fence"
+            writer._held_until = lambda: 0.0
+            writer.write()
+            assert fence.read_value(reader) == fence.FENCED, "written whole again"
+        finally:
+            os.close(reader)
+        path.unlink()
+        path.mkdir()  # a directory at its path
+        writer.write()  # through its own descriptor: no error
+        with open(path / "x", "w"):
+            pass
+    finally:
+        writer.close()
+    assert path.is_dir(), "close removes only the file it made"
+
+
+def test_a_fence_that_cannot_be_read_fences_no_one(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: pread fails
+    try:
+        assert fence.read_value(fd) is None
     finally:
         os.close(fd)

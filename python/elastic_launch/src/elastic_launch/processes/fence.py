@@ -126,14 +126,22 @@ def start_watch(path: str) -> threading.Thread | None:
     return thread
 
 
+def read_value(fd: int) -> int | None:
+    """The fence in the file at `fd`; NO_FENCE for a file cut short (the agent writes it whole
+    again within WRITE_INTERVAL); None if it cannot be read."""
+    try:
+        raw = os.pread(fd, _VALUE.size, 0)
+    except OSError:
+        return None
+    return _VALUE.unpack(raw)[0] if len(raw) == _VALUE.size else NO_FENCE
+
+
 def _watch(fd: int) -> None:
     said = False
     while True:
-        try:
-            raw = os.pread(fd, _VALUE.size, 0)
-        except OSError:
+        value = read_value(fd)
+        if value is None:
             return
-        value = _VALUE.unpack(raw)[0] if len(raw) == _VALUE.size else NO_FENCE
         if passed(value, time.monotonic_ns()):
             if not said:
                 said = True
