@@ -293,13 +293,13 @@ def test_what_a_launcher_killed_with_everything_it_started_left_the_next_one_rem
         proc.wait(timeout=10)
         assert wait_for(lambda: not any(alive(p) for p in pids), 30), "its processes ended"
         left = glob.glob(f"{shared}/elasticrun-{proc.pid}-*")
-        assert len(left) == 3, f"two tables and the memory tier stay behind: {left}"
+        assert len(left) == 4, f"two tables, the memory tier and the fence stay behind: {left}"
         quick = tmp_path / "quick.py"
         quick.write_text("print('done')\n")
         code, _, err = finish(start(["--standalone", str(quick)], env=env))
         assert code == 0, err[-2000:]
         assert os.listdir(shared) == [], "the first's removed, the second's own at its end"
-        assert f"removed 3 leftover(s) of elasticrun launchers that are gone from {shared}" in err
+        assert f"removed 4 leftover(s) of elasticrun launchers that are gone from {shared}" in err
     finally:
         kill_all(pids)
 

@@ -13,10 +13,13 @@ from collections.abc import Callable
 from elastic_launch.processes import fence
 
 WORKER = """
-import sys, time
+import sys, threading, time
 from elastic_launch.processes import fence
 fence.start_watch(sys.argv[1])
 print("watching", flush=True)
+while any(t.name == "elasticrun-fence" for t in threading.enumerate()):
+    time.sleep(0.01)
+print("unwatched", flush=True)
 while True:
     time.sleep(0.01)
 """
@@ -69,6 +72,11 @@ def test_a_worker_stops_when_the_lease_is_not_certain_and_is_woken_when_it_is(tm
         wait_for(lambda: state_of(worker.pid) != "T")
         held[0] = time.monotonic() - 1  # the last renewal's hold has run out
         wait_for(lambda: state_of(worker.pid) == "T")
+        # Woken while the fence holds: the agent is ending it (SIGTERM, then SIGCONT): it
+        # runs, to take the SIGTERM, and does not stop itself again.
+        os.kill(worker.pid, signal.SIGCONT)
+        assert worker.stdout.readline().strip() == b"unwatched"
+        assert state_of(worker.pid) != "T"
     finally:
         worker.kill()
         _, err = worker.communicate(timeout=10)

@@ -8,7 +8,8 @@ when its lease is held for sure (a renewal asked at t and answered with TTL hold
 t + TTL at least), less :data:`MARGIN`; each worker reads it every :data:`CHECK_INTERVAL` and,
 once that time has passed, stops itself (SIGSTOP): before the store can drop the lease, so
 before any new round can start. The agent wakes its workers (SIGCONT) when a renewal shows the
-lease held after all, and ends them when it finds the round gone on.
+lease held after all, and ends them when it finds the round gone on (a worker woken while the
+fence still holds is being ended: it stops watching, so that its SIGTERM handler runs).
 
 The file holds one little-endian signed 64-bit number: ``time.monotonic_ns()`` (one clock for
 every process of the host) until which the workers may run; 0 for no fence (no round runs, or
@@ -153,5 +154,8 @@ def _watch(fd: int) -> None:
             # This thread's own: the stop takes the whole process at once, before this
             # thread reads again (one sent to the process may be taken later).
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-            continue  # woken: read again
+            value = read_value(fd)
+            if value is None or passed(value, time.monotonic_ns()):
+                return  # woken, still fenced: the agent ends it (its SIGTERM must run)
+            continue
         time.sleep(CHECK_INTERVAL)
