@@ -27,7 +27,7 @@ SHM_DIR = "/dev/shm"
 SHM_DIR_ENV = "ELASTICRUN_SHM_DIR"
 #: elasticrun-PID-START-HEX (a table) or elasticrun-PID-START-memory-HEX (a memory tier); names
 #: without START are from launchers that did not record it: those count by their pid alone.
-_NAME = re.compile(r"^elasticrun-(?P<pid>\d+)-(?:(?P<start>\d+)-)?(?:memory-)?[0-9a-f]{8}$")
+_NAME = re.compile(r"^elasticrun-(?P<pid>\d+)-(?:(?P<start>\d+)-)?(?:[a-z]+-)?[0-9a-f]{8}$")
 
 
 def start_time(pid: int) -> int | None:
