@@ -5,7 +5,8 @@ but what they started (data-loader workers, a ``subprocess``) would be orphaned,
 file in ``/dev/shm`` and the temporary log directory would stay. The launcher starts the guardian
 first and tells it, as it goes, which process groups and paths are live; the guardian watches the
 launcher's pid (a pidfd) and, should the launcher die without saying ``done``, kills those
-process groups (and any process still in the workers' sessions) and removes those paths.
+process groups (and any process still in the workers' sessions), the workers' cgroup and every
+process of the job that left it (:func:`end_strays`), and removes those paths.
 
 The guardian runs as ``python -I -S guardian.py FD PID``: standard library only, so it starts in
 milliseconds and needs nothing importable.
@@ -131,9 +132,15 @@ class Guardian:
         self._send("path", path)
 
     def kill_cgroup(self, path: str) -> None:
-        """Kill everything in cgroup `path` and remove it if the launcher dies."""
+        """Kill everything in cgroup `path`, and every process of the job that left it, and
+        remove it if the launcher dies."""
         self._cgroups.append(path)
         self._send("cgroup", path)
+
+    @property
+    def cgroup(self) -> str | None:
+        """The job's cgroup (the last one it was told to kill): where the zygote starts."""
+        return self._cgroups[-1] if self._cgroups else None
 
     def done(self) -> None:
         """The launcher cleaned up itself: the guardian exits without doing anything."""
@@ -211,22 +218,15 @@ def _sessions_of(sids: set[int]) -> list[int]:
 
 
 def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) -> None:
-    """Kill everything in `cgroups`, `groups` and everything in their sessions, remove
-    `paths` (again while a dying process may still write into them), then the emptied
-    cgroups."""
+    """Kill everything in `cgroups` and the processes of the job that left them (each named
+    on stderr: the launcher's), `groups` and everything in their sessions, remove `paths`
+    (again while a dying process may still write into them), then the emptied cgroups."""
     for cgroup in cgroups:
         signal_cgroup(cgroup)
-    for _ in range(3):  # a process may fork while we kill: look again
-        for pgid in groups:
-            with contextlib.suppress(OSError):
-                os.killpg(pgid, signal.SIGKILL)
-        left = _sessions_of(groups) if groups else []
-        for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        if not left:
-            break
-        time.sleep(0.01)
+    for cgroup in cgroups:
+        for stray in end_strays(cgroup):
+            _say(f"elasticrun guardian: ended {stray.describe(cgroup)}")
+    _kill_groups(groups)
     for _ in range(50):
         for path in paths:
             if os.path.isdir(path) and not os.path.islink(path):
@@ -241,6 +241,28 @@ def clean_up(groups: set[int], paths: list[str], cgroups: tuple[str, ...] = ()) 
         remove_cgroup(cgroup)
 
 
+def _kill_groups(groups: set[int]) -> None:
+    """Kill process groups `groups` and everything in their sessions."""
+    for _ in range(3):  # a process may fork while we kill: look again
+        for pgid in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGKILL)
+        left = _sessions_of(groups) if groups else []
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if not left:
+            break
+        time.sleep(0.01)
+
+
+def _say(line: str) -> None:
+    """`line` on the launcher's stderr, if it is still there: nothing stops the clean-up."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def signal_cgroup(path: str) -> None:
     """Kill everything in cgroup `path` at once (``cgroup.kill``)."""
     with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
@@ -248,19 +270,156 @@ def signal_cgroup(path: str) -> None:
 
 
 def remove_cgroup(path: str, timeout: float = 5.0) -> bool:
-    """Remove cgroup `path` once the kernel has emptied it (``rmdir`` is refused until
-    then), waiting up to `timeout`; whether it is gone. The launcher's way too
-    (processes.cgroup): the guardian imports nothing of the project."""
+    """Remove cgroup `path`, and the cgroups a worker made inside it, once the kernel has
+    emptied them (``rmdir`` is refused until then), waiting up to `timeout`; whether it is
+    gone. The launcher's way too (processes.cgroup): the guardian imports nothing of the
+    project."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
+        for below in _cgroups_below(path):
+            with contextlib.suppress(OSError):
+                os.rmdir(below)
         try:
             os.rmdir(path)
             return True
         except FileNotFoundError:
             return True
         except OSError:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
-    return False
+
+
+def _cgroups_below(path: str) -> list[str]:
+    """The cgroups inside cgroup `path`, the deepest first."""
+    return [os.path.join(top, d) for top, dirs, _ in os.walk(path, topdown=False) for d in dirs]
+
+
+# ---- the job's processes that left its cgroup -------------------------------------------------
+
+#: Every process of the job carries ``ELASTICRUN_CGROUP=<its cgroup>`` in the environment it
+#: started with (``/proc/<pid>/environ``), as what it forks does: processes.cgroup.CGROUP_ENV.
+JOB_MARK = "ELASTICRUN_CGROUP"
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A process of the job found outside its cgroup."""
+
+    pid: int
+    command: str
+    where: str  # its cgroup now
+
+    def describe(self, cgroup: str) -> str:
+        return (
+            f"pid {self.pid} ({self.command}), a process of the job outside the workers' cgroup "
+            f"{cgroup} (in {self.where})"
+        )
+
+
+def _marked(pid: int, mark: bytes) -> bool:
+    """Whether `pid` started with `mark` (``NAME=value``) in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0" + mark + b"\0" in b"\0" + f.read() + b"\0"
+    except OSError:  # gone, or not ours to read (then not ours to kill either)
+        return False
+
+
+def _members(cgroup: str) -> set[int]:
+    """The processes in cgroup `cgroup` and the cgroups inside it."""
+    found: set[int] = set()
+    for top, _, _ in os.walk(cgroup):
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(top, "cgroup.procs")) as f:
+            found.update(int(line) for line in f if line.strip())
+    return found
+
+
+def _cgroup_of(pid: int) -> str:
+    """The cgroup v2 path of `pid`, as /proc shows it."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return next((line[3:].strip() for line in f if line.startswith("0::")), "?")
+    except OSError:
+        return "?"
+
+
+def find_strays(cgroup: str) -> list[Stray]:
+    """The live processes marked as the job's (:data:`JOB_MARK`) outside `cgroup`: they moved
+    themselves out of it (or never got in)."""
+    mark = f"{JOB_MARK}={cgroup}".encode()
+    marked = [
+        p.pid for p in processes() if p.alive and p.pid != os.getpid() and _marked(p.pid, mark)
+    ]
+    inside = _members(cgroup)  # read after: one forked inside meanwhile is in it by now
+    below = _hierarchy_path(cgroup)
+    found = []
+    for pid in marked:
+        where = _cgroup_of(pid)  # a dying process leaves cgroup.procs, not this
+        if pid in inside or (below is not None and (where + "/").startswith(below + "/")):
+            continue
+        line = (cmdline(pid) or b"").replace(b"\0", b" ").strip()
+        found.append(Stray(pid, line.decode(errors="replace")[:200], where))
+    return found
+
+
+def _hierarchy_path(cgroup: str) -> str | None:
+    """Cgroup directory `cgroup` as /proc/<pid>/cgroup names it (below the mount point of
+    the cgroup v2 hierarchy it is in), or None if it is in none."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[2:3] == ["cgroup2"]]
+    except OSError:
+        return None
+    for mount in mounts:
+        if cgroup.startswith(mount.rstrip("/") + "/"):
+            return "/" + cgroup[len(mount.rstrip("/")) :].strip("/")
+    return None
+
+
+def _kill_marked(pid: int, mark: bytes) -> bool:
+    """SIGKILL `pid` if it is still the marked process (a pidfd holds it while it is looked
+    at again, so a reused pid is never killed); whether it was."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfds: the mark is looked at just before the kill
+        fd = -1
+    try:
+        if not _marked(pid, mark):
+            return False
+        if fd >= 0:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:  # gone meanwhile, or not ours
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def end_strays(cgroup: str, timeout: float = 5.0) -> list[Stray]:
+    """Kill every process of the job outside `cgroup`; what they fork meanwhile is found at
+    the next look, until one finds nothing new and those killed are gone (at most
+    `timeout`). Returns those killed."""
+    mark = f"{JOB_MARK}={cgroup}".encode()
+    tried: set[int] = set()
+    ended: list[Stray] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [s for s in find_strays(cgroup) if s.pid not in tried]
+        for stray in new:
+            tried.add(stray.pid)
+            if _kill_marked(stray.pid, mark):
+                ended.append(stray)
+        killed = {s.pid for s in ended}
+        dying = any(p.pid in killed and p.alive for p in processes())
+        if (not new and not dying) or time.monotonic() >= deadline:
+            return ended
+        time.sleep(0.01)
 
 
 class _Orders:

@@ -246,8 +246,10 @@ class ZygoteFork(Spawner):
     def _start(self, modules: list[str]) -> None:
         from elastic_launch.processes.zygote import Zygote
 
+        # The job's cgroup is the one its guardian ends: the launcher tells it first.
+        job = self.guardian.cgroup if self.guardian is not None else None
         try:
-            self.zygote = Zygote(modules, self.spares)
+            self.zygote = Zygote(modules, self.spares, job)
         except OSError as e:
             self._give_up(f"the --preload zygote cannot start ({e})")
         else:

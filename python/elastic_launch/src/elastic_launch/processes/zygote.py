@@ -41,6 +41,7 @@ from typing import Any
 
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
+from elastic_launch.processes import cgroup
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
 from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_worker
 
@@ -151,6 +152,7 @@ def load(name: str) -> None:
 
 def serve(fd: int, modules: list[str]) -> None:
     """The zygote's main loop: import `modules`, then fork a worker per request."""
+    cgroup.join()  # first: what a module it imports starts is in the workers' cgroup too
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # a program a preloaded module starts does not get it
     modules = [m for m in modules if m.strip()]  # the blank one is room for workers' titles
@@ -377,8 +379,10 @@ class Zygote:
     """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
     torch) overlap the rendezvous."""
 
-    def __init__(self, modules: list[str], spares: int = 0) -> None:
-        """`spares`: how many warm spares the zygote keeps forked (see the module's doc)."""
+    def __init__(self, modules: list[str], spares: int = 0, cgroup_path: str | None = None) -> None:
+        """`spares`: how many warm spares the zygote keeps forked (see the module's doc);
+        `cgroup_path`: the job's cgroup, which it joins before it imports anything (and whose
+        mark its environment carries, as every process it forks does)."""
         self.modules = modules
         #: The environment it started with: what a forked worker keeps of it is read at start.
         self.env = dict(os.environ)
@@ -386,12 +390,15 @@ class Zygote:
         self._sock = parent
         # The interpreter fresh workers would run ($PYTHON_EXEC, as torchrun honours it).
         command = [python_executable(sys.executable), "-u", "-m", __name__, str(child.fileno())]
+        env = {**self.env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())}
+        if cgroup_path:
+            env[cgroup.CGROUP_ENV] = cgroup_path
         try:
             self._proc = subprocess.Popen(
                 [*command, *modules, room_argument()],
                 pass_fds=[child.fileno()],
                 start_new_session=True,
-                env={**self.env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())},
+                env=env,
             )
         except BaseException:
             parent.close()
