@@ -229,3 +229,18 @@ def test_a_cgroup_directory_is_named_as_proc_names_it():
         pytest.skip("no cgroup v2 hierarchy is mounted")
     assert _hierarchy_path(f"{mount}/elasticrun-1-abc/below") == "/elasticrun-1-abc/below"
     assert _hierarchy_path(f"{mount}-other/x") is None
+
+
+def test_the_empty_cgroups_of_gone_launchers_are_swept(tmp_path):
+    from elastic_launch.processes import cgroup
+
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    mine = f"elasticrun-{os.getpid()}-abcdef"
+    stale = f"elasticrun-{gone.pid}-012345"
+    busy = f"elasticrun-{gone.pid}-0000aa"
+    for name in (mine, stale, busy, "other-cgroup"):
+        (tmp_path / name).mkdir()
+    (tmp_path / busy / "child").mkdir()  # not empty: rmdir refuses, as for a live cgroup
+    assert cgroup.sweep(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, busy, "other-cgroup"])

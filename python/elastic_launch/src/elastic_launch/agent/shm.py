@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 #: Where to keep them instead (a tmpfs of its own, or a test's directory).
 SHM_DIR_ENV = "ELASTICRUN_SHM_DIR"
-#: elasticrun-PID-START-HEX (a table) or elasticrun-PID-START-KIND-HEX (the memory tier, the fence); names
-#: without START are from launchers that did not record it: those count by their pid alone.
+#: elasticrun-PID-START-HEX (a table) or elasticrun-PID-START-KIND-HEX (the memory tier, the
+#: fence); names without START are from launchers that did not record it: those count by their
+#: pid alone.
 _NAME = re.compile(r"^elasticrun-(?P<pid>\d+)-(?:(?P<start>\d+)-)?(?:[a-z]+-)?[0-9a-f]{8}$")
 
 

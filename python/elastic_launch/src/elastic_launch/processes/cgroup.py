@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -84,9 +85,9 @@ class Container:
         mount, own = _mount(), _own()
         if mount is None or own is None:
             return cls(None, "no cgroup v2 hierarchy is mounted")
-        path = os.path.join(
-            mount, own.lstrip("/"), f"elasticrun-{os.getpid()}-{os.urandom(3).hex()}"
-        )
+        parent = os.path.join(mount, own.lstrip("/"))
+        sweep(parent)
+        path = os.path.join(parent, f"elasticrun-{os.getpid()}-{os.urandom(3).hex()}")
         try:
             os.mkdir(path)
         except OSError as e:
@@ -118,6 +119,32 @@ class Container:
             return
         kill_tree(self.path, timeout)
         self.path = None
+
+
+_NAME = re.compile(r"^elasticrun-(?P<pid>\d+)-[0-9a-f]{6}$")
+
+
+def sweep(parent: str) -> int:
+    """Remove the empty job cgroups in `parent` whose launcher is gone (one SIGKILLed with its
+    guardian leaves its cgroup, empty once the kernel killed what it held): how many. One
+    that still holds a process is left as it is."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        match = _NAME.match(name)
+        if match is None or os.path.exists(f"/proc/{match['pid']}"):
+            continue
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(parent, name))
+            removed += 1
+    if removed:
+        logger.info(
+            "removed %d empty cgroup(s) of launchers that are gone from %s", removed, parent
+        )
+    return removed
 
 
 def kill_tree(path: str, timeout: float = KILL_WAIT) -> bool:
