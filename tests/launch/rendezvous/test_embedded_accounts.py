@@ -214,3 +214,30 @@ def test_generated_code_of_either_kind_adds_unary_methods_that_read_in_turns():
     for h in (by_generic, server.registered["Range"]):
         assert h.request_streaming and not h.response_streaming and h.stream_unary is not None
     assert server.generic[0].service(Details()) is by_generic
+
+
+def test_freed_memory_is_given_back_after_so_many_bytes_and_once_they_stop(monkeypatch):
+    trimmer = bounds.Trimmer(every=10 << 20)
+    trims: list[int] = []
+    trimmer._trim = trims.append
+    for _ in range(9):
+        trimmer.passed(1 << 20)
+    assert not trims  # small or few: left alone
+    trimmer.passed(1 << 20)
+    assert len(trims) == 1 and trimmer.since == 0
+    monkeypatch.setattr(bounds, "TRIM_PERIOD", 0.001)
+
+    async def until(n: int) -> None:
+        while len(trims) < n:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # fifty periods more: none comes
+        assert len(trims) == n
+
+    async def quiet_then_a_little() -> None:
+        task = asyncio.ensure_future(trimmer.run())
+        await until(2)  # once more, TRIM_LATE periods after the last, then no more
+        trimmer.passed(bounds.MAX_REQUEST // 2)  # what the last requests of a load left
+        await until(4)  # at the next period, and once more after it
+        task.cancel()
+
+    _run(quiet_then_a_little())

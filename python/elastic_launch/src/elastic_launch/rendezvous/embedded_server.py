@@ -490,6 +490,7 @@ class EmbeddedServer:
             raise OSError(f"cannot listen on {self._address}: another process listens there")
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
+        self._trimming: asyncio.Task[None] | None = None  # kept: the loop holds tasks weakly
         started: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._serve, args=(started,), name="elasticrun-rdzv-service", daemon=True
@@ -568,6 +569,7 @@ class EmbeddedServer:
             raise OSError(f"cannot listen on {self._address} (in use?)")
         await server.start()
         self._server = server
+        self._trimming = asyncio.get_running_loop().create_task(in_turns.trimmer.run())
         own = [host_port(self._host, port)]
         if self._index < len(self._members):
             listed = self._members[self._index]
@@ -691,6 +693,7 @@ class _InTurns:
         self.service = service
         self.turns = bounds.Turns(bounds.REQUEST_BYTES // bounds.MAX_REQUEST)
         self.probes = bounds.Turns(bounds.PROBE_SLOTS)
+        self.trimmer = bounds.Trimmer()  # told of every request and answer that passes
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         """Code generated before gRPC's registered methods adds its services this way."""
@@ -721,13 +724,35 @@ class _InTurns:
                     f"the embedded rendezvous service reads {turns.slots} requests at a time "
                     f"and this one waited {bounds.TURN_WAIT:g} s for its turn: try again",
                 )
-            return await behaviour(request, context)
+            try:
+                return await behaviour(request, context)
+            except grpc.aio.AbortError as e:
+                # gRPC keeps the error of an aborted call with the call, in a cycle: through
+                # its traceback (and the refusal's it arose from), the handlers' frames would
+                # keep the request alive until a full collection. Refused writes at the limit
+                # piled up 500 MB that way.
+                del request
+                e.__context__ = e.__cause__ = None
+                raise e.with_traceback(None) from None
 
         return grpc.stream_unary_rpc_method_handler(
             read_in_turn,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            request_deserializer=self._counted(handler.request_deserializer, into=False),
+            response_serializer=self._counted(handler.response_serializer, into=True),
         )
+
+    def _counted(self, convert: Callable[[Any], Any] | None, into: bool) -> Any:
+        """`convert` (a message from bytes, or `into` bytes), telling the trimmer the size."""
+        passed = self.trimmer.passed
+        if convert is None:
+            return None
+
+        def counted(message: Any) -> Any:
+            converted = convert(message)
+            passed(len(converted if into else message))
+            return converted
+
+        return counted
 
 
 class _Converted(grpc.GenericRpcHandler):  # type: ignore[misc]
