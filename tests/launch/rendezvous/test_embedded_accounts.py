@@ -39,8 +39,10 @@ def test_a_watch_streams_events_and_ranges_are_given_back_when_it_ends():
     assert out.charge(60) and events.count == 60
     assert not out.charge(60)  # past the connection's share: cut off
     assert out.overflowed
+    assert not out.queue.empty()  # the cut-off, queued
     out.drop()
     assert events.count == 0 and ranges.count == 0 and not events.held and not ranges.held
+    assert out.queue.empty(), "what it queued goes with it (a cut-off call may live on)"
 
 
 @pytest.fixture

@@ -239,11 +239,15 @@ class Outbox:
         self.watched -= cost
 
     def drop(self) -> None:
-        """The stream ended: what it still held is no longer held."""
+        """The stream ended: what it still held is no longer held (its queue emptied: a call
+        cut off by an abort is kept, in a cycle, until a full collection, and with it this
+        queue, which may hold a stream's share of events)."""
         self.events.give(self.client, self.bytes)
         self.unwatch(self.watched)
         self.bytes = 0
         self.overflowed = self.closed = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
 
 
 def watch_cost(key: bytes, end: bytes) -> int:
