@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from elastic_launch.processes.guardian import cmdline, processes
 
 
@@ -15,3 +17,22 @@ def children(pid: int, zombies: bool = True) -> dict[int, bytes]:
             if line is not None:  # gone meanwhile
                 found[p.pid] = line
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait(what, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    """Whether `what()` came true within `timeout` seconds (looked at every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.02)
+    return what()

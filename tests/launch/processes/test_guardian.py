@@ -11,6 +11,7 @@ import textwrap
 import time
 
 from elastic_launch.processes.guardian import _sessions_of
+from proc_util import alive, wait
 
 LAUNCHER = textwrap.dedent("""
     import os, subprocess, sys, time
@@ -34,23 +35,6 @@ LAUNCHER = textwrap.dedent("""
         print("done", flush=True)
     time.sleep(60)
 """)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def wait(what, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return True
-        time.sleep(0.02)
-    return what()
 
 
 def start(paths: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int, int]:

@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from elastic_launch.processes import cgroup, guardian
 from elastic_launch.processes.guardian import end_strays, find_strays, remove_cgroup
+from proc_util import alive, wait
 
 SLEEPER = "import time; time.sleep(60)"
 #: A daemon as a worker starts one: setsid, a double fork; it prints the grandchild's pid.
@@ -33,23 +33,6 @@ DAEMON = textwrap.dedent("""
         os._exit(0)
     os.wait()
 """)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def wait(what, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return True
-        time.sleep(0.02)
-    return what()
 
 
 @pytest.fixture

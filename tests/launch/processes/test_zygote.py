@@ -118,13 +118,7 @@ def test_a_dead_zygote_is_unavailable(zygote):
 
 
 def test_the_spawner_falls_back_to_fresh_interpreters_and_says_why(tmp_path, caplog):
-    from elastic_launch.processes.entrypoint import Entrypoint, Kind
-
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    spawner = ZygoteFork(
-        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
-    )
+    script, spawner = probe_spawner(tmp_path)
     try:
         assert spawner.forks and spawner.zygote is not None
         os.kill(spawner.zygote.pid, signal.SIGKILL)
@@ -159,13 +153,7 @@ def _fill(sock: socket.socket, message: dict) -> None:
 def test_a_stopped_zygote_is_given_up_for_fresh_interpreters(tmp_path, caplog):
     """A zygote SIGSTOPped with its socket full: the spawn's send waits its deadline (it waited
     forever before), the spawner says why and starts a fresh interpreter."""
-    from elastic_launch.processes.entrypoint import Entrypoint, Kind
-
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    spawner = ZygoteFork(
-        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
-    )
+    script, spawner = probe_spawner(tmp_path)
     try:
         z = spawner.zygote
         assert z is not None and z.wait_ready(30)
@@ -181,6 +169,16 @@ def test_a_stopped_zygote_is_given_up_for_fresh_interpreters(tmp_path, caplog):
         assert "took no message within" in caplog.text and "fresh interpreters" in caplog.text
     finally:
         spawner.close()
+
+
+def probe_spawner(tmp_path: Path, modules: list[str] | None = None) -> tuple[Path, ZygoteFork]:
+    """The probe script, and a spawner of it through a zygote importing `modules`."""
+    from elastic_launch.processes.entrypoint import Entrypoint, Kind
+
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    chosen = PreloadPlan(modules or [], zygote=True)
+    return script, ZygoteFork(chosen, FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))))
 
 
 def run_forked_probe(spawner: ZygoteFork, tmp_path: Path) -> None:
@@ -209,13 +207,7 @@ def test_a_module_that_fails_to_import_is_reported_and_the_zygote_serves(tmp_pat
 
 
 def test_a_worker_environment_read_at_start_that_differs_is_not_forked(tmp_path, caplog):
-    from elastic_launch.processes.entrypoint import Entrypoint, Kind
-
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    spawner = ZygoteFork(
-        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
-    )
+    script, spawner = probe_spawner(tmp_path)
     try:
         out = tmp_path / "out.json"
         env = {**os.environ, "OMP_NUM_THREADS": "7", "PROBE": "fresh"}
@@ -418,16 +410,10 @@ def test_a_zygote_whose_import_waits_is_not_waited_for(tmp_path, caplog, monkeyp
     """A package that blocks at import (no CPU time used): the first spawn waits until that is
     seen (ZYGOTE_STALL of no progress), not ZYGOTE_START_TIMEOUT; later spawns do not wait."""
     from elastic_launch.processes import spawn as spawn_module
-    from elastic_launch.processes.entrypoint import Entrypoint, Kind
 
     (tmp_path / "blocks.py").write_text("import time\ntime.sleep(600)\n")
     _on_path(monkeypatch, tmp_path)
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    spawner = ZygoteFork(
-        PreloadPlan(["blocks"], zygote=True),
-        FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script))),
-    )
+    script, spawner = probe_spawner(tmp_path, ["blocks"])
     try:
         for n in range(2):
             out = tmp_path / f"out{n}.json"
@@ -446,13 +432,7 @@ def test_a_zygote_whose_import_waits_is_not_waited_for(tmp_path, caplog, monkeyp
 
 
 def test_a_zygote_stopped_after_its_imports_is_given_up_at_the_spawn_answer(tmp_path, caplog):
-    from elastic_launch.processes.entrypoint import Entrypoint, Kind
-
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    spawner = ZygoteFork(
-        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
-    )
+    script, spawner = probe_spawner(tmp_path)
     try:
         z = spawner.zygote
         assert z is not None and z.wait_ready(30)
