@@ -12,15 +12,19 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 from elastic_launch.net import free_port
 from elastic_launch.rendezvous.embedded_peers import Peer
 from elastic_launch.rendezvous.embedded_server import EmbeddedServer
 from elastic_launch.rendezvous.endpoints import StoreMember
 from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.etcdpb import rpc_pb2_grpc
 from elastic_launch.rendezvous.store import StoreAccess
+from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
 from relay_impostor import Impostor
 
 TOKEN = "the-job-token"
@@ -166,3 +170,45 @@ def test_without_a_token_a_service_on_another_users_port_is_never_followed(caplo
             host.close(0)
         impostor.kill()
         impostor.wait(10)
+
+
+class Forger(rpc_pb2_grpc.AuthServicer, rpc_pb2_grpc.KVServicer):
+    """A process without the token that answers every call, the login included, with a
+    standby's refusal naming a host and a cluster of its choosing."""
+
+    def __init__(self, port: int, host: str) -> None:
+        self.said = ((HOST_KEY, host), (CLUSTER_KEY, "dead"))
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        rpc_pb2_grpc.add_AuthServicer_to_server(self, self.server)
+        rpc_pb2_grpc.add_KVServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.server.start()
+
+    def Authenticate(self, request, context):  # noqa: N802
+        context.set_trailing_metadata(self.said)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "this rendezvous service is a standby")
+
+    Range = Put = Txn = Authenticate
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["listed-first", "moved-to"])
+def test_a_forged_standby_refusal_sends_no_agent_anywhere(first):
+    # Found by review: an unproven refusal's cluster was judged, and the agent ended with
+    # "two different clusters" (the impostor's made-up one and the job's).
+    members = two_members()
+    host_i, forger_i = (1, 0) if first else (0, 1)
+    forger = Forger(members[forger_i].port, members[host_i].target)
+    host = EmbeddedServer("127.0.0.1", members[host_i].port, TOKEN, None, members, host_i)
+    store = agent(members)
+    try:
+        wait_for(lambda: host.hosting)
+        store.put("/k", b"1")
+        store.client.fail_over(store.client.current, "a test moved it")
+        store.put("/k", b"2")
+        assert store.get("/k").value == b"2"
+        assert store.client.current.member.port == host.port
+        assert store.client.identity.cluster == host.state.cluster_id
+    finally:
+        store.close()
+        host.close(0)
+        forger.server.stop(0).wait(5)

@@ -41,9 +41,16 @@ class RefusedError(Exception):
         self.metadata = metadata
 
 
-async def refuse(context: grpc.aio.ServicerContext, e: RefusedError) -> None:
-    """End the call with `e`'s status (raises, as gRPC's abort does)."""
-    await context.abort(e.code, e.details, e.metadata)
+async def refuse(
+    context: grpc.aio.ServicerContext, e: RefusedError, guard: Guard | None = None
+) -> None:
+    """End the call with `e`'s status (raises, as gRPC's abort does); a refusal that names
+    the host carries `guard`'s proof of it for the call's nonce."""
+    metadata = e.metadata
+    said = dict(metadata)
+    if guard is not None and HOST_KEY in said:
+        metadata += guard.attest(context, "refusal", said[HOST_KEY], said.get(CLUSTER_KEY, ""))
+    await context.abort(e.code, e.details, metadata)
 
 
 class Guard:

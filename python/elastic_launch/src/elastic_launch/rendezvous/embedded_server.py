@@ -78,7 +78,7 @@ def _answering(method: Any) -> Any:
             await self._durable()
             return reply
         except RefusedError as e:
-            await refuse(context, e)
+            await refuse(context, e, self.guard)
 
     return handler
 
@@ -155,7 +155,7 @@ class _Service(
         try:
             reply = await self.guard.log_in(request.name, request.password, role)
         except RefusedError as e:
-            await refuse(context, e)
+            await refuse(context, e, self.guard)
         return rpc_pb2.AuthenticateResponse(header=self.s.header(), token=reply)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> str:
@@ -172,7 +172,7 @@ class _Service(
                     f"the embedded rendezvous service opens no more streams: {full}",
                 )
         except RefusedError as e:
-            await refuse(context, e)
+            await refuse(context, e, self.guard)
         self.s.streams.take(client)
         context.add_done_callback(lambda _: self.s.streams.give(client))
         return client
@@ -271,7 +271,7 @@ class _Service(
             await self._durable()
             return reply
         except RefusedError as e:
-            await refuse(context, e)
+            await refuse(context, e, self.guard)
 
     def _grant(self, request: Any, client: str) -> Any:
         ttl = min(max(int(request.TTL), 1), bounds.MAX_TTL)
@@ -309,7 +309,7 @@ class _Service(
             try:
                 self._hosting()
             except RefusedError as e:
-                await refuse(context, e)
+                await refuse(context, e, self.guard)
             lease_id = request.ID
             del request  # not held while the next is awaited
             ttl = self.s.renew(lease_id)
@@ -450,7 +450,7 @@ class _Service(
         try:
             await self._durable()
         except RefusedError as e:
-            await refuse(context, e)
+            await refuse(context, e, self.guard)
 
 
 class EmbeddedServer:
@@ -717,7 +717,7 @@ class _InTurns:
                 async with turns.turn(context.peer() or ""):
                     request = await _one_request(requests, context)
             except RefusedError as e:
-                await refuse(context, e)
+                await refuse(context, e, service.guard)
             except bounds.NoTurnError:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

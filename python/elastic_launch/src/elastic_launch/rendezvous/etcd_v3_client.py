@@ -226,11 +226,31 @@ class Client:
             self.connections.append(conn)
             return conn
 
-    def redirect(self, failed: Connection, error: grpc.RpcError) -> Connection | None:
+    def asking(self, conn: Connection) -> tuple[str, list[tuple[str, str]]]:
+        """A fresh nonce for a call to `conn` whose refusal may be acted on, and the call's
+        metadata (with the job's token, a standby proves its refusal for that nonce)."""
+        if self._token is None:
+            return "", conn.metadata
+        call_nonce = challenge.nonce()
+        return call_nonce, [*conn.metadata, (challenge.NONCE_KEY, call_nonce)]
+
+    def redirect(
+        self, failed: Connection, error: grpc.RpcError, call_nonce: str
+    ) -> Connection | None:
         """The host a standby's refusal names (learned), or None. The cluster the standby
         says it follows is judged as its answer: a store this client knew only through it
-        may have been replaced by the job's own."""
-        named = named_host(error)
+        may have been replaced by the job's own. With the job's token, a refusal is believed
+        only with the standby's proof of it for the call's nonce (`call_nonce`): a process
+        that took a member's port cannot send the client elsewhere or make it judge."""
+        token = self._token
+        target = failed.member.target
+
+        def proven(host: str, cluster: str, proof: str) -> bool:
+            if token is None:
+                return True
+            return challenge.attested(token, target, call_nonce, proof, "refusal", host, cluster)
+
+        named = named_host(error, proven)
         if named is None:
             return None
         address, cluster = named
@@ -245,11 +265,17 @@ class Client:
         """The member in use."""
         return self._current
 
-    def fail_over(self, failed: Connection, why: str, error: grpc.RpcError | None = None) -> bool:
+    def fail_over(
+        self,
+        failed: Connection,
+        why: str,
+        error: grpc.RpcError | None = None,
+        call_nonce: str = "",
+    ) -> bool:
         """Leave member `failed` for the next (if it is still the one in use), or for the host
         its refusal (`error`) names: what still runs on it ends and goes on with that one.
         False when there is no other member."""
-        to = self.redirect(failed, error) if error is not None else None
+        to = self.redirect(failed, error, call_nonce) if error is not None else None
         if len(self.connections) == 1:
             return False
         with self._lock:
@@ -422,8 +448,9 @@ class Client:
             unanswered.check()
             conn = self.current
             epoch = self.identity.enter()
+            asked: list[str] = []  # the nonce of the attempt, once sent
             try:
-                return self._attempt(conn, method, request, log_in, epoch)
+                return self._attempt(conn, method, request, (log_in, epoch), asked)
             except AskAgainError:
                 continue
             except NotProvenError as e:  # a listed member: the others may be the job's
@@ -451,8 +478,8 @@ class Client:
                     why if len(self.connections) == 1 else f"{conn.member.written}: {why}"
                 )
                 failed += 1
-                named = e if self.epoch == epoch else None  # a refusal of the store it had
-                if self.fail_over(conn, why, named) and failed % len(self.connections):
+                named = e if self.epoch == epoch and asked else None  # of the store it had
+                if self.fail_over(conn, why, named, *asked) and failed % len(self.connections):
                     continue  # the next member at once; a pause once all were tried
             if self.cancel.wait(delay):
                 raise Cancelled(self.cancel.signum)
@@ -467,18 +494,21 @@ class Client:
             raise StoreError(f"{self.name}: the store was closed ({e})") from None
 
     def _attempt(
-        self, conn: Connection, method: str, request: Any, log_in: bool, epoch: int
+        self, conn: Connection, method: str, request: Any, how: tuple[bool, int], asked: list[str]
     ) -> Any:
-        """One try of `method` on `conn`, sent in the client's `epoch`: its answer, or the
-        grpc.RpcError it failed with (AskAgainError: an answer not to be used: one to a call
-        sent before the store was replaced is not even judged, see :meth:`check_cluster`)."""
+        """One try of `method` on `conn` (logged in first if `how` says so), sent in the
+        client's epoch (`how`'s second): its answer, or the grpc.RpcError it failed with
+        (AskAgainError: an answer not to be used: one to a call sent before the store was
+        replaced is not even judged, see :meth:`check_cluster`). The call's nonce goes into
+        `asked` once it is sent: a failure before that (the login's) names no host."""
+        log_in, epoch = how
         if log_in:
             self.log_in(conn)
         floor = self.identity.floor(conn)
         self.count()
-        future = conn.method(method).future(
-            request, timeout=self.read_timeout, metadata=conn.metadata
-        )
+        call_nonce, metadata = self.asking(conn)
+        asked.append(call_nonce)
+        future = conn.method(method).future(request, timeout=self.read_timeout, metadata=metadata)
         unregister = self.cancel.on_cancel(future.cancel)
         try:
             reply = future.result()
@@ -600,12 +630,15 @@ def status_of(conn: Connection, timeout: float) -> Any | None:
         return None
 
 
-def named_host(error: grpc.RpcError) -> tuple[StoreMember, int] | None:
+def named_host(
+    error: grpc.RpcError, proven: Callable[[str, str, str], bool]
+) -> tuple[StoreMember, int] | None:
     """The host a standby's refusal `error` names, and the cluster it says it follows (0:
-    not said); None if it names none."""
+    not said); None if it names none, or if `proven(host, cluster, proof)` says its proof
+    does not hold."""
     said = dict(_trailing(error))
     host = said.get(HOST_KEY, "")
-    if not host:
+    if not host or not proven(host, said.get(CLUSTER_KEY, ""), said.get(challenge.PROOF_KEY, "")):
         return None
     try:
         address = StoreMember(*parse_endpoint(host, "the host a standby named"))

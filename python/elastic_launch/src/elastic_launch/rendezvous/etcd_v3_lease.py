@@ -216,9 +216,11 @@ class Lease:
         c = self.client
         answered = False
         epoch = c.epoch  # not enter(): renewals go on while a replaced store is filled again
+        call_nonce = None  # once the stream was asked for (a failed login names no host)
         try:
             c.log_in(conn)
-            stream = conn.lease.LeaseKeepAlive(requests, metadata=conn.metadata + STREAM_METADATA)
+            call_nonce, metadata = c.asking(conn)
+            stream = conn.lease.LeaseKeepAlive(requests, metadata=metadata + STREAM_METADATA)
             call.append(stream)
             self._keep_call = stream
             if self._stop.is_set():
@@ -238,8 +240,9 @@ class Lease:
             if unauthenticated and c.logs_in and c.relog(conn):
                 return answered
             if e.code() in RETRYABLE or unauthenticated:
-                named = e if c.epoch == epoch else None  # a refusal of the store it had
-                c.fail_over(conn, f"lease keep-alive: {e.code().name}: {e.details()}", named)
+                named = e if c.epoch == epoch and call_nonce is not None else None
+                why = f"lease keep-alive: {e.code().name}: {e.details()}"
+                c.fail_over(conn, why, named, call_nonce or "")
         except StoreError as e:  # a member of another cluster: said, and tried again later
             logger.warning("the rendezvous lease keep-alive: %s", e)
             return False

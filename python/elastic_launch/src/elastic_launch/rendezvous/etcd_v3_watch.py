@@ -82,6 +82,7 @@ class EtcdWatch(Watch):
         self._closed = threading.Event()
         self._requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
         self._call: Any = None
+        self._nonce: str | None = None  # the stream's, once asked for (its refusal's proof)
         self._thread = threading.Thread(target=self._run, name="elasticrun-watch", daemon=True)
         self._thread.start()
 
@@ -125,9 +126,11 @@ class EtcdWatch(Watch):
         client.count()
         try:
             self._same_store()
+            self._nonce = None
             client.log_in(conn)
+            self._nonce, metadata = client.asking(conn)
             self._call = conn.watch.Watch(
-                self._request_stream(self._requests), metadata=conn.metadata + STREAM_METADATA
+                self._request_stream(self._requests), metadata=metadata + STREAM_METADATA
             )
             if self._closed.is_set():  # closed before the call existed to be cancelled
                 self._call.cancel()
@@ -226,8 +229,9 @@ class EtcdWatch(Watch):
         cut_off = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut off" in (e.details() or "")
         if (code in RETRYABLE or cut_off) and now - retry.failing_since <= client.retry_for:
             why = f"watch: {code.name}: {e.details()}"
-            named = e if client.epoch == self._epoch else None  # a refusal of the store it had
-            if code in RETRYABLE and client.fail_over(conn, why, named):
+            named = e if client.epoch == self._epoch and self._nonce is not None else None
+            nonce, self._nonce = self._nonce or "", None  # the next stream asks its own
+            if code in RETRYABLE and client.fail_over(conn, why, named, nonce):
                 retry.tried += 1
                 return retry.tried % len(client.connections) != 0  # a pause once all were tried
             return False  # a stream the service cut off (it fell behind) is watched again
