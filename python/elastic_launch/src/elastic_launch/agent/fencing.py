@@ -41,8 +41,12 @@ def waker(group: WorkerGroup) -> Callable[[], None]:
     """What wakes the group's workers that stopped themselves at a fence."""
 
     def wake() -> None:
-        for w in group.alive():
+        try:
+            pids = [w.pid for w in group.alive()]
+        except RuntimeError:  # the group changed as it was read (the agent's thread): next time
+            return
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(w.pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
 
     return wake

@@ -44,6 +44,7 @@ from elastic_launch.processes.spawn import Spawner
 from elastic_launch.rendezvous.api import RendezvousInfo
 
 if TYPE_CHECKING:
+    from elastic_launch.processes.fence import FenceWriter
     from elastic_launch.processes.guardian import Guardian
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class WorkerGroup:
         spawner: Spawner,
         guardian: Guardian | None = None,
         extra_env: dict[str, str] | None = None,
+        fence: FenceWriter | None = None,
     ) -> None:
         self.context = context
         self.config = context.config
@@ -74,6 +76,9 @@ class WorkerGroup:
         self.guardian = guardian
         self.host = context.host
         self.startup = Startup(context, self.heartbeats.path, extra_env or {})
+        #: The workers' fence (processes.fence): written before a worker starts (it holds a
+        #: rank from its first line), and while it holds, they are ended with SIGKILL.
+        self._fence = fence
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
         self._generations: dict[int, int] = {}  # the next generation of a place left empty
@@ -271,6 +276,8 @@ class WorkerGroup:
         return None
 
     def _start(self, local_rank: int, generation: int, hot_spare: bool = False) -> Worker:
+        if self._fence is not None:
+            self._fence.write()  # the round it starts in, before its first line runs
         w = self.startup.start(local_rank, generation, self.spawner, hot_spare)
         self._workers[local_rank] = w
         if self.guardian is not None:
@@ -370,6 +377,13 @@ class WorkerGroup:
         self, targets: list[Worker], sig: int, grace: float, cancel: CancelToken = NEVER
     ) -> None:
         pending = {w.local_rank: w for w in targets if not w.exited}
+        if sig != signal.SIGKILL and pending and self._fence is not None and self._fence.fenced():
+            logger.warning(
+                "the workers are stopped at their fence (their round may have gone on without "
+                "this node): SIGKILL, not signal %d: they hold ranks no more",
+                int(sig),
+            )
+            sig = signal.SIGKILL
         for w in pending.values():
             w.process.signal_group(sig)
             if sig != signal.SIGKILL:

@@ -90,7 +90,7 @@ def run(
         env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
         env.update({**container.env(), **fence.env()})
         context = NodeContext(c, run_id, entrypoint, layout)
-        group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env))
+        group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env, fence))
         fence.start(fencing.held_until_of(rdzv), fencing.waker(group))
         agent = ElasticAgent(group, rdzv, events, cancel, team)
         if plan.health is not None:

@@ -8,8 +8,8 @@ when its lease is held for sure (a renewal asked at t and answered with TTL hold
 t + TTL at least), less :data:`MARGIN`; each worker reads it every :data:`CHECK_INTERVAL` and,
 once that time has passed, stops itself (SIGSTOP): before the store can drop the lease, so
 before any new round can start. The agent wakes its workers (SIGCONT) when a renewal shows the
-lease held after all, and ends them when it finds the round gone on (a worker woken while the
-fence still holds is being ended: it stops watching, so that its SIGTERM handler runs).
+lease held after all, and ends them when it finds the round gone on: with SIGKILL while the
+fence holds (a fenced worker's SIGTERM handler would run as a rank the round gave away).
 
 The file holds one little-endian signed 64-bit number: ``time.monotonic_ns()`` (one clock for
 every process of the host) until which the workers may run; 0 for no fence (no round runs, or
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import struct
 import sys
@@ -72,6 +73,7 @@ class FenceWriter:
         os.pwrite(self._fd, _VALUE.pack(NO_FENCE), 0)
         self._value = NO_FENCE
         self._waking_until = 0  # monotonic ns
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elasticrun-fence", daemon=True)
 
@@ -84,26 +86,35 @@ class FenceWriter:
         self._thread.start()
 
     def _run(self) -> None:
+        said = False
         while not self._stop.wait(WRITE_INTERVAL):
             try:
                 self.write()
             except Exception as e:  # the fence must not take the agent down; said once
-                logger.warning("the workers' fence could not be written (%s)", e)
-                return
+                if not said:
+                    said = True
+                    logger.warning("the workers' fence could not be written (%s)", e)
 
     def write(self) -> None:
-        """Write the fence now (and wake the workers if one that had passed is lifted)."""
-        value = value_of(self._held_until())
-        was = self._value
-        self._value = value
-        os.pwrite(self._fd, _VALUE.pack(value), 0)
-        now = time.monotonic_ns()
-        if passed(value, now):
-            self._waking_until = 0
-        elif passed(was, now):
-            self._waking_until = now + int(WAKE_FOR * 1e9)
-        if now < self._waking_until:
+        """Write the fence now (and wake the workers if one that had passed is lifted): from
+        the thread, and from the agent before a worker starts."""
+        with self._lock:
+            value = value_of(self._held_until())
+            was = self._value
+            self._value = value
+            os.pwrite(self._fd, _VALUE.pack(value), 0)
+            now = time.monotonic_ns()
+            if passed(value, now):
+                self._waking_until = 0
+            elif passed(was, now):
+                self._waking_until = now + int(WAKE_FOR * 1e9)
+            waking = now < self._waking_until
+        if waking:
             self._wake()
+
+    def fenced(self) -> bool:
+        """Whether the fence holds now: the workers stop, or have stopped, at it."""
+        return passed(self._value, time.monotonic_ns())
 
     def close(self) -> None:
         self._stop.set()
@@ -146,16 +157,24 @@ def _watch(fd: int) -> None:
         if passed(value, time.monotonic_ns()):
             if not said:
                 said = True
-                sys.stderr.write(
+                _say(
                     f"elasticrun: this worker (pid {os.getpid()}) stops: its agent has not "
                     "renewed its place in the round, which may go on without this node\n"
                 )
-                sys.stderr.flush()
             # This thread's own: the stop takes the whole process at once, before this
-            # thread reads again (one sent to the process may be taken later).
+            # thread reads again (one sent to the process may be taken later). Woken, it
+            # reads again: still fenced, it stops again (the agent ends a fenced worker with
+            # SIGKILL, which a stop does not hold up).
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-            value = read_value(fd)
-            if value is None or passed(value, time.monotonic_ns()):
-                return  # woken, still fenced: the agent ends it (its SIGTERM must run)
             continue
         time.sleep(CHECK_INTERVAL)
+
+
+def _say(text: str) -> None:
+    """`text` on stderr, if that takes no wait: a full pipe (its reader, the agent, may be the
+    one stopped) must not hold up the stop. A pipe that polls writable has room for a write of
+    this size (under PIPE_BUF), which is then whole."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = sys.stderr.fileno()
+        if select.select([], [fd], [], 0)[1]:
+            os.write(fd, text.encode(errors="replace")[:512])

@@ -216,7 +216,8 @@ class EtcdV3Store(Store):
     def lease_hold(self) -> tuple[int, float] | None:
         """(leases granted so far, until when (monotonic) the one in use is held for sure)."""
         lease = self.lease
-        return (lease.grants, lease.held_until) if lease.id else None
+        held_until = lease.held_until  # first: a grant between the reads then fences
+        return (lease.grants, held_until) if lease.id else None
 
     @property
     def leases(self) -> set[int]:
