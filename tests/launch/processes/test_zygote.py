@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -425,7 +426,10 @@ def test_a_zygote_whose_import_waits_is_not_waited_for(tmp_path, caplog, monkeyp
             assert waited < spawn_module.ZYGOTE_START_TIMEOUT / 2, "the bound is the stall's"
             assert process.reaped_by_agent, "a fresh interpreter"
             assert process.reap(60) == (0, None)
-        assert "used no CPU time" in caplog.text and caplog.text.count("has not finished") == 1
+        assert (
+            "used no CPU time and read nothing" in caplog.text
+            and caplog.text.count("has not finished") == 1
+        )
         assert spawner.zygote is not None, "kept: it is used once its imports are done"
     finally:
         spawner.close()
@@ -444,3 +448,58 @@ def test_a_zygote_stopped_after_its_imports_is_given_up_at_the_spawn_answer(tmp_
         assert spawner.zygote is None, "the stopped zygote is gone (its late child with it)"
     finally:
         spawner.close()
+
+
+WELL_FORMED_FORGER = """
+import json, os, socket, stat, time
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if stat.S_ISSOCK(os.fstat(int(fd)).st_mode):
+            s = socket.socket(fileno=os.dup(int(fd)))
+            break
+    except OSError:
+        pass
+# A 'spawned' for the first request, naming a process that is no worker.
+s.send(json.dumps({"op": "spawned", "id": 0, "pid": int(os.environ["VICTIM_PID"])}).encode())
+if os.fork() == 0:  # a process born at import: later, it says a live worker exited 0
+    path = os.environ["LIVE_FILE"]
+    for _ in range(1200):
+        if os.path.exists(path) and open(path).read().strip():
+            break
+        time.sleep(0.05)
+    s.send(json.dumps({"op": "exited", "pid": int(open(path).read()), "status": 0}).encode())
+    open(path + ".sent", "w").close()
+    os._exit(0)
+"""
+
+
+def test_well_formed_lies_on_the_zygotes_socket_are_dropped(tmp_path, caplog, monkeypatch):
+    # Found by review: a 'spawned' naming any pid made the agent adopt (and later kill)
+    # another job's process; an 'exited' for a live worker was taken as its end.
+    (tmp_path / "forger.py").write_text(WELL_FORMED_FORGER)
+    _on_path(monkeypatch, tmp_path)
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    live = tmp_path / "live"
+    monkeypatch.setenv("VICTIM_PID", str(victim.pid))
+    monkeypatch.setenv("LIVE_FILE", str(live))
+    script = tmp_path / "long.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    z = Zygote(["forger"])
+    try:
+        assert z.wait_ready(60)
+        pid = z.spawn(["--", str(script)], dict(os.environ), KEEP, KEEP)
+        assert pid != victim.pid, "the zygote's own child, not the pid it was told"
+        z.acknowledge(pid)
+        live.write_text(str(pid))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "live.sent").exists():
+            assert time.monotonic() < deadline, "the forger never sent"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        status = z.wait_status(pid, 30)
+        assert status is not None and os.WIFSIGNALED(status), "its real end, not the lie"
+        assert "the zygote's socket carried" in caplog.text
+    finally:
+        z.close()
+        victim.kill()
+        victim.wait(10)

@@ -88,3 +88,36 @@ def test_a_store_whose_reads_miss_its_writes_keeps_no_node_busy_past_its_join_ti
     finally:
         stale.shutdown()
         first.shutdown()
+
+
+def test_confirming_a_round_whose_writes_lose_to_a_stale_read_is_paced_and_bounded():
+    # Found by review: the leader's loop that moves a frozen round on went round at once
+    # (287,687 writes in 2 s) with no deadline when each write lost to the same old state.
+    from types import SimpleNamespace
+
+    from elastic_launch.rendezvous import round as rnd
+    from elastic_launch.rendezvous.view import confirm_view
+    from elastic_launch.rendezvous.waits import RoundWaits
+
+    member = rnd.Member("127.0.0.1", 1, 1)
+    frozen = rnd.freeze(rnd.initial(""), {"a": 1, "b": 2}, {"a": member, "b": member}, 2, 2)
+    assert frozen is not None
+    writes = []
+
+    class StaleJob:
+        store = SimpleNamespace(name="a stale store")
+
+        def advance(self, state, version):  # the write loses; the read gives the old round
+            writes.append(time.monotonic())
+            return frozen, version
+
+    waits = RoundWaits.__new__(RoundWaits)
+    waits.job = StaleJob()
+    waits.conf = replace(RendezvousConf.defaults(), join_timeout=1.0)
+    waits.params = RendezvousParameters("etcd", "x:1", "stale", 2, 2, 1)
+    view = confirm_view(frozen, "a", {"a", "b"}, {"a", "b"})  # the leader, all confirmed
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match="every write lost to a newer state"):
+        waits._until_final(frozen, 5, view, None, None)
+    took = time.monotonic() - started
+    assert len(writes) <= pace.AT_ONCE + 2 + took * pace.RATE

@@ -359,6 +359,25 @@ def _exited_fields(message: dict[str, Any]) -> dict[str, Any] | None:
 _FIELDS = {"ready": _ready_fields, "spawned": _spawned_fields, "exited": _exited_fields}
 
 
+def _io_bytes(pid: int) -> int:
+    """Bytes process `pid` read and wrote through system calls (/proc/PID/io), 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith((b"rchar", b"wchar")))
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _parent_and_state(pid: int) -> tuple[int, str]:
+    """Process `pid`'s parent and state (/proc), or (0, "") if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), fields[0].decode()
+    except (OSError, IndexError, ValueError):
+        return 0, ""
+
+
 def _count(value: Any, least: int = 0) -> bool:
     return type(value) is int and least <= value < 1 << 31
 
@@ -414,7 +433,8 @@ class Zygote:
         self._spawned: dict[int, int] = {}
         self._spawned_pids: set[int] = set()  # its children the agent has not seen exit
         self._malformed_said = False
-        self._progress: tuple[int, float] | None = None  # CPU ticks, and when they last moved
+        #: (CPU ticks, I/O bytes), and when they last moved.
+        self._progress: tuple[tuple[int, int], float] | None = None
         self._next_id = 0
         self.startup_seconds: float | None = None
         self.failed: dict[str, str] = {}
@@ -451,6 +471,12 @@ class Zygote:
                 logger.warning("the zygote's socket carried %s: dropped", checked)
             return
         op, fields = checked
+        forged = self._forged(op, fields.get("pid", 0))
+        if forged is not None:
+            if not self._malformed_said:
+                self._malformed_said = True
+                logger.warning("the zygote's socket carried %s: dropped", forged)
+            return
         with self._cond:
             if op == "ready":
                 self._ready = True
@@ -465,10 +491,23 @@ class Zygote:
                 self._spawned_pids.discard(fields["pid"])
             self._cond.notify_all()
 
+    def _forged(self, op: str, pid: int) -> str | None:
+        """Why a well-formed message cannot be the zygote's: a 'spawned' naming a process that
+        is not its child, an 'exited' for a child of it that still runs (it sends that once it
+        reaped the child); None if it can be."""
+        if op not in ("spawned", "exited"):
+            return None
+        parent, state = _parent_and_state(pid)
+        if op == "spawned" and parent != self.pid:
+            return f"a 'spawned' naming pid {pid}, which is not the zygote's child"
+        if op == "exited" and parent == self.pid and state not in ("Z", "X"):
+            return f"an exit of pid {pid}, which still runs"
+        return None
+
     def stalled(self, quiet: float) -> str | None:
         """Why the zygote's imports make no progress, or None while they do: it is stopped,
-        or it used no CPU time for `quiet` seconds (an import that waits, not one that
-        works: a slow machine is still seen working)."""
+        or it used no CPU time and read nothing for `quiet` seconds (an import that waits, not
+        one that works: a slow machine, or a cold disk, is still seen working)."""
         try:
             with open(f"/proc/{self.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -477,11 +516,12 @@ class Zygote:
             return None  # gone: its end of file says so
         if state in (b"T", b"t"):
             return "it is stopped"
+        work = (ticks, _io_bytes(self.pid))
         now = time.monotonic()
-        if self._progress is None or ticks != self._progress[0]:
-            self._progress = (ticks, now)
+        if self._progress is None or work != self._progress[0]:
+            self._progress = (work, now)
         if now - self._progress[1] >= quiet:
-            return f"it used no CPU time for {quiet:g} s (an import that waits)"
+            return f"it used no CPU time and read nothing for {quiet:g} s (an import that waits)"
         return None
 
     @property

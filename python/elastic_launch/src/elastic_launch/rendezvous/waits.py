@@ -21,6 +21,7 @@ from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import RendezvousParameters, RendezvousTimeoutError
 from elastic_launch.rendezvous.conf import WORKERS_ROLE, RendezvousConf
 from elastic_launch.rendezvous.job import Job
+from elastic_launch.rendezvous.pace import Pace, write_lost
 from elastic_launch.rendezvous.presence import RestGone
 from elastic_launch.rendezvous.round import RoundState, Status
 from elastic_launch.rendezvous.session import Session
@@ -289,6 +290,9 @@ class RoundWaits:
         the others start over at once (its key is gone), or a lease later."""
         v = state.version
         until = Deadline(self.conf.close_timeout + (0.0 if view.leading else self.conf.lease_ttl))
+        patience = self.conf.join_timeout
+        what = f"moving round {v} of job '{self.params.run_id}' on"
+        pace = Pace(write_lost(what, self.job.store.name, patience), Deadline(patience))
         while True:
             if state.version != v or state.status != Status.FROZEN:
                 if state.version == v and state.status == Status.FINAL:
@@ -303,6 +307,8 @@ class RoundWaits:
                 found, version = self.job.advance(nxt, version)
                 if found is None:
                     return None
+                if found is not nxt:
+                    pace.again()  # the write lost to what it read back: not at once forever
                 state = found
                 continue
             view = on_confirm_changes(view, self.session.wait(inbox, until), keys)
