@@ -128,3 +128,18 @@ def test_a_fence_that_cannot_be_read_fences_no_one(tmp_path):
         assert fence.read_value(fd) is None
     finally:
         os.close(fd)
+
+
+def test_fenced_workers_are_ended_with_sigkill(tmp_path):
+    writer = fence.FenceWriter(str(tmp_path / "fence"))
+    try:
+        held: list[float | None] = [time.monotonic() + 3600]
+        writer._held_until = lambda: held[0]
+        writer.write()
+        assert writer.signal_for(signal.SIGTERM) == signal.SIGTERM
+        held[0] = 0.0
+        writer.write()
+        assert writer.signal_for(signal.SIGTERM) == signal.SIGKILL
+        assert writer.signal_for(signal.SIGINT) == signal.SIGKILL
+    finally:
+        writer.close()

@@ -76,9 +76,7 @@ class WorkerGroup:
         self.guardian = guardian
         self.host = context.host
         self.startup = Startup(context, self.heartbeats.path, extra_env or {})
-        #: The workers' fence (processes.fence): written before a worker starts (it holds a
-        #: rank from its first line), and while it holds, they are ended with SIGKILL.
-        self._fence = fence
+        self._fence = fence  # written before a worker starts: it holds a rank from its start
         self._workers: dict[int, Worker] = {}
         self._retired: list[Worker] = []  # replaced workers of this attempt, for the results
         self._generations: dict[int, int] = {}  # the next generation of a place left empty
@@ -377,13 +375,8 @@ class WorkerGroup:
         self, targets: list[Worker], sig: int, grace: float, cancel: CancelToken = NEVER
     ) -> None:
         pending = {w.local_rank: w for w in targets if not w.exited}
-        if sig != signal.SIGKILL and pending and self._fence is not None and self._fence.fenced():
-            logger.warning(
-                "the workers are stopped at their fence (their round may have gone on without "
-                "this node): SIGKILL, not signal %d: they hold ranks no more",
-                int(sig),
-            )
-            sig = signal.SIGKILL
+        if pending and self._fence is not None:
+            sig = self._fence.signal_for(sig)
         for w in pending.values():
             w.process.signal_group(sig)
             if sig != signal.SIGKILL:

@@ -116,6 +116,18 @@ class FenceWriter:
         """Whether the fence holds now: the workers stop, or have stopped, at it."""
         return passed(self._value, time.monotonic_ns())
 
+    def signal_for(self, sig: int) -> int:
+        """The signal that ends the workers instead of `sig`: SIGKILL while the fence holds
+        (a fenced worker's SIGTERM handler would act as a rank the round gave away)."""
+        if sig == signal.SIGKILL or not self.fenced():
+            return sig
+        logger.warning(
+            "the workers are stopped at their fence (their round may have gone on without this "
+            "node): SIGKILL, not signal %d: they hold ranks no more",
+            int(sig),
+        )
+        return signal.SIGKILL
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
