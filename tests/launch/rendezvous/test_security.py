@@ -593,3 +593,24 @@ def test_a_service_of_another_job_on_this_agents_port_is_named_as_such():
     assert message.startswith(f"another process serves 127.0.0.1:{port}, where this agent"), message
     assert "did not prove that it holds this node's token" in message, message
     assert "give this job another --rdzv-endpoint port if it is another job's" in message
+
+
+def test_a_service_is_reached_only_where_it_listens():
+    # Found by review: any address of the machine at the service's port was taken as the
+    # service's, though another process may listen at another address on that port (two
+    # endpoints of one machine, one port, two addresses could relay to each other).
+    import asyncio
+
+    from elastic_launch.rendezvous.reached import ReachedAt
+
+    async def reached(bound: str, *dialed: str) -> list[bool]:
+        at = ReachedAt(["node0:29400"], 29400, bound)
+        return [await at.learn(d) for d in dialed]
+
+    assert asyncio.run(
+        reached("127.0.0.1", "node0:29400", "127.0.0.1:29400", "localhost:29400")
+    ) == [True, True, True], "its listed name, its address, a name for its address"
+    assert asyncio.run(
+        reached("127.0.0.1", "127.0.0.2:29400", "127.0.0.1:29401", "no-such-host.invalid:29400")
+    ) == [False, False, False], "another address of the machine, another port, no address"
+    assert asyncio.run(reached("0.0.0.0", "127.0.0.2:29400")) == [True], "listening on all"

@@ -574,7 +574,7 @@ class EmbeddedServer:
         if self._index < len(self._members):
             listed = self._members[self._index]
             own += [listed.target, listed.written]
-        self._guard.reached = ReachedAt(own, port)
+        self._guard.reached = ReachedAt(own, port, self._host)
         self._roles(port)
         started.set_result(port)
 

@@ -1,7 +1,8 @@
 """Whether an endpoint a client dialed reaches this embedded service: the addresses it was
-started for, and any ``host:port`` with its port whose host is an address of this machine.
-A login or a credential made for another endpoint was passed on by a process there
-(:mod:`.challenge`), and is refused."""
+started for, and any ``host:port`` with its port whose host resolves to the address it listens
+on (any address of this machine, where it listens on all of them). A login or a credential
+made for another endpoint was passed on by a process there (:mod:`.challenge`), and is
+refused: another address of this machine at the same port may be another process's."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def _key(endpoint: str) -> tuple[str, int] | None:
     return host.lower(), port
 
 
+async def _resolve(host: str) -> set[str]:
+    """The addresses `host` resolves to (none if it does not, within RESOLVE_TIMEOUT)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT
+        )
+    except (OSError, asyncio.TimeoutError, UnicodeError):
+        return set()
+    return {str(info[4][0]).split("%", 1)[0] for info in infos}
+
+
 def is_local_address(ip: str) -> bool:
     """Whether `ip` is an address of this machine (a socket can be bound to it)."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -38,14 +51,19 @@ def is_local_address(ip: str) -> bool:
     return True
 
 
-class ReachedAt:
-    """The endpoints at which the service listening on `port` is reached; `names`: those it
-    was started for (its listed endpoint, as written and as resolved)."""
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
-    def __init__(self, names: Iterable[str], port: int) -> None:
+
+class ReachedAt:
+    """The endpoints at which the service listening on `bound`:`port` is reached; `names`:
+    those it was started for (its listed endpoint, as written and as resolved)."""
+
+    def __init__(self, names: Iterable[str], port: int, bound: str = "") -> None:
         self.port = port
         self._names = {k for k in map(_key, names) if k is not None}
         self._kept: dict[tuple[str, int], bool] = {}
+        self._bound = bound
+        self._bound_ips: set[str] | None = None  # what `bound` resolves to, once asked
 
     def __call__(self, dialed: str) -> bool:
         """Whether `dialed` reaches this service, as far as is known without a lookup (a name
@@ -67,16 +85,14 @@ class ReachedAt:
         self._kept[key] = mine
         return mine
 
-    @staticmethod
-    async def _local(host: str) -> bool:
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT
-            )
-        except (OSError, asyncio.TimeoutError, UnicodeError):
-            return False
-        return any(is_local_address(str(info[4][0])) for info in infos)
+    async def _local(self, host: str) -> bool:
+        """Whether `host` resolves to where this service listens."""
+        ips = await _resolve(host)
+        if self._bound in _WILDCARDS:
+            return any(is_local_address(ip) for ip in ips)
+        if self._bound_ips is None:
+            self._bound_ips = await _resolve(self._bound)
+        return bool(ips & self._bound_ips)
 
     def __str__(self) -> str:
         return ", ".join(sorted(f"{h}:{p}" for h, p in self._names)) or f"port {self.port}"
