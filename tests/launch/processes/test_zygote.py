@@ -362,9 +362,10 @@ def test_check_message_takes_well_formed_messages_and_names_the_rest():
     assert "did not spawn" in check_message({"op": "exited", "pid": 1, "status": 0}, children)
 
 
-FORGER = """
-import json, os, socket, stat
-# Whatever a preloaded module (or a process it forks) does with the zygote's socket.
+#: What a preloaded module runs first to take the zygote's socket (as `s`): whatever it (or a
+#: process it forks) then sends there.
+TAKE_SOCKET = """
+import json, os, socket, stat, time
 for fd in os.listdir("/proc/self/fd"):
     try:
         if stat.S_ISSOCK(os.fstat(int(fd)).st_mode):
@@ -372,6 +373,9 @@ for fd in os.listdir("/proc/self/fd"):
             break
     except OSError:
         pass
+"""
+
+FORGER = TAKE_SOCKET + """
 for message in (b'"x"', b"[1, 2]", b"null", b"{not json", b"[" * 100000,
                 json.dumps({"op": "exited", "pid": 1, "status": "x"}).encode(),
                 json.dumps({"op": "spawned", "id": "a", "pid": -1}).encode(),
@@ -450,15 +454,7 @@ def test_a_zygote_stopped_after_its_imports_is_given_up_at_the_spawn_answer(tmp_
         spawner.close()
 
 
-WELL_FORMED_FORGER = """
-import json, os, socket, stat, time
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        if stat.S_ISSOCK(os.fstat(int(fd)).st_mode):
-            s = socket.socket(fileno=os.dup(int(fd)))
-            break
-    except OSError:
-        pass
+WELL_FORMED_FORGER = TAKE_SOCKET + """
 # A 'spawned' for the first request, naming a process that is no worker.
 s.send(json.dumps({"op": "spawned", "id": 0, "pid": int(os.environ["VICTIM_PID"])}).encode())
 if os.fork() == 0:  # a process born at import: later, it says a live worker exited 0
