@@ -181,12 +181,19 @@ def is_local_host(host: str) -> bool:
         return False
     if addr.startswith("127.") or addr == "::1":
         return True
+    return is_local_address(addr, family)
+
+
+def is_local_address(ip: str, family: socket.AddressFamily | None = None) -> bool:
+    """Whether `ip` is an address of this machine (only such an address can be bound)."""
+    if family is None:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((addr, 0))  # only an address of this host can be bound
-        return True
+            s.bind((ip, 0))
     except OSError:
         return False
+    return True
 
 
 class PresencePort:

@@ -191,16 +191,23 @@ def processes() -> Iterator[ProcStat]:
     reader of /proc/<pid>/stat, here because the guardian imports nothing of the project (the
     tests that check what a run leaves behind use it too)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                # pid (comm) state ppid pgrp session ...: comm may hold spaces and ')'
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 3:
-            yield ProcStat(int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
+        if entry.isdigit():
+            found = stat_of(int(entry))
+            if found is not None:
+                yield found
+
+
+def stat_of(pid: int) -> ProcStat | None:
+    """Process `pid` as /proc/<pid>/stat shows it; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces and ')'
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) <= 3:
+        return None
+    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
 
 
 def cmdline(pid: int) -> bytes | None:

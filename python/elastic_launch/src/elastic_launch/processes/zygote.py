@@ -42,6 +42,7 @@ from typing import Any
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.processes import cgroup
+from elastic_launch.processes.guardian import stat_of
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
 from elastic_launch.processes.worker_main import STOP_SIGNALS, Handover, run_worker
 
@@ -368,16 +369,6 @@ def _io_bytes(pid: int) -> int:
         return 0
 
 
-def _parent_and_state(pid: int) -> tuple[int, str]:
-    """Process `pid`'s parent and state (/proc), or (0, "") if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[1]), fields[0].decode()
-    except (OSError, IndexError, ValueError):
-        return 0, ""
-
-
 def _count(value: Any, least: int = 0) -> bool:
     return type(value) is int and least <= value < 1 << 31
 
@@ -497,10 +488,11 @@ class Zygote:
         reaped the child); None if it can be."""
         if op not in ("spawned", "exited"):
             return None
-        parent, state = _parent_and_state(pid)
-        if op == "spawned" and parent != self.pid:
+        found = stat_of(pid)
+        child = found is not None and found.ppid == self.pid
+        if op == "spawned" and not child:
             return f"a 'spawned' naming pid {pid}, which is not the zygote's child"
-        if op == "exited" and parent == self.pid and state not in ("Z", "X"):
+        if op == "exited" and child and found is not None and found.alive:
             return f"an exit of pid {pid}, which still runs"
         return None
 

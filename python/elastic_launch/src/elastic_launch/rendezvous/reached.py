@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable
 
 from elastic_launch.api import ConfigError
-from elastic_launch.net import parse_endpoint
+from elastic_launch.net import is_local_address, parse_endpoint
 
 #: Seconds a name gets to resolve (a login waits for it once; the answer is kept).
 RESOLVE_TIMEOUT = 2.0
@@ -38,17 +38,6 @@ async def _resolve(host: str) -> set[str]:
     except (OSError, asyncio.TimeoutError, UnicodeError):
         return set()
     return {str(info[4][0]).split("%", 1)[0] for info in infos}
-
-
-def is_local_address(ip: str) -> bool:
-    """Whether `ip` is an address of this machine (a socket can be bound to it)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((ip, 0))
-    except OSError:
-        return False
-    return True
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
