@@ -132,6 +132,21 @@ def check(token: str, credential: str, now: float, reached_at: Callable[[str], b
     return None
 
 
+def dialed_of(credential: str) -> str:
+    """The endpoint a credential was earned for ("" if it is not one)."""
+    parts = credential.split("|")
+    return parts[3] if len(parts) == 6 else ""
+
+
+def asking(metadata: list[tuple[str, str]], proven: bool) -> tuple[str, list[tuple[str, str]]]:
+    """A call's nonce and its `metadata` with it, where the answer is to be `proven` (the job
+    has a token); ("", `metadata`) where nothing can be."""
+    if not proven:
+        return "", metadata
+    call_nonce = nonce()
+    return call_nonce, [*metadata, (NONCE_KEY, call_nonce)]
+
+
 def attest(token: str, dialed: str, call_nonce: str, *said: str) -> str:
     """A service's proof that it, reached at `dialed`, answers the call that sent `call_nonce`
     with what `said` holds."""

@@ -108,8 +108,7 @@ class Guard:
         call_nonce, credential = sent.get(challenge.NONCE_KEY, ""), sent.get("token", "")
         if self.token is None or not challenge.valid_nonce(call_nonce):
             return ()
-        dialed = credential.split("|")[3] if credential.count("|") == 5 else ""
-        proof = challenge.attest(self.token, dialed, call_nonce, *said)
+        proof = challenge.attest(self.token, challenge.dialed_of(credential), call_nonce, *said)
         return ((challenge.PROOF_KEY, proof),)
 
 

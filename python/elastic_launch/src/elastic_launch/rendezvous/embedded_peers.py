@@ -80,10 +80,7 @@ class Peer:
 
     def _asking(self) -> tuple[str, list[tuple[str, str]]]:
         """A fresh nonce for a call whose answer must be proven, and the call's metadata."""
-        call_nonce = challenge.nonce()
-        if self._token is None:
-            return call_nonce, self.metadata
-        return call_nonce, [*self.metadata, (challenge.NONCE_KEY, call_nonce)]
+        return challenge.asking(self.metadata, self._token is not None)
 
     def _check_proof(self, sent: Any, call_nonce: str, *said: str) -> None:
         """UnprovenError unless the answer's metadata `sent` proves `said` (with a token)."""

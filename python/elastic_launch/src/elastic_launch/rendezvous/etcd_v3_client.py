@@ -229,10 +229,7 @@ class Client:
     def asking(self, conn: Connection) -> tuple[str, list[tuple[str, str]]]:
         """A fresh nonce for a call to `conn` whose refusal may be acted on, and the call's
         metadata (with the job's token, a standby proves its refusal for that nonce)."""
-        if self._token is None:
-            return "", conn.metadata
-        call_nonce = challenge.nonce()
-        return call_nonce, [*conn.metadata, (challenge.NONCE_KEY, call_nonce)]
+        return challenge.asking(conn.metadata, self._token is not None)
 
     def redirect(
         self, failed: Connection, error: grpc.RpcError, call_nonce: str
