@@ -375,13 +375,16 @@ for fd in os.listdir("/proc/self/fd"):
         pass
 """
 
-FORGER = TAKE_SOCKET + """
+FORGER = (
+    TAKE_SOCKET
+    + """
 for message in (b'"x"', b"[1, 2]", b"null", b"{not json", b"[" * 100000,
                 json.dumps({"op": "exited", "pid": 1, "status": "x"}).encode(),
                 json.dumps({"op": "spawned", "id": "a", "pid": -1}).encode(),
                 json.dumps({"op": "ready", "seconds": "x", "failed": 3}).encode()):
     s.send(message)
 """
+)
 
 
 def _on_path(monkeypatch, folder: Path) -> None:
@@ -454,7 +457,9 @@ def test_a_zygote_stopped_after_its_imports_is_given_up_at_the_spawn_answer(tmp_
         spawner.close()
 
 
-WELL_FORMED_FORGER = TAKE_SOCKET + """
+WELL_FORMED_FORGER = (
+    TAKE_SOCKET
+    + """
 # A 'spawned' for the first request, naming a process that is no worker.
 s.send(json.dumps({"op": "spawned", "id": 0, "pid": int(os.environ["VICTIM_PID"])}).encode())
 if os.fork() == 0:  # a process born at import: later, it says a live worker exited 0
@@ -467,6 +472,7 @@ if os.fork() == 0:  # a process born at import: later, it says a live worker exi
     open(path + ".sent", "w").close()
     os._exit(0)
 """
+)
 
 
 def test_well_formed_lies_on_the_zygotes_socket_are_dropped(tmp_path, caplog, monkeypatch):

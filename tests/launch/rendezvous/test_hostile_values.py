@@ -269,11 +269,11 @@ def _handler(embedded, nodes: tuple[int, int] = (1, 1), join_timeout: float = 10
 def test_an_impossible_final_round_ends_in_a_clear_error_not_a_hot_loop(embedded, members):
     """Well-typed but impossible states: round 3 final with its members shard missing, or with
     five members in a job of at most one node. Nothing will change them, so the agent looks
-    again at most STALL_RATE times a second and stops at the join timeout with one line that
+    again at most pace.RATE times a second and stops at the join timeout with one line that
     says what is wrong (the first polled etcd 508 times a second, past its join timeout)."""
     from elastic_launch.rendezvous import round as rnd
     from elastic_launch.rendezvous.api import RendezvousTimeoutError
-    from elastic_launch.rendezvous.elastic import STALL_RATE
+    from elastic_launch.rendezvous.pace import RATE
 
     handler, store, run_id = _handler(embedded, join_timeout=2.0)
     ghosts = {f"ghost{i}": Member("127.0.0.1", 1, 1, presence=1) for i in range(members)}
@@ -301,7 +301,7 @@ def test_an_impossible_final_round_ends_in_a_clear_error_not_a_hot_loop(embedded
     assert "give the job a new --rdzv-id" in str(e.value) and "\n" not in str(e.value)
     # Two reads (the state, the shard) per look, a few more as a spare; a hot loop made
     # thousands in the 2 s.
-    assert requests is not None and requests <= 4 * (2.0 * STALL_RATE + 10), requests
+    assert requests is not None and requests <= 4 * (2.0 * RATE + 10), requests
 
 
 def _rewritten_under_a_waiting_node(embedded, join_timeout: float, states: list[RoundState]):
@@ -330,7 +330,7 @@ def _rewritten_under_a_waiting_node(embedded, join_timeout: float, states: list[
 def test_a_round_going_backwards_under_a_waiting_node_is_joined_not_looped_on(embedded):
     """The state rewritten to a later round, then to older ones, while a node waits for its
     peers: the node joins what the store says now, and ends at its join timeout with a clear
-    error (no peer came), looking at most STALL_RATE times a second."""
+    error (no peer came), looking at most pace.RATE times a second."""
     from elastic_launch.rendezvous.api import RendezvousTimeoutError
 
     states = [RoundState(version=v, status=Status.JOINABLE) for v in (7, 2, 1)]

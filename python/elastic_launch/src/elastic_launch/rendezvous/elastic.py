@@ -53,8 +53,6 @@ from elastic_launch.rendezvous.store import HistoryLostError, Store, StoreError
 from elastic_launch.rendezvous.waits import RoundWaits
 
 logger = logging.getLogger(__name__)
-#: Looks a second, at most, at a state no node can go on from (before the join timeout).
-STALL_RATE = RATE
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -163,7 +161,7 @@ class ElasticRendezvous(RendezvousHandler):
     ) -> None:
         """A look that found nothing to wait on, at the same state as the look before: the
         store holds a state no node can go on from (a final round whose membership is
-        missing, say). It is looked at again STALL_RATE times a second at most, and is a
+        missing, say). It is looked at again pace.RATE times a second at most, and is a
         clear error at the join timeout."""
         if last != [version]:
             last[:] = [version]
@@ -175,7 +173,7 @@ class ElasticRendezvous(RendezvousHandler):
                 f"membership is missing or does not fit it) and did not change within "
                 f"{self.conf.join_timeout:g} s; give the job a new --rdzv-id"
             )
-        cancel.wait(min(deadline.left(), 1.0 / STALL_RATE))
+        cancel.wait(min(deadline.left(), 1.0 / RATE))
 
     def _lost(self, what: str) -> Callable[[], str]:
         """What a paced loop says at its deadline (:mod:`.pace`)."""

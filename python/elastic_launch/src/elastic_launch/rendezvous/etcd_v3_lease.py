@@ -125,9 +125,11 @@ class Lease:
 
     def _grant(self) -> None:
         c = self.client
-        asked = self._early[1] if self._early is not None else time.monotonic()
+        early = self._early
         reply = self._early_reply()
-        if reply is None:
+        if reply is not None and early is not None:
+            asked = early[1]  # when the early grant was asked
+        else:
             asked = time.monotonic()
             reply = c.call("lease.LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=round(self.ttl)))
         if reply.error:
