@@ -456,18 +456,14 @@ class Zygote:
         shared with whatever the zygote forked before it closed it, so a malformed message is
         dropped (and said once), never the launcher's reader."""
         checked = check_message(message, self._spawned_pids)
-        if isinstance(checked, str):
+        why = checked if isinstance(checked, str) else self._forged(*checked)
+        if why is not None:
             if not self._malformed_said:
                 self._malformed_said = True
-                logger.warning("the zygote's socket carried %s: dropped", checked)
+                logger.warning("the zygote's socket carried %s: dropped", why)
             return
+        assert not isinstance(checked, str)
         op, fields = checked
-        forged = self._forged(op, fields.get("pid", 0))
-        if forged is not None:
-            if not self._malformed_said:
-                self._malformed_said = True
-                logger.warning("the zygote's socket carried %s: dropped", forged)
-            return
         with self._cond:
             if op == "ready":
                 self._ready = True
@@ -482,12 +478,13 @@ class Zygote:
                 self._spawned_pids.discard(fields["pid"])
             self._cond.notify_all()
 
-    def _forged(self, op: str, pid: int) -> str | None:
+    def _forged(self, op: str, fields: dict[str, Any]) -> str | None:
         """Why a well-formed message cannot be the zygote's: a 'spawned' naming a process that
         is not its child, an 'exited' for a child of it that still runs (it sends that once it
         reaped the child); None if it can be."""
         if op not in ("spawned", "exited"):
             return None
+        pid = fields["pid"]
         found = stat_of(pid)
         child = found is not None and found.ppid == self.pid
         if op == "spawned" and not child:
