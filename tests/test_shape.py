@@ -34,7 +34,9 @@ def sources() -> list[Path]:
     found: list[Path] = []
     for root in ROOTS:
         found += [
-            p for p in root.rglob("*.py") if "etcdpb" not in p.parts and "build" not in p.parts
+            p
+            for p in root.rglob("*.py")
+            if not {"etcdpb", "build", "upstream"} & set(p.parts)  # upstream: as it ships
         ]
     return sorted(found)
 

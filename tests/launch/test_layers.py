@@ -17,6 +17,7 @@ FOUNDATION = {
     "errors",
     "eventlog",
     "files",
+    "learned",
     "net",
     "spare",
     "untrusted",

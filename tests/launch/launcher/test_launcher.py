@@ -109,7 +109,7 @@ def test_a_rendezvous_error_releases_everything(clean, script):
 
 
 def test_a_zygote_that_cannot_start_falls_back(clean, script, monkeypatch, caplog):
-    def cannot_start(self, modules, spares=0, cgroup_path=None):
+    def cannot_start(self, modules, spares=0, cgroup_path=None, kept=None):
         raise OSError(8, "Exec format error")
 
     monkeypatch.setattr(zygote_module.Zygote, "__init__", cannot_start)

@@ -304,7 +304,7 @@ def test_load_gets_what_a_from_import_gets_from_a_lazy_package(tmp_path, monkeyp
     """transformers loads `Trainer` only when it is asked for (a module __getattr__): the
     zygote's `MODULE:NAME` asks, as `from MODULE import NAME` does; a NAME that is a submodule
     is imported."""
-    from elastic_launch.processes.zygote import load
+    from elastic_launch.learned import load
 
     pkg = tmp_path / "lazy_pkg"
     pkg.mkdir()
@@ -343,6 +343,7 @@ def test_check_message_takes_well_formed_messages_and_names_the_rest():
     )
     assert check_message({"op": "exited", "pid": 41, "status": 256}, children)[0] == "exited"
     ready = {"op": "ready", "seconds": 1.5, "failed": {"m": "ImportError: x"}, "unsafe": None}
+    ready |= {"pid": 4242}
     assert check_message(ready, set())[0] == "ready"
     for bad in (
         "a message that is not JSON",
@@ -355,7 +356,10 @@ def test_check_message_takes_well_formed_messages_and_names_the_rest():
         {"op": "spawned", "id": 0, "pid": -1},
         {"op": "ready", "seconds": "soon", "failed": {}, "unsafe": None},
         {"op": "ready", "seconds": 1, "failed": {"m": 3}, "unsafe": None},
-        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": 5},
+        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": 5, "pid": 7},
+        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None},  # no pid
+        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None, "pid": 7, "learned": []},
+        {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None, "pid": 7, "learned": {}},
         {"op": "reboot"},
     ):
         assert isinstance(check_message(bad, children), str), bad
@@ -505,3 +509,27 @@ def test_well_formed_lies_on_the_zygotes_socket_are_dropped(tmp_path, caplog, mo
         z.close()
         victim.kill()
         victim.wait(10)
+
+
+def test_an_heirs_ready_must_name_a_child_of_the_zygote_that_forked_it():
+    """The heir's pid comes with its 'ready': one naming any other process is forged."""
+    heir = Zygote.__new__(Zygote)
+    heir.pid, heir._parent_pid = 0, os.getppid()  # this process stands for the heir here
+    assert heir._forged_ready(os.getpid()) is None
+    heir._parent_pid = 1
+    assert "not the zygote's heir" in (heir._forged_ready(os.getpid()) or "")
+    started = Zygote.__new__(Zygote)
+    started.pid = 4242
+    assert "not the zygote's" in (started._forged_ready(4243) or "")
+
+
+def test_a_learn_request_without_its_socket_is_dropped_and_the_zygote_serves(tmp_path):
+    z = Zygote([])
+    try:
+        assert z.wait_ready(30)
+        send(z._sock, {"op": "learn", "modules": ["json"], "differ": {}, "skip": []})
+        pid = z.spawn(["--", "-c", "pass"], dict(os.environ), DEVNULL, DEVNULL)
+        z.acknowledge(pid)
+        assert z.wait_status(pid, 30) is not None, "it still forks workers"
+    finally:
+        z.close()

@@ -28,6 +28,7 @@ from elastic_launch.agent.decide import Action, Decision, Happening, Loop, Snaps
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.failures import FailureLog
 from elastic_launch.agent.hang import HangMonitor
+from elastic_launch.agent.learning import Learning
 from elastic_launch.agent.observe import Observer
 from elastic_launch.agent.spares import HotSpares, emit_replaced
 from elastic_launch.agent.summary import describe, who
@@ -95,6 +96,7 @@ class ElasticAgent:
         self._kept = False  # train-loop workers kept running across a new round of the nodes
         self._failure: WorkerFailure | None = None  # what the last decision recorded
         self.spares = HotSpares(group, events, config.hot_spares)
+        self.learning = Learning(group, events)
         self.observer = Observer(group, rendezvous, cancel, self.hangs, self.failures)
 
     # ---- state -----------------------------------------------------------------------------
@@ -267,6 +269,7 @@ class ElasticAgent:
                 )
             if ready and self.spares.due():
                 self.spares.start(self.attempt)
+            self.learning.poll(self.attempt)
 
     # ---- deciding --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import IO
 
 import elastic_core
 
-from elastic_launch import compat, spare, untrusted
+from elastic_launch import compat, learned, spare, untrusted
 from elastic_launch.agent import devices
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.worker import SpawnError, Worker
@@ -177,6 +177,7 @@ class Startup:
                 "ELASTICRUN_ROUND": str(info.round),
                 "ELASTICRUN_REPLACEMENT": str(w.generation),
                 team.LOOP_FILE_ENV: w.loop_file,
+                learned.IMPORTS_FILE_ENV: learned.imports_file(w.rank_dir),
                 # SIGTERM -> SIGKILL: what a worker has to finish (elastic_sampler's saves).
                 "ELASTICRUN_SHUTDOWN_TIMEOUT": f"{c.shutdown_timeout:g}",
             }
@@ -184,6 +185,7 @@ class Startup:
         env.pop(spare.HOT_SPARE_ENV, None)
         if w.hot_spare:
             env[spare.HOT_SPARE_ENV] = "1"
+            env[spare.LEARNED_FILE_ENV] = os.path.join(self.layout.run_dir, learned.NODE_FILE)
         if c.virtual_local_rank:
             env.update(devices.single_device_env(w.local_rank))
             env["LOCAL_RANK"] = "0"

@@ -354,8 +354,8 @@ OPTIONS: tuple[Option, ...] = (
     _flag(
         "preload",
         "auto: fork Python workers from a zygote that imported torch (when the script "
-        "imports it); module names (comma-separated, repeatable) are imported on top; none: "
-        "fresh interpreters",
+        "imports it), and what the workers are seen to import once they step; module names "
+        "(comma-separated, repeatable) are imported on top; none: fresh interpreters",
         parse.parse_preload,
         kind="append",
         default=[],

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_launch import compat
-from elastic_launch.agent import fencing, shm
+from elastic_launch.agent import fencing, learning, shm
 from elastic_launch.agent.agent import ElasticAgent
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import Events
@@ -76,7 +76,8 @@ def run(
         slots = c.nproc_per_node + c.hot_spares
         node = stack.enter_context(watch(slots, c.gpu_check_interval, guardian))
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
-        chosen = preload.plan(c.preload, entrypoint)
+        context = NodeContext(c, run_id, entrypoint, layout)
+        chosen = preload.plan(c.preload, entrypoint, learning.kept_path(context))
         spares = c.nproc_per_node if c.warm_spares is None else c.warm_spares
         spawner = spawner_for(chosen, c.start_method, entrypoint, cancel, guardian, spares)
         stack.callback(spawner.close)
@@ -89,7 +90,6 @@ def run(
         fence = stack.enter_context(fencing.fence(guardian))
         env = {**timer_env, **memory_env, TEAM_ENV: team.team.to_env(), **plan.worker_env}
         env.update({**container.env(), **fence.env()})
-        context = NodeContext(c, run_id, entrypoint, layout)
         group = stack.enter_context(WorkerGroup(context, node, spawner, guardian, env, fence))
         fence.start(fencing.held_until_of(rdzv), fencing.waker(group))
         agent = ElasticAgent(group, rdzv, events, cancel, team)

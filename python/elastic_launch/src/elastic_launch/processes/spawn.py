@@ -24,8 +24,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from elastic_launch import learned
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.processes.entrypoint import Entrypoint, Kind, main_path
@@ -154,6 +155,18 @@ class ForkedProcess(Process):
         return self._status
 
 
+@dataclass(frozen=True)
+class Settled:
+    """An heir done learning: what it was asked (`plan`), its own account of what it imported
+    and left out (:func:`~elastic_launch.learned.account`; empty: it died), and
+    whether it took over the spawns."""
+
+    plan: learned.ImportPlan
+    account: dict[str, Any]
+    took_over: bool
+    pid: int
+
+
 class Spawner(abc.ABC):
     """Starts worker processes."""
 
@@ -241,6 +254,11 @@ class ZygoteFork(Spawner):
         self.zygote: Zygote | None = None
         self.why_not: str | None = None  # why workers are not forked, once known
         self._waited = False  # a spawn waited for the zygote's imports: none waits again
+        self._heir: tuple[Zygote, learned.ImportPlan] | None = None  # learning, and what
+        self._retired: list[Zygote] = []  # zygotes an heir took over from: parents, kept
+        self._settled: list[Settled] = []
+        #: Variables a worker's environment has another value of than the zygote's.
+        self.differ: set[str] = set()
         self._start(chosen.modules)
 
     def _start(self, modules: list[str]) -> None:
@@ -249,7 +267,7 @@ class ZygoteFork(Spawner):
         # The job's cgroup is the one its guardian ends: the launcher tells it first.
         job = self.guardian.cgroup if self.guardian is not None else None
         try:
-            self.zygote = Zygote(modules, self.spares, job)
+            self.zygote = Zygote(modules, self.spares, job, self.chosen.kept)
         except OSError as e:
             self._give_up(f"the --preload zygote cannot start ({e})")
         else:
@@ -323,11 +341,62 @@ class ZygoteFork(Spawner):
     def forks(self) -> bool:
         return self.zygote is not None
 
+    # ---- learning (:mod:`~elastic_launch.learned`) ---------------------------------
+
+    def learn(self, plan: learned.ImportPlan) -> bool:
+        """Have the zygote fork an heir that imports what `plan` names, to serve the spawns
+        from when it is ready; False when it cannot now (no zygote ready, an heir learning)."""
+        from elastic_launch.processes.zygote import Zygote
+
+        z = self.zygote
+        if z is None or self._heir is not None or not z.ready:
+            return False
+        try:
+            self._heir = (Zygote.heir(z, plan), plan)
+        except OSError as e:
+            logger.warning("the zygote cannot learn the workers' imports (%s)", e)
+            return False
+        return True
+
+    @property
+    def learning(self) -> bool:
+        return self._heir is not None
+
+    def settled(self) -> list[Settled]:
+        """What the heirs that finished learning did, since the last call (each once)."""
+        self._settle()
+        found, self._settled = self._settled, []
+        return found
+
+    def _settle(self) -> None:
+        """An heir that is ready takes over the spawns (the zygote it left stays: it is the
+        parent of the heir and of the workers it forked); one that imported what it must not
+        fork with, or died, is given up."""
+        if self._heir is None or self.zygote is None:
+            return
+        heir, plan = self._heir
+        if not heir.ready and not heir.dead:
+            return
+        self._heir = None
+        account = heir.learned if heir.ready else None
+        took_over = account is not None and not account["left_out"] and heir.unsafe is None
+        self._settled.append(Settled(plan, account or {}, took_over, heir.pid))
+        if not took_over:
+            heir.close()
+            return
+        self.zygote.keep_spares(0)
+        self._retired.append(self.zygote)
+        self.zygote = heir
+        heir.keep_spares(self.spares)
+
     def spawn(self, request: SpawnRequest) -> Process:
         from elastic_launch.processes.zygote import ZygoteUnavailableError
 
+        self._settle()
         z = self._ready_zygote()
         if z is not None:
+            keys = z.env.keys() | request.env.keys()
+            self.differ |= {k for k in keys if z.env.get(k) != request.env.get(k)}
             mismatch = import_time_mismatch(z.env, request.env)
             if mismatch:
                 self._give_up(f"--preload: {mismatch}")
@@ -345,11 +414,19 @@ class ZygoteFork(Spawner):
         return self.fallback.spawn(request)
 
     def close(self) -> None:
+        if self._heir is not None:
+            self._heir[0].close()
+            self._heir = None
         if self.zygote is not None:
             self.zygote.close()
             if self.guardian is not None:
                 self.guardian.forget_group(self.zygote.pid)
             self.zygote = None
+        for z in reversed(self._retired):  # the heirs first: they die with their parents
+            z.close()
+            if self.guardian is not None:
+                self.guardian.forget_group(z.pid)
+        self._retired = []
 
 
 class FunctionFork(Spawner):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from elastic_launch import spare, teardown
+from elastic_launch import learned, spare, teardown
 from elastic_launch.compat import SIGNALS_TO_HANDLE_ENV
 from elastic_launch.files import write_atomically
 from elastic_launch.processes import cgroup, fence
@@ -80,9 +80,16 @@ class Handover:
 # ---- hooks ----------------------------------------------------------------------------------
 
 
+_steps = 0
+
+
 def _beat_after_step(optimizer: object, args: object, kwargs: object) -> None:
+    global _steps
     import elastic_core
 
+    _steps += 1
+    if _steps in learned.RECORD_AT_STEPS:  # before the beat: the agent reads it after
+        learned.at_step(_steps)
     elastic_core.beat()
 
 
@@ -231,6 +238,7 @@ def become_worker(handover: Handover | None = None) -> None:
     which got its session, environment and streams from its parent already."""
     if handover is not None:
         _take_over(handover)
+    learned.remember_start()
     cgroup.join()  # first: what it starts from here on is inside too
     _reset_signals()
     die_with_parent()

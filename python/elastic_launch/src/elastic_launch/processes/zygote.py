@@ -39,8 +39,10 @@ import threading
 import time
 from typing import Any
 
+from elastic_launch import learned
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
+from elastic_launch.learned import load
 from elastic_launch.processes import cgroup
 from elastic_launch.processes.guardian import stat_of
 from elastic_launch.processes.proctitle import room_argument, room_environment, set_title
@@ -56,6 +58,8 @@ SPAWN_ANSWER_TIMEOUT = 5.0
 #: means the zygote is stopped or stuck, and the agent gives it up for fresh interpreters.
 SEND_DEADLINE = 2.0
 _MALFORMED = "a message that is not JSON"
+#: Before the file of what a previous run learned, on the zygote's command line.
+LEARNED_ARG = "--learned"
 
 
 def send(
@@ -140,23 +144,15 @@ def fork_hazard() -> str | None:
     return None
 
 
-def load(name: str) -> None:
-    """Import module `name`; ``MODULE:NAME`` also loads what ``from MODULE import NAME`` gets
-    (a package that imports its parts lazily, as transformers does, loads them only then)."""
-    import importlib
-
-    module_name, _, attr = name.partition(":")
-    module = importlib.import_module(module_name)
-    if attr and not hasattr(module, attr):  # not an attribute: a submodule
-        importlib.import_module(f"{module_name}.{attr}")
-
-
-def serve(fd: int, modules: list[str]) -> None:
-    """The zygote's main loop: import `modules`, then fork a worker per request."""
+def serve(fd: int, args: list[str]) -> None:
+    """The zygote's main loop: import the modules `args` name (and, after ``--learned PATH``,
+    what a previous run learned: :mod:`~elastic_launch.learned`), then fork a worker
+    per request."""
     cgroup.join()  # first: what a module it imports starts is in the workers' cgroup too
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # a program a preloaded module starts does not get it
-    modules = [m for m in modules if m.strip()]  # the blank one is room for workers' titles
+    kept = args[args.index(LEARNED_ARG) + 1] if LEARNED_ARG in args[:-1] else None
+    modules = [m for m in args if m.strip() and m not in (LEARNED_ARG, kept)]  # blank: room
     set_title(
         [sys.executable, "-u", "-m", "elastic_launch.processes.zygote", str(fd), *modules]
     )  # ps
@@ -174,8 +170,43 @@ def serve(fd: int, modules: list[str]) -> None:
             failed[name] = f"{type(e).__name__}: {e}"
     from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
 
-    ready = {"op": "ready", "seconds": time.monotonic() - start, "failed": failed}
-    send(sock, ready | {"unsafe": fork_hazard()})
+    taken = None
+    if kept is not None:
+        plan = learned.read_kept(kept)
+        if plan is not None:
+            taken = learned.take(plan.modules, plan.differ, plan.skip)
+    send(sock, _ready(start, failed, taken))
+    _Forks(sock).serve()
+
+
+def _ready(start: float, failed: dict[str, str], taken: learned.Taken | None) -> dict[str, Any]:
+    """The ``ready`` message: how long the imports took, what failed, why forking from this
+    process would be wrong, and what it learned (its own account of the modules it holds)."""
+    message: dict[str, Any] = {"op": "ready", "pid": os.getpid()}
+    message |= {"seconds": time.monotonic() - start, "failed": failed, "unsafe": fork_hazard()}
+    if taken is not None:
+        message["learned"] = learned.account(taken)
+    return message
+
+
+def _serve_heir(sock: socket.socket, request: dict[str, Any]) -> None:
+    """An heir (forked by the zygote on a ``learn`` request): import what the workers were
+    seen to import, on idle CPU (the job trains meanwhile), then serve on `sock`; one that
+    imported what it must not fork with says so and ends."""
+    signal.set_wakeup_fd(-1)  # the zygote's, closed here
+    set_title([sys.executable, "-m", "elastic_launch.processes.zygote", "(learning)"])
+    import elastic_core
+
+    elastic_core.die_with_parent(signal.SIGKILL, os.getppid())
+    start = time.monotonic()
+    with learned.on_idle_cpu():
+        taken = learned.take(request["modules"], request["differ"], request["skip"])
+    send(sock, _ready(start, {}, taken))
+    if taken.poisoned:  # given up: it lives until the agent has read why (it checks the pid)
+        sock.settimeout(SPAWN_ANSWER_TIMEOUT)
+        with contextlib.suppress(OSError):
+            recv(sock)
+        os._exit(0)
     _Forks(sock).serve()
 
 
@@ -197,6 +228,7 @@ class _Forks:
         self.children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
         self.spares: dict[int, socket.socket] = {}  # pid -> its end of the spare's channel
         self.want_spares = 0
+        self.heirs: set[int] = set()  # heirs and ended spares: reaped, never reported
 
     def serve(self) -> None:
         while True:
@@ -212,6 +244,7 @@ class _Forks:
                         if watched:
                             self._reap_if_exited(pid)
                     self._reap_dead_spares()
+                    self._reap_heirs()
                 else:
                     self._request()
 
@@ -220,7 +253,10 @@ class _Forks:
         if request is None:  # the agent is gone: so are we
             os._exit(0)
         if request.get("op") == "spares":
-            self.want_spares = max(0, int(request["count"]))
+            self._want(max(0, int(request["count"])))
+            return
+        if request.get("op") == "learn":
+            self._fork_heir(request, fds)
             return
         if request.get("op") == "watched":
             if request["pid"] in self.children:
@@ -254,6 +290,26 @@ class _Forks:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return pid
 
+    def _want(self, count: int) -> None:
+        """Keep `count` warm spares: the ones beyond it are ended (end of file on their
+        channel), as an heir's take over."""
+        self.want_spares = count
+        while len(self.spares) > count:
+            pid, end = self.spares.popitem()
+            end.close()
+            self.heirs.add(pid)  # reaped without a word, as an heir is
+
+    def _fork_heir(self, request: dict[str, Any], fds: list[int]) -> None:
+        """Fork an heir that learns the request's modules and serves on the socket attached."""
+        if len(fds) != 1:
+            for f in fds:
+                os.close(f)
+            return
+        theirs = socket.socket(fileno=fds[0])
+        pid = self._fork(lambda: _serve_heir(theirs, request))
+        theirs.close()
+        self.heirs.add(pid)
+
     def _fork_spare(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = self._fork(lambda: _wait_as_spare(theirs), close=ours)
@@ -283,6 +339,14 @@ class _Forks:
                     # A spare that dies unused (killed from outside) is not forked anew: a
                     # cause that kills each new one would make the zygote fork without end.
                     self.want_spares = 0
+
+    def _reap_heirs(self) -> None:
+        for pid in list(self.heirs):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    self.heirs.discard(pid)
+            except ChildProcessError:
+                self.heirs.discard(pid)
 
     def _reap_spare(self, pid: int) -> None:
         with contextlib.suppress(ChildProcessError):
@@ -341,7 +405,24 @@ def _ready_fields(message: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
         return None
-    return {"seconds": float(seconds), "failed": dict(failed), "unsafe": unsafe}
+    pid, account = message.get("pid"), message.get("learned")
+    if not _count(pid, 1) or not (account is None or _account(account)):
+        return None
+    fields = {"seconds": float(seconds), "failed": dict(failed), "unsafe": unsafe}
+    return fields | {"pid": pid, "learned": account}
+
+
+def _account(account: Any) -> bool:
+    """Whether `account` is what :func:`~elastic_launch.learned.account` makes."""
+    if not isinstance(account, dict) or not _count(account.get("failed")):
+        return False
+    lists = [account.get(k) for k in ("loaded", "excluded", "holds")]
+    left_out = account.get("left_out")
+    if not all(isinstance(x, list) and all(isinstance(v, str) for v in x) for x in lists):
+        return False
+    return isinstance(left_out, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in left_out.items()
+    )
 
 
 def _spawned_fields(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -389,33 +470,69 @@ class Zygote:
     """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
     torch) overlap the rendezvous."""
 
-    def __init__(self, modules: list[str], spares: int = 0, cgroup_path: str | None = None) -> None:
+    def __init__(
+        self,
+        modules: list[str],
+        spares: int = 0,
+        cgroup_path: str | None = None,
+        kept: str | None = None,
+    ) -> None:
         """`spares`: how many warm spares the zygote keeps forked (see the module's doc);
         `cgroup_path`: the job's cgroup, which it joins before it imports anything (and whose
-        mark its environment carries, as every process it forks does)."""
-        self.modules = modules
-        #: The environment it started with: what a forked worker keeps of it is read at start.
-        self.env = dict(os.environ)
+        mark its environment carries, as every process it forks does); `kept`: the file of
+        what an earlier run learned, imported (checked) after `modules`."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = parent
+        env = dict(os.environ)
         # The interpreter fresh workers would run ($PYTHON_EXEC, as torchrun honours it).
         command = [python_executable(sys.executable), "-u", "-m", __name__, str(child.fileno())]
-        env = {**self.env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())}
+        command += [LEARNED_ARG, kept] if kept else []
+        started = {**env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())}
         if cgroup_path:
-            env[cgroup.CGROUP_ENV] = cgroup_path
+            started[cgroup.CGROUP_ENV] = cgroup_path
+        self._parent_pid = 0  # an heir's: the zygote that forked it
         try:
-            self._proc = subprocess.Popen(
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [*command, *modules, room_argument()],
                 pass_fds=[child.fileno()],
                 start_new_session=True,
-                env=env,
+                env=started,
             )
         except BaseException:
             parent.close()
             raise
         finally:
             child.close()
-        self.pid = self._proc.pid
+        self._begin(parent, self._proc.pid, modules, env, spares)
+
+    @classmethod
+    def heir(cls, parent: Zygote, plan: learned.ImportPlan) -> Zygote:
+        """Have `parent` fork an heir that imports what `plan` names, on idle CPU, and then
+        serves spawns: its handle, ready once its imports are done (raises OSError when the
+        request cannot be sent)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = {"op": "learn", "modules": list(plan.modules), "differ": dict(plan.differ)}
+        request["skip"] = list(plan.skip)
+        try:
+            send(parent._sock, request, [theirs.fileno()], SEND_DEADLINE)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self = cls.__new__(cls)
+        self._proc = None
+        self._parent_pid = parent.pid
+        self._begin(ours, 0, parent.modules, parent.env, 0)  # its pid comes with 'ready'
+        return self
+
+    def _begin(
+        self, sock: socket.socket, pid: int, modules: list[str], env: dict[str, str], spares: int
+    ) -> None:
+        self.modules = modules
+        #: The environment it started with: what a forked worker keeps of it is read at start.
+        self.env = env
+        self._sock = sock
+        self.pid = pid
         self._cond = threading.Condition()
         self._ready = False
         self._dead = False
@@ -430,11 +547,24 @@ class Zygote:
         self.startup_seconds: float | None = None
         self.failed: dict[str, str] = {}
         self.unsafe: str | None = None  # why forking from it would be wrong (fork_hazard)
+        #: What it learned (:func:`elastic_launch.learned.account`), if asked to.
+        self.learned: dict[str, Any] | None = None
         self._reader = threading.Thread(target=self._read, name="elasticrun-zygote", daemon=True)
         self._reader.start()
         if spares:
-            with contextlib.suppress(OSError):  # a zygote gone already is found at the spawn
-                send(self._sock, {"op": "spares", "count": spares}, deadline=SEND_DEADLINE)
+            self.keep_spares(spares)
+
+    def keep_spares(self, count: int) -> None:
+        """Have it keep `count` warm spares forked (fewer: the others end)."""
+        with contextlib.suppress(OSError):  # a zygote gone already is found at the spawn
+            send(self._sock, {"op": "spares", "count": count}, deadline=SEND_DEADLINE)
+
+    @property
+    def busy(self) -> bool:
+        """Whether children it forked for the agent still run (it must live while they do:
+        they die with it)."""
+        with self._cond:
+            return bool(self._spawned_pids)
 
     def _read(self) -> None:
         while True:
@@ -467,6 +597,8 @@ class Zygote:
         with self._cond:
             if op == "ready":
                 self._ready = True
+                self.pid = self.pid or fields["pid"]
+                self.learned = fields["learned"]
                 self.startup_seconds = fields["seconds"]
                 self.failed = fields["failed"]
                 self.unsafe = fields["unsafe"]
@@ -482,6 +614,8 @@ class Zygote:
         """Why a well-formed message cannot be the zygote's: a 'spawned' naming a process that
         is not its child, an 'exited' for a child of it that still runs (it sends that once it
         reaped the child); None if it can be."""
+        if op == "ready":
+            return self._forged_ready(fields["pid"])
         if op not in ("spawned", "exited"):
             return None
         pid = fields["pid"]
@@ -491,6 +625,16 @@ class Zygote:
             return f"a 'spawned' naming pid {pid}, which is not the zygote's child"
         if op == "exited" and child and found is not None and found.alive:
             return f"an exit of pid {pid}, which still runs"
+        return None
+
+    def _forged_ready(self, pid: int) -> str | None:
+        """An heir's 'ready' names it: a child of the zygote that forked it. (A zygote started
+        by the agent is known by its pid from the start.)"""
+        if self.pid:
+            return None if pid == self.pid else f"a 'ready' naming pid {pid}, not the zygote's"
+        found = stat_of(pid)
+        if found is None or found.ppid != getattr(self, "_parent_pid", -1):
+            return f"a 'ready' naming pid {pid}, which is not the zygote's heir"
         return None
 
     def stalled(self, quiet: float) -> str | None:
@@ -599,9 +743,15 @@ class Zygote:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait(timeout=10)
+        if self._proc is None:  # an heir: it ends at end of file, and its zygote reaps it
+            found = stat_of(self.pid) if self.pid else None
+            if found is not None and found.ppid == self._parent_pid:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)
+        else:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait(timeout=10)
         join(self._reader, 5, "the zygote's reader thread")
 
 

@@ -139,6 +139,7 @@ class ElasticCoordinator(Coordinator):
         failure, self._failure = self._failure, ""
         # A hot spare has prepared on idle CPU; it waits on a watch (no CPU) at the normal
         # policy, so that a busy machine does not delay its answer when a round needs it.
+        spare.prepare()
         spare.leave_idle()
         self._announce(WAITING)  # a hot spare, or a worker between rounds: not training
         try:
