@@ -103,6 +103,7 @@ lint: $(VENV)/.stamp-packages
 
 bench: $(VENV)/.stamp-packages cpp
 	$(PIP) install -q $(FIND_LINKS) lightning accelerate  # the frameworks rows; torch stays 2.13.0
+	$(PIP) install -q $(FIND_LINKS) --target $(BUILD)/hf transformers  # beside torch 2.13.0
 	$(VPY) benchmarks/run.py --cpp-build $(BUILD)/cpp
 
 # The real-job benchmark on this machine's GPUs over NCCL (needs 2 GPUs and a CUDA torch).

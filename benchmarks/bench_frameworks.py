@@ -2,9 +2,12 @@
 step 30: the kill to the restarted group's first step, elasticrun (default flags: --preload
 auto has the zygote import torch, torch._dynamo and the framework) beside torchrun in the same
 run. The jobs: PyTorch Lightning (benchmarks/_lightning_job.py: a Trainer, DDP on CPU, AdamW, a
-DataLoader worker, ModelCheckpoint every step, fit(ckpt_path=last)) and Hugging Face Accelerate
-(benchmarks/_accelerate_job.py: an Accelerator, save_state every step, load_state to resume).
-`make bench` installs both; the tests do not need them.
+DataLoader worker, ModelCheckpoint every step, fit(ckpt_path=last)), Hugging Face Accelerate
+(benchmarks/_accelerate_job.py: an Accelerator, save_state every step, load_state to resume)
+and a transformers ``Trainer`` (benchmarks/_trainer_job.py: a small GPT-2 built from a config,
+a checkpoint every step, train(resume_from_checkpoint=last)). `make bench` installs them
+(transformers into build/hf, beside torch 2.13.0: $ELASTICRUN_BENCH_HF names the folder); the
+tests do not need them.
 
     python benchmarks/bench_frameworks.py [--runs 5]
 """
@@ -28,7 +31,11 @@ JOBS = {
     "Hugging Face Accelerate (an Accelerator, save_state every step, load_state)": (
         HERE / "_accelerate_job.py"
     ),
+    "Hugging Face transformers Trainer (a GPT-2 from a config, DDP, a checkpoint every step, "
+    "resume_from_checkpoint=last)": HERE / "_trainer_job.py",
 }
+#: Where `make bench` installs transformers (beside torch 2.13.0, not into the venv).
+HF_TARGET = os.environ.get("ELASTICRUN_BENCH_HF", str(HERE.parent / "build" / "hf"))
 FLAGS = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
 LAUNCHERS = {
     "elasticrun": [sys.executable, "-m", "elastic_launch", *FLAGS],
@@ -45,11 +52,13 @@ def once(launcher: list[str], job: Path) -> float | None:
     """Seconds from the kill to the first step of the restarted group, or None (it failed or
     hung)."""
     out = Path(tempfile.mkdtemp(prefix="bench-frameworks-"))
+    path = os.pathsep.join(filter(None, [HF_TARGET, os.environ.get("PYTHONPATH")]))
     with open(out / "stderr", "wb") as err:
         proc = subprocess.Popen(
             [*launcher, str(job), str(out)],
             stdout=subprocess.DEVNULL,
             stderr=err,
+            env={**os.environ, "PYTHONPATH": path},
             start_new_session=True,
         )
         try:

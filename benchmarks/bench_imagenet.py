@@ -54,7 +54,9 @@ def image_tree(root: Path) -> Path:
     return root
 
 
-def once(launcher: list[str], mode: list[str], kill: bool = True) -> tuple[float | None, str]:
+def once(
+    launcher: list[str], mode: list[str], kill: bool = True, kill_at: int = KILL_AT
+) -> tuple[float | None, str]:
     """Seconds from the kill to the first step after it (of the step the kill interrupted or
     later), and the final parameters' digest ("" if the run failed). With hot spares the kill
     waits until one waits in the rendezvous (it is measured ready, as it is meant to be)."""
@@ -62,7 +64,7 @@ def once(launcher: list[str], mode: list[str], kill: bool = True) -> tuple[float
     events = out / "events.jsonl"
     spares = "--hot-spares" in launcher
     cmd = [*launcher, *(["--events-file", str(events)] if spares else []), str(JOB), str(out)]
-    cmd += [*mode, *(["--kill-at", str(KILL_AT), "--armed"] if kill else [])]
+    cmd += [*mode, *(["--kill-at", str(kill_at), "--armed"] if kill else [])]
     if not spares:
         (out / "arm").touch()
     with open(out / "console", "wb") as sink:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_example01
 import bench_frameworks
 import bench_hang
 import bench_imagenet
@@ -46,6 +47,7 @@ SECTIONS = {
     "real_job": bench_real_job.run,  # runs per scenario: BENCH_REAL_JOB_RUNS (default 5)
     "train_loop": bench_train_loop.run,
     "imagenet": bench_imagenet.run,  # torchelastic 0.1's example: no spare, a hot spare
+    "example01": bench_example01.run,  # the 0.1 example as it ships, through a wrapper
     "frameworks": bench_frameworks.run,  # Lightning, Accelerate (make bench installs them)
     "slurm": bench_slurm.run,
     "hostile": hostile_load.run,

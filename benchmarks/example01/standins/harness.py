@@ -3,7 +3,7 @@ here), every process starts from the same seed (so that runs compare bitwise), e
 recorded, and rank 1 of the first workers SIGKILLs itself after a step.
 
 Reads EXAMPLE01_OUT (a directory: <pid>.steps lines "monotonic_ns step world rank pid",
-``killed`` "monotonic_ns step", ``weights`` rank 0's parameters' SHA-256 at the end) and
+``killed`` "monotonic_ns step", ``weights.<pid>`` each worker's parameters' SHA-256 at the end) and
 EXAMPLE01_KILL_AT (the step after which rank 1 dies; unset: none). The kill waits for the file
 OUT/arm (a benchmark arms it once what it measures is in place)."""
 
@@ -80,11 +80,12 @@ def install() -> None:
 
 
 def finish() -> None:
-    """Rank 0 writes its parameters' digest."""
-    if OUT and _optimizer is not None and dist.is_initialized() and dist.get_rank() == 0:
+    """Each worker that trained writes its parameters' digest to OUT/weights.<pid> (DDP keeps
+    them equal: a benchmark compares them with each other and with a fault-free run's)."""
+    if OUT and _optimizer is not None:
         digest = hashlib.sha256()
         for group in _optimizer.param_groups:
             for p in group["params"]:
                 digest.update(p.detach().numpy().tobytes())
-        with open(os.path.join(OUT, "weights"), "w") as f:
+        with open(os.path.join(OUT, f"weights.{os.getpid()}"), "w") as f:
             f.write(digest.hexdigest())

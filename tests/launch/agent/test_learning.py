@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from elastic_launch import learned
-from elastic_launch.agent.learning import MAX_HEIRS, MAX_ROUNDS, Learning
+from elastic_launch.agent.learning import AHEAD, MAX_HEIRS, MAX_ROUNDS, Learning
 from elastic_launch.processes.entrypoint import Entrypoint, Kind
 from elastic_launch.processes.spawn import Settled
 
@@ -24,7 +24,9 @@ class FakeSpawner:
     asked: list[learned.ImportPlan] = field(default_factory=list)
     differ: set[str] = field(default_factory=set)
     learning: bool = False
-    zygote: object = field(default_factory=lambda: SimpleNamespace(ready=True, learned=None, pid=1))
+    zygote: object = field(
+        default_factory=lambda: SimpleNamespace(ready=True, learned=None, pid=1, modules=["torch"])
+    )
     _done: list[Settled] = field(default_factory=list)
 
     def learn(self, plan: learned.ImportPlan) -> bool:
@@ -134,3 +136,32 @@ def test_an_heir_given_up_is_tried_again_without_what_it_left_out_a_bounded_numb
         for _ in range(3):
             learning.poll(0)
     assert len(spawner.asked) <= 2 + MAX_ROUNDS
+
+
+def test_a_zygote_without_torch_learns_torch_and_its_lazy_imports_before_the_workers_say(
+    tmp_path,
+):
+    """A wrapper hid torch from the script's text: the first replacement should not wait for
+    the workers' list to be learned."""
+    spawner = FakeSpawner()
+    spawner.zygote = SimpleNamespace(ready=True, learned=None, pid=1, modules=[])
+    group = FakeGroup(tmp_path, spawner)
+    group.stepped = 0
+    learning = Learning(group, FakeEvents())  # type: ignore[arg-type]
+    for _ in range(3):
+        learning.poll(0)
+    assert [p.modules for p in spawner.asked] == [AHEAD], "once, before any step"
+    group.stepped = 1
+    write(tmp_path, ["torch", "transformers"])
+    learning.poll(0)
+    assert spawner.asked[-1].modules == ("transformers",), "torch was learned ahead"
+
+
+def test_a_zygote_that_holds_torch_learns_nothing_ahead(tmp_path):
+    spawner = FakeSpawner()
+    group = FakeGroup(tmp_path, spawner)
+    group.stepped = 0
+    learning = Learning(group, FakeEvents())  # type: ignore[arg-type]
+    for _ in range(3):
+        learning.poll(0)
+    assert spawner.asked == []

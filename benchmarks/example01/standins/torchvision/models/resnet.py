@@ -1,4 +1,4 @@
-"""ResNets of torchvision's layout (BasicBlock, Bottleneck, four stages), 16 channels wide in
+"""ResNets of torchvision's layout (BasicBlock, Bottleneck, four stages), 8 channels wide in
 the first stage rather than 64 (a CPU's width), with 200 classes (the benchmark's tree)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WIDTH = 16
+WIDTH = 8
 CLASSES = 200
 
 
