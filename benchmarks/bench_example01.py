@@ -83,10 +83,16 @@ def example(data: Path, kill_at: int, spares: bool, wait_spare: bool) -> Outcome
             return Outcome(None, set(), False)
         if not kill_at:
             return Outcome(0.0, digests, True)
-        killed, _ = map(int, (out / "killed").read_text().split())
+        killed, step = map(int, (out / "killed").read_text().split())
         records = step_records(out)
-        after = [(t, pid) for t, _, _, _, pid in records if t > killed]
         before = {pid for t, _, _, _, pid in records if t < killed}
+        # A survivor may record the step it was finishing as the kill came: its next step
+        # is the first past `step`; a new process's first step is past the kill.
+        after = [
+            (t, pid)
+            for t, n, _, _, pid in records
+            if t > killed and (n > step or pid not in before)
+        ]
         kept = bool(before & {pid for _, pid in after})
         return Outcome((min(after)[0] - killed) / 1e9, digests, kept)
     finally:

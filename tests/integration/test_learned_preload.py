@@ -127,8 +127,13 @@ def tree(tmp_path: Path) -> Path:
 def test_a_wrapped_jobs_restart_forks_from_a_zygote_that_learned_its_imports(tree: Path):
     job = Job(tree, "first")
     try:
-        assert wait_for(lambda: job.events("preload_learned"), 180), job.log.read_text()[-3000:]
-        learned = job.events("preload_learned")[0]
+
+        def workers_list_learned() -> list[dict]:
+            return [e for e in job.events("preload_learned") if "learned_pkg.tool" in e["holds"]]
+
+        assert wait_for(workers_list_learned, 180), job.log.read_text()[-3000:]
+        ahead, learned = job.events("preload_learned")[0], workers_list_learned()[0]
+        assert "torch" in ahead["holds"], "torch learned ahead: the wrapper hid it"
         assert not learned["kept"]
         holds = set(learned["holds"])
         assert {"torch", "torch.nn.parallel.distributed", "learned_pkg.tool"} <= holds

@@ -17,6 +17,7 @@ FOUNDATION = {
     "errors",
     "eventlog",
     "files",
+    "idle",
     "learned",
     "net",
     "spare",

@@ -37,38 +37,44 @@ def test_a_worker_writes_its_modules_in_order_and_what_it_changed_as_digests(tmp
     assert found.env_changed["NEW_ONE"] == learned.digest("x")
 
 
-def test_a_worker_writes_at_its_first_step_and_at_step_100_only(tmp_path, monkeypatch):
+def test_a_worker_writes_after_its_first_step_and_after_step_100_only(tmp_path, monkeypatch):
+    """Through the worker's own optimizer hook (the beat stubbed out)."""
+    import elastic_core
+    from elastic_launch.processes import worker_main
+
     path = tmp_path / "imports.json"
     monkeypatch.setenv(learned.IMPORTS_FILE_ENV, str(path))
-    learned.at_step(2)
-    assert not path.exists()
-    learned.at_step(1)
-    assert path.exists()
+    monkeypatch.setattr(elastic_core, "beat", lambda: None)
+    monkeypatch.setattr(worker_main, "_steps", 0)
+    written = []
+    monkeypatch.setattr(learned, "record", lambda p: written.append(worker_main._steps))
+    for _ in range(150):
+        worker_main._beat_after_step(None, None, None)
+    assert written == [1, 100]
 
 
 @pytest.mark.parametrize(
     ("data", "why"),
     [
         (b"{not json", "not JSON"),
-        (b"[1, 2]", "not a JSON object"),
+        (b"[1, 2]", "not a JSON object: '\\[1, 2\\]'"),
         (b'{"modules": "torch"}', "must be a list"),
-        (b'{"modules": ["torch", "os; rm -rf /"]}', "not a module name"),
-        (b'{"modules": ["torch", 7]}', "not a module name"),
-        (b'{"modules": [], "env_changed": {"A B": null}}', "not a variable"),
-        (b'{"modules": [], "env_changed": {"A": 12}}', "not a variable"),
+        (b'{"modules": ["os; rm -rf /"]}', "names no module: 'os; rm -rf /'"),
     ],
 )
-def test_a_file_that_is_not_a_workers_list_is_refused_with_why(data, why):
+def test_a_file_that_is_not_a_workers_list_is_refused_quoting_what_is_wrong(data, why):
     with pytest.raises(ValueError, match=why):
         learned.parse(data)
 
 
-def test_names_that_are_modules_pass_and_main_is_dropped():
+def test_what_is_not_a_module_to_import_is_dropped_and_the_rest_is_kept():
     found = learned.parse(
-        b'{"modules": ["__main__", "torch", "torch._dynamo", '
-        b'"_sysconfigdata__linux_x86_64-linux-gnu"], "env_changed": {}}'
+        b'{"modules": ["__main__", "torch", "<run_path>", "os; rm -rf /", 7, "venv.__main__", '
+        b'"antigravity", "torch._dynamo", "_sysconfigdata__linux_x86_64-linux-gnu"], '
+        b'"env_changed": {"A B": null, "OK": "ab", "BAD": 12}}'
     )
     assert found.modules == ("torch", "torch._dynamo", "_sysconfigdata__linux_x86_64-linux-gnu")
+    assert found.env_changed == {"OK": "ab"}
 
 
 def test_a_file_over_the_limit_or_not_regular_is_refused(tmp_path):
@@ -91,8 +97,12 @@ def test_a_file_over_the_limit_or_not_regular_is_refused(tmp_path):
 
 def test_what_differs_in_the_workers(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("RANK", raising=False)
     for key in ("RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ELASTICRUN_X"):
-        assert learned.differs_in_workers(key, {})
+        assert learned.differs_in_workers(key, {}), "unset here, each worker's own there"
+    monkeypatch.setenv("ELASTICRUN_X", "1")
+    assert not learned.differs_in_workers("ELASTICRUN_X", {}), "the same here as there"
+    assert learned.differs_in_workers("ELASTICRUN_X", {"ELASTICRUN_X": learned.ALWAYS})
     assert not learned.differs_in_workers("HOME", {})
     assert learned.differs_in_workers("HOME", {"HOME": learned.ALWAYS})
     assert not learned.differs_in_workers("HF_HUB_OFFLINE", {"HF_HUB_OFFLINE": learned.digest("1")})
@@ -128,7 +138,8 @@ def installed(site: Path, packages: dict[str, str]) -> Path:
 
 PACKAGES = {
     "plain_pkg": "VALUE = 1\n",
-    "copies_env_pkg": "import os\nSNAPSHOT = dict(os.environ)\n",
+    "copies_env_pkg": "import os\nSNAPSHOT = dict(os.environ)\nCOPY = os.environ.copy()\n"
+    "ITEMS = [k for k, v in os.environ.items() if k.startswith('ELASTIC')]\n",
     "threaded_pkg": "import threading, time\n"
     "threading.Thread(target=time.sleep, args=(600,), daemon=True, name='poller').start()\n",
     "rank_pkg": "import os\nRANK = os.environ.get('RANK')\n",
@@ -147,7 +158,10 @@ print(json.dumps({"loaded": taken.loaded, "left_out": taken.left_out,
 
 
 def take(site: Path, names: list[str], differ: dict | None = None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(site), "OFFLINE_FLAG": "0"}
+    """`learned.take` in a fresh interpreter whose environment has what a zygote's has: the
+    launcher's variables (ELASTICRUN_*), no RANK."""
+    env = {**os.environ, "PYTHONPATH": str(site), "OFFLINE_FLAG": "0", "ELASTICRUN_X": "1"}
+    env.pop("RANK", None)
     out = subprocess.run(
         [sys.executable, "-c", TAKE, ",".join(names), json.dumps(differ or {})],
         env=env,
@@ -188,21 +202,58 @@ def test_what_a_left_out_module_brought_is_excluded_with_it(tmp_path):
     assert {"uses_threaded_pkg", "threaded_pkg"} <= set(found["excluded"])
 
 
-def test_a_scripts_own_module_is_never_imported(tmp_path):
+@pytest.mark.parametrize("where", ["on the path", "in the working directory"])
+def test_a_scripts_own_module_is_never_imported(tmp_path, where):
     own = tmp_path / "own"
     own.mkdir()
-    (own / "own_helper.py").write_text("raise SystemExit('imported')\n")
+    marker = tmp_path / "imported"
+    (own / "own_helper.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     site = installed(tmp_path / "site", {"plain_pkg": ""})
-    env_path = f"{site}{os.pathsep}{own}"
+    if where == "in the working directory":  # even named by an installed distribution
+        (site / "learned_test_dist-1.0.dist-info" / "top_level.txt").write_text(
+            "plain_pkg\nown_helper\n"
+        )
+    path = f"{site}{os.pathsep}{own}" if where == "on the path" else f"{own}{os.pathsep}{site}"
     out = subprocess.run(
         [sys.executable, "-c", TAKE, "own_helper,plain_pkg", "{}"],
-        env={**os.environ, "PYTHONPATH": env_path},
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=str(own),
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
     assert json.loads(out.stdout)["loaded"] == ["plain_pkg"]
+    assert not marker.exists(), "the script's own module was imported"
+
+
+def test_a_module_that_parses_sys_argv_at_import_sees_no_zygote_argument(tmp_path):
+    site = installed(tmp_path / "site", {"argv_pkg": "import sys\nARGV = list(sys.argv)\n"})
+    probe = TAKE + "import argv_pkg; print(json.dumps(argv_pkg.ARGV[1:]))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "argv_pkg", "{}", "--zygote-only"],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_packed_names_round_trip_and_a_bomb_is_refused():
+    import base64
+    import zlib
+
+    names = [f"pkg_{i}.module_{i}" for i in range(20000)]
+    packed = learned.pack(names)
+    assert len(packed) <= learned.MAX_PACKED
+    back = learned.unpack(packed)
+    assert back is not None and back == names[: len(back)] and len(back) > 1000
+    bomb = base64.b64encode(zlib.compress(b"a" * (64 << 20))).decode()
+    assert learned.unpack(bomb) is None, "decompressed within a bound"
+    assert learned.unpack("not base64 !") is None
+    assert learned.unpack(base64.b64encode(zlib.compress(b"ok\nos; rm")).decode()) is None
 
 
 # ---- the heir: learns, then serves ------------------------------------------------------------
@@ -266,3 +317,108 @@ def test_what_is_kept_is_read_back_for_its_entrypoint_only(tmp_path):
     assert learned.kept_path("/logs", "script:/a/train.py") != learned.kept_path(
         "/logs", "script:/b/other.py"
     )
+
+
+def test_an_heir_stopped_while_it_learns_is_given_up_and_the_zygote_serves(tmp_path, monkeypatch):
+    import signal
+
+    site = installed(tmp_path / "site", {"slow_pkg": "import time\ntime.sleep(60)\n"})
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    script = tmp_path / "probe.py"
+    script.write_text("")
+    spawner = ZygoteFork(
+        PreloadPlan([], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
+    try:
+        assert spawner.zygote is not None and spawner.zygote.wait_ready(60)
+        first = spawner.zygote.pid
+        assert spawner.learn(ImportPlan(("slow_pkg",)), idle_cpu=False)
+        heir = spawner._heir[0]  # type: ignore[index]
+        deadline = time.monotonic() + 60
+        while not heir.pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(heir.pid, signal.SIGSTOP)
+        given_up = settled(spawner)
+        assert not given_up.took_over and given_up.account == {}
+        assert spawner.zygote.pid == first and not spawner.learning
+        process = spawner.spawn(SpawnRequest(0, ["--", str(script)], dict(os.environ)))
+        process.watched()
+        assert process.reap(30) == (0, None), "the zygote forks on"
+    finally:
+        spawner.close()
+
+
+def test_giving_up_the_zygote_after_an_heir_took_over_keeps_the_workers_running(
+    tmp_path, monkeypatch
+):
+    """The first zygote is the parent of the workers it forked: they die with it."""
+    site = installed(tmp_path / "site", PACKAGES)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    spawner = ZygoteFork(
+        PreloadPlan(["json"], zygote=True), FreshInterpreter(Entrypoint(Kind.SCRIPT, str(script)))
+    )
+    try:
+        sleeper = spawner.spawn(SpawnRequest(0, ["--", str(script)], dict(os.environ)))
+        sleeper.watched()
+        assert spawner.learn(ImportPlan(("plain_pkg",)))
+        assert settled(spawner).took_over
+        spawner._give_up("a test gives the zygote up")
+        assert spawner.zygote is None
+        os.kill(sleeper.pid, 0)  # alive: its parent was kept
+        assert sleeper.reap(0.2) == (None, None)
+    finally:
+        spawner.close()
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{sleeper.pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{sleeper.pid}"), "ended with the launch"
+
+
+def test_a_hot_spare_imports_what_was_learned_before_it_waits(tmp_path):
+    site = installed(tmp_path / "site", PACKAGES)
+    kept = tmp_path / "learned_imports.json"
+    kept.write_text(ImportPlan(("plain_pkg", "rank_pkg"), skip=("rank_pkg",)).to_json("x"))
+    probe = (
+        "import sys\nfrom elastic_launch import spare\nspare.prepare()\n"
+        "print('plain_pkg' in sys.modules, 'rank_pkg' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "ELASTICRUN_LEARNED_IMPORTS": str(kept)}
+    run = lambda extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", probe],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert run({"ELASTICRUN_HOT_SPARE": "1"}) == ["True", "False"], "what was left out stays out"
+    assert run({}) == ["False", "False"], "a worker that is not a spare imports nothing more"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_where_idle_cpu_cannot_be_left_a_spare_does_not_go_there():
+    """Without CAP_SYS_NICE and with RLIMIT_NICE 0 (the default), SCHED_IDLE cannot be left:
+    a spare, or an heir, would train there for good. (A forked child becomes nobody: the
+    interpreter's files need not be readable to it.)"""
+    import resource
+
+    from elastic_launch import idle
+
+    read, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+            os.setuid(65534)
+            found = (idle.can_leave(), idle.enter(), os.sched_getscheduler(0) == os.SCHED_OTHER)
+            os.write(write_end, repr(found).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read) as f:
+        found = f.read()
+    os.waitpid(pid, 0)
+    assert found == "(False, False, True)"
+    assert idle.can_leave(), "root can"

@@ -360,6 +360,7 @@ def test_check_message_takes_well_formed_messages_and_names_the_rest():
         {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None},  # no pid
         {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None, "pid": 7, "learned": []},
         {"op": "ready", "seconds": 1, "failed": {}, "unsafe": None, "pid": 7, "learned": {}},
+        {"op": "learning", "pid": "7"},
         {"op": "reboot"},
     ):
         assert isinstance(check_message(bad, children), str), bad
@@ -511,16 +512,19 @@ def test_well_formed_lies_on_the_zygotes_socket_are_dropped(tmp_path, caplog, mo
         victim.wait(10)
 
 
-def test_an_heirs_ready_must_name_a_child_of_the_zygote_that_forked_it():
-    """The heir's pid comes with its 'ready': one naming any other process is forged."""
+def test_an_heirs_ready_must_name_a_child_of_the_zygote_that_forked_it_and_come_once():
+    """The heir's pid comes with its first message: one naming any other process is forged,
+    and so is a second 'ready'."""
     heir = Zygote.__new__(Zygote)
-    heir.pid, heir._parent_pid = 0, os.getppid()  # this process stands for the heir here
-    assert heir._forged_ready(os.getpid()) is None
+    heir.pid, heir._parent_pid, heir._ready = 0, os.getppid(), False  # this process: the heir
+    assert heir._forged_ready("learning", os.getpid()) is None
     heir._parent_pid = 1
-    assert "not the zygote's heir" in (heir._forged_ready(os.getpid()) or "")
+    assert "not the zygote's heir" in (heir._forged_ready("ready", os.getpid()) or "")
     started = Zygote.__new__(Zygote)
-    started.pid = 4242
-    assert "not the zygote's" in (started._forged_ready(4243) or "")
+    started.pid, started._ready = 4242, False
+    assert "not the zygote's" in (started._forged_ready("ready", 4243) or "")
+    started._ready = True
+    assert "a second 'ready'" in (started._forged_ready("ready", 4242) or "")
 
 
 def test_a_learn_request_without_its_socket_is_dropped_and_the_zygote_serves(tmp_path):

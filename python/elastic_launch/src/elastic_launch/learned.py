@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: The file a worker writes its modules to (set by the agent for each worker).
 IMPORTS_FILE_ENV = "ELASTICRUN_IMPORTS_FILE"
@@ -40,8 +41,15 @@ RECORD_AT_STEPS = frozenset({1, 100})
 #: At most this many names are taken from a file, of at most this many bytes.
 MAX_NAMES = 20000
 MAX_FILE_BYTES = 2 << 20
-#: At most this many names of the modules a zygote holds are in its account (one message).
-MAX_HELD = 8000
+#: At most this many bytes of packed names go in one message to or from the zygote: a
+#: socketpair's datagram is bounded by its send buffer (208 KiB by default).
+MAX_PACKED = 48 << 10
+#: At most this many modules an heir is asked to import (what the workers hold beyond it is
+#: learned by the next one, or not at all).
+MAX_PER_HEIR = 5000
+#: At most this many left-out modules, each with a reason of at most 200 characters, in one
+#: account.
+MAX_LEFT_OUT = 100
 #: A module's name: dotted parts (a file's stem may hold a '-', as _sysconfigdata's does).
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,99}(\.[A-Za-z_][A-Za-z0-9_-]{0,99}){0,19}")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
@@ -98,9 +106,9 @@ def remember_start() -> None:
 
 
 def at_step(step: int) -> None:
-    """After optimizer step `step`: write the modules held, at the steps that say."""
+    """After optimizer step `step` (one of :data:`RECORD_AT_STEPS`): write the modules held."""
     path = os.environ.get(IMPORTS_FILE_ENV)
-    if path and step in RECORD_AT_STEPS:
+    if path:
         with contextlib.suppress(OSError):  # the launcher learns nothing of it; it trains on
             record(path)
 
@@ -142,7 +150,10 @@ class Imports:
 
 
 def parse(data: bytes) -> Imports:
-    """A worker's imports file, checked: raises ValueError saying what is wrong with it."""
+    """A worker's imports file, checked. An entry that is not a module's name (``<run_path>``,
+    which runpy leaves) or not a variable's name and digest is dropped, and so is a module
+    that is a ``__main__`` (its import runs a program); raises ValueError, quoting what is
+    wrong, for a file that is not such a list at all."""
     import json
 
     try:
@@ -150,19 +161,28 @@ def parse(data: bytes) -> Imports:
     except (ValueError, RecursionError) as e:
         raise ValueError(f"not JSON ({e})") from None
     if not isinstance(found, dict):
-        raise ValueError("not a JSON object")
+        raise ValueError(f"not a JSON object: {str(found)[:40]!r}")
     modules, changed = found.get("modules"), found.get("env_changed", {})
     if not isinstance(modules, list) or not isinstance(changed, dict):
-        raise ValueError("'modules' must be a list, 'env_changed' an object")
-    names = [m for m in modules[:MAX_NAMES] if isinstance(m, str) and _NAME.fullmatch(m)]
-    if len(names) < min(len(modules), MAX_NAMES):
-        raise ValueError("'modules' holds what is not a module name")
-    if len(changed) > MAX_NAMES or not all(
-        _KEY.fullmatch(k) and (v is None or (isinstance(v, str) and len(v) <= 64))
-        for k, v in changed.items()
-    ):
-        raise ValueError("'env_changed' holds what is not a variable's name and digest")
-    return Imports(tuple(n for n in names if n.split(".")[0] not in _NEVER), dict(changed))
+        raise ValueError("'modules' must be a list and 'env_changed' an object")
+    names = [m for m in modules[:MAX_NAMES] if _module_name(m)]
+    if modules and not names:
+        raise ValueError(f"'modules' names no module: {str(modules[0])[:60]!r}...")
+    keys = {
+        k: v
+        for k, v in list(changed.items())[:MAX_NAMES]
+        if _KEY.fullmatch(k) and (v is None or (isinstance(v, str) and len(v) <= 64))
+    }
+    return Imports(tuple(names), keys)
+
+
+def _module_name(name: object) -> bool:
+    """Whether `name` may be imported for a worker: a module's name, no ``__main__`` in it,
+    not one of :data:`_NEVER`."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        return False
+    parts = name.split(".")
+    return parts[0] not in _NEVER and "__main__" not in parts
 
 
 def read(path: str) -> Imports | None:
@@ -185,14 +205,14 @@ ALWAYS = "*"
 
 
 def differs_in_workers(key: str, differ: Mapping[str, str | None]) -> bool:
-    """Whether variable `key` has another value in the workers than in this process: one the
-    launcher sets per worker, or one a worker changed (`differ`: the digests of the workers'
-    values) to a value this process does not hold."""
-    if key in PER_WORKER or key.startswith(_PER_WORKER_PREFIXES):
-        return True
-    if key not in differ:
-        return False
-    return differ[key] == ALWAYS or differ[key] != digest(os.environ.get(key))
+    """Whether variable `key` has another value in the workers than in this process: one a
+    worker changed or was given (`differ`: the digests of the workers' values, or
+    :data:`ALWAYS`) to a value this process does not hold, or one the launcher sets per worker
+    that this process lacks (what an import read as unset, each worker has: ``RANK``)."""
+    if key in differ:
+        return differ[key] == ALWAYS or differ[key] != digest(os.environ.get(key))
+    per_worker = key in PER_WORKER or key.startswith(_PER_WORKER_PREFIXES)
+    return per_worker and key not in os.environ
 
 
 # ---- the heir's side: importing, checked -------------------------------------------------------
@@ -222,11 +242,15 @@ class Taken:
 
     @property
     def poisoned(self) -> bool:
+        """Whether this process imported what it must not fork with."""
         return bool(self.left_out)
 
 
 class _Reads(os._Environ):  # type: ignore[type-arg]
-    """``os.environ`` as imports see it: the same variables, each read recorded."""
+    """``os.environ`` as imports see it: the same variables, each read of one recorded. A copy
+    of the whole (``dict(os.environ)``, ``os.environ.copy()``, ``{**os.environ}``: the keys
+    listed, then each read in their order) or a scan of its items reads no one variable and is
+    not recorded."""
 
     def __init__(self, real: os._Environ) -> None:  # type: ignore[type-arg]
         super().__init__(
@@ -237,20 +261,27 @@ class _Reads(os._Environ):  # type: ignore[type-arg]
             real.decodevalue,
         )
         self.read: set[str] = set()
-        self._copying = 0  # iterations under way: a copy of the whole reads no one variable
+        self._copying: list[str] = []  # the keys a copy under way reads next, reversed
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        listed = list(super().keys())
+        self._copying = listed[::-1]
+        return listed
+
+    def items(self) -> list[tuple[str, str]]:  # type: ignore[override]
+        return [(k, os._Environ.__getitem__(self, k)) for k in list(super().keys())]
+
+    def values(self) -> list[str]:  # type: ignore[override]
+        return [v for _, v in self.items()]
 
     def __getitem__(self, key: str) -> str:
-        if not self._copying:
+        if self._copying and self._copying[-1] == key:
+            self._copying.pop()
+        else:
+            self._copying = []
             self.read.add(key)
         value: str = super().__getitem__(key)
         return value
-
-    def __iter__(self) -> Iterator[str]:
-        self._copying += 1
-        try:
-            yield from super().__iter__()
-        finally:
-            self._copying -= 1
 
 
 @dataclass(frozen=True)
@@ -301,83 +332,167 @@ def hazard(before: _State, after: _State, read: Iterable[str]) -> str | None:
 def take(
     names: Iterable[str], differ: Mapping[str, str | None] | None = None, skip: Iterable[str] = ()
 ) -> Taken:
-    """Import each of `names` not held yet (and not in `skip`), found on this process's path,
-    one at a time, each checked with :func:`hazard` (`differ`: what :func:`differs_in_workers`
-    takes, besides what the launcher sets per worker)."""
-    differ, skip = dict(differ or {}), frozenset(skip)
+    """Import each of `names` :func:`to_import` lets through, one at a time, each checked with
+    :func:`hazard` (`differ`: what :func:`differs_in_workers` takes). The imports see a
+    neutral ``sys.argv`` (a module that parses it at import would keep the zygote's) and an
+    ``os.environ`` that records their reads."""
+    differ = dict(differ or {})
     taken = Taken()
     reads = _Reads(os.environ)
     real, os.environ = os.environ, reads  # the same variables, shared: reads are recorded
+    argv, sys.argv = sys.argv, [sys.executable]
     try:
-        for name in names:
-            if name in sys.modules or name in skip or not importable(name):
-                continue
-            before = _state()
+        for name in to_import(names, skip):
+            before, held = _state(), set(sys.modules)
             reads.read.clear()
             try:
                 load(name)
             except BaseException:  # the worker's order or state made it work: not here
                 taken.failed += 1
-                continue
-            after = _state()
             read = {k for k in reads.read if differs_in_workers(k, differ)}
-            why = hazard(before, after, read)
-            if why is None:
+            why = hazard(before, _state(), read)
+            if why is not None:
+                taken.left_out[name] = why
+                taken.excluded += [name, *(n for n in sys.modules if n not in held)]
+            elif name in sys.modules:
                 taken.loaded.append(name)
-                continue
-            taken.left_out[name] = why
-            taken.excluded += [name, *list(sys.modules)[before.modules :]]
     finally:
         os.environ = real  # noqa: B003 - the same variables: nothing is to be cleared
+        sys.argv = argv
     return taken
 
 
-_installed: dict[str, bool] = {}
+def to_import(names: Iterable[str], skip: Iterable[str] = ()) -> Iterator[str]:
+    """The names of `names` to import here: not held yet, not in `skip` (nor in a package in
+    it), of the standard library or an installed distribution (:func:`installed`)."""
+    skipped = frozenset(skip)
+    for name in names:
+        parts = name.split(".")
+        if name in sys.modules or any(
+            ".".join(parts[:i]) in skipped for i in range(1, 1 + len(parts))
+        ):
+            continue
+        if installed(name):
+            yield name
 
 
-def importable(name: str) -> bool:
-    """Whether `name` belongs to the standard library or to an installed distribution: never
-    a module of the script's own (its import is the script's code, which may depend on what
-    the script did before)."""
-    root = name.split(".", maxsplit=1)[0]
-    if root in _NEVER:
+_distributions: dict[str, list[str]] = {}
+
+
+def installed(name: str, own: str | None = None) -> bool:
+    """Whether module `name` is of the standard library or of an installed distribution found
+    outside the working directory and `own` (the script's directory): never a module of the
+    script's own, whose import is the script's code (it may parse ``sys.argv``, read a
+    worker's environment), nor of a project installed in place (``pip install -e``), the
+    launcher's own packages aside."""
+    import importlib.metadata
+    import importlib.util
+
+    root = name.split(".", maxsplit=1)[0].split(":", maxsplit=1)[0]
+    if root in _NEVER or root.startswith("__"):
         return False
     if root in sys.stdlib_module_names or root in sys.builtin_module_names:
         return True
-    if not _installed:
-        import importlib.metadata
+    if not _distributions:
+        _distributions.update(importlib.metadata.packages_distributions())
+    dists = _distributions.get(root)
+    if not dists:
+        return False
+    try:
+        spec = importlib.util.find_spec(root)  # a top-level name: finds, imports nothing
+    except (ImportError, ValueError):
+        return False
+    packages = list(getattr(spec, "submodule_search_locations", None) or []) if spec else []
+    origin = spec.origin if spec is not None else None
+    # The directory of sys.path it was found in: the script's own directory and the working
+    # directory hold the script's modules (a site-packages below them holds installed ones).
+    found_in = {os.path.dirname(p) for p in packages} or (
+        {os.path.dirname(origin)} if origin else set()
+    )
+    own_dirs = {os.path.abspath(d) for d in (os.getcwd(), own) if d}
+    if not found_in or {os.path.abspath(d) for d in found_in} & own_dirs:
+        return False
+    return root in _OURS or not any(_in_place(d) for d in dists)
 
-        _installed.update(dict.fromkeys(importlib.metadata.packages_distributions(), True))
-        _installed["elastic_launch"] = _installed["elastic_core"] = True
-        _installed["elastic_sampler"] = True
-    return _installed.get(root, False)
+
+#: The launcher's own packages: installed in place in a checkout, and theirs to import.
+_OURS = {"elastic_launch", "elastic_core", "elastic_sampler"}
+
+
+def _in_place(dist: str) -> bool:
+    """Whether distribution `dist` is installed in place (an editable install of a project)."""
+    import importlib.metadata
+    import json
+
+    try:
+        text = importlib.metadata.distribution(dist).read_text("direct_url.json")
+        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
+    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError, OSError):
+        return False
 
 
 def account(taken: Taken) -> dict[str, object]:
-    """What an heir (or a zygote given a previous run's list) says it learned: the modules it
-    imported, what it left out and why, what the next one must leave out too, and every
-    module it holds (its own account)."""
+    """What an heir (or a zygote given a previous run's list) says it learned, packed
+    (:func:`pack`): the modules it imported, what it left out and why, what the next one must
+    leave out too, and every module it holds (its own account)."""
     holds = sorted(n for n, m in list(sys.modules.items()) if m is not None)
+    left_out = {k: v[:200] for k, v in list(taken.left_out.items())[:MAX_LEFT_OUT]}
     return {
-        "loaded": taken.loaded[:MAX_NAMES],
-        "left_out": taken.left_out,
-        "excluded": taken.excluded[:MAX_NAMES],
+        "loaded": pack(taken.loaded),
+        "left_out": left_out,
+        "excluded": pack(taken.excluded),
         "failed": taken.failed,
-        "holds": holds[:MAX_HELD],
+        "holds": pack(holds),
     }
 
 
-class on_idle_cpu:  # noqa: N801 - used as a context manager, as a function would be
-    """Run the body at the lowest CPU priority there is (SCHED_IDLE), then at normal again:
-    what is learned in the background never slows the workers that train."""
+def unpacked_account(account: object) -> dict[str, Any] | None:
+    """An account as :func:`account` makes it, its lists unpacked; None if it is not one."""
+    if not isinstance(account, dict):
+        return None
+    lists = {k: unpack(account.get(k)) for k in ("loaded", "excluded", "holds")}
+    left_out, failed = account.get("left_out"), account.get("failed")
+    if any(v is None for v in lists.values()) or type(failed) is not int or failed < 0:
+        return None
+    if not isinstance(left_out, dict) or len(left_out) > MAX_LEFT_OUT:
+        return None
+    if not all(_module_name(k) and isinstance(v, str) for k, v in left_out.items()):
+        return None
+    return {**lists, "left_out": {k: v[:200] for k, v in left_out.items()}, "failed": failed}
 
-    def __enter__(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+def pack(names: Iterable[str]) -> str:
+    """`names` as one string (zlib, base64) of at most :data:`MAX_PACKED` bytes: the last
+    names are dropped until it fits."""
+    import base64
+    import zlib
+
+    found = [n for n in names if _NAME.fullmatch(n)]
+    while True:
+        text = base64.b64encode(zlib.compress("\n".join(found).encode(), 6)).decode()
+        if len(text) <= MAX_PACKED or not found:
+            return text
+        found = found[: len(found) * 3 // 4]
+
+
+def unpack(text: object) -> list[str] | None:
+    """The names :func:`pack` packed in `text`, each a module's name; None for what is not
+    such a string (decompressed within a bound: a small string cannot expand without end)."""
+    import base64
+    import binascii
+    import zlib
+
+    if not isinstance(text, str) or len(text) > MAX_PACKED:
+        return None
+    try:
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(base64.b64decode(text, validate=True), MAX_FILE_BYTES)
+    except (binascii.Error, ValueError, zlib.error):
+        return None
+    if inflater.unconsumed_tail:
+        return None
+    names = data.decode("utf-8", "replace").split("\n") if data else []
+    return names[:MAX_NAMES] if all(_NAME.fullmatch(n) for n in names) else None
 
 
 # ---- kept for the next run ---------------------------------------------------------------------
@@ -386,17 +501,41 @@ class on_idle_cpu:  # noqa: N801 - used as a context manager, as a function woul
 @dataclass(frozen=True)
 class ImportPlan:
     """What an heir (or the next run's zygote) is to import: `modules` in order, `differ` the
-    variables the workers' scripts changed, `skip` what an earlier one found unsafe."""
+    digests of the variables the workers changed or were given (:func:`differs_in_workers`),
+    `skip` what an earlier one found unsafe."""
 
     modules: tuple[str, ...]
     differ: dict[str, str | None] = field(default_factory=dict)
     skip: tuple[str, ...] = ()
 
     def to_json(self, entrypoint: str) -> str:
+        """The plan as kept on disk for `entrypoint` (:func:`read_kept` reads it)."""
         import json
 
         fields = {"modules": self.modules, "differ": self.differ, "skip": self.skip}
         return json.dumps({"version": 1, "entrypoint": entrypoint, **fields})
+
+    def to_message(self) -> dict[str, Any]:
+        """The plan as one message to the zygote (:func:`plan_of` reads it back)."""
+        differ = dict(list(self.differ.items())[:MAX_LEFT_OUT])
+        return {
+            "modules": pack(self.modules[:MAX_PER_HEIR]),
+            "differ": differ,
+            "skip": pack(self.skip),
+        }
+
+
+def plan_of(message: dict[str, Any]) -> ImportPlan | None:
+    """The plan a message to the zygote carries; None if it does not carry one."""
+    modules, skip, differ = (
+        unpack(message.get("modules")),
+        unpack(message.get("skip")),
+        message.get("differ"),
+    )
+    if modules is None or skip is None or not isinstance(differ, dict):
+        return None
+    ok = all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in differ.items())
+    return ImportPlan(tuple(modules), dict(differ), tuple(skip)) if ok else None
 
 
 def imports_file(rank_dir: str) -> str:

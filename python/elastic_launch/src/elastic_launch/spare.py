@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 
-from elastic_launch import learned
+from elastic_launch import idle, learned
 
 #: ``1`` in a hot spare: a worker started ahead of need, which prepares on idle CPU only and
 #: waits in the train loop's rendezvous until a round takes it.
@@ -23,22 +23,16 @@ _prepared = False
 
 
 def idle_while_spare() -> None:
-    """A hot spare prepares on idle CPU only (SCHED_IDLE): its start and the script's setup
-    never slow the workers that train, or a group that re-forms."""
+    """A hot spare prepares on idle CPU only (SCHED_IDLE, where it can be left again:
+    :mod:`elastic_launch.idle`): its start and the script's setup never slow the workers that
+    train, or a group that re-forms."""
     if os.environ.get(HOT_SPARE_ENV) == "1":
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        idle.enter()
 
 
 def leave_idle() -> None:
-    """Prepared: every thread of this process back to the normal policy (the threads it
-    started inherited SCHED_IDLE; leaving it needs no privilege, as the nice value stays)."""
-    with contextlib.suppress(OSError, AttributeError):
-        if os.sched_getscheduler(0) != os.SCHED_IDLE:
-            return
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+    """Prepared: every thread of this process back to the normal policy."""
+    idle.leave()
 
 
 def prepare() -> None:
@@ -55,11 +49,8 @@ def prepare() -> None:
     path = os.environ.get(LEARNED_FILE_ENV)
     plan = learned.read_kept(path) if path else None
     if plan is not None:
-        skip = set(plan.skip)
-        for name in plan.modules:
-            if name in sys.modules or name in skip or not learned.importable(name):
-                continue
-            with contextlib.suppress(BaseException):  # as the workers found it: not here
+        for name in learned.to_import(plan.modules, plan.skip):
+            with contextlib.suppress(Exception):  # as the workers found it: not here
                 learned.load(name)
     torch = sys.modules.get("torch")
     if torch is not None:

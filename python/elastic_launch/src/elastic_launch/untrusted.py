@@ -97,6 +97,24 @@ def append(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def replace(path: str, data: bytes) -> None:
+    """Write `data` to `path` whole, where a worker can write too: through a file of a random
+    name made beside it (never one a worker could have put a link or a FIFO at), renamed over
+    whatever is at `path` (a link is replaced, not followed); raises OSError (a directory
+    there, for one)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".elasticrun-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _move_aside(path: str) -> str:
     """Rename what is at `path` (not followed, if a link) to a name of its own beside it, and
     say what it was."""

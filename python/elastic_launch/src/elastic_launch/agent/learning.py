@@ -1,6 +1,6 @@
-"""The agent's side of learning the workers' imports (:mod:`elastic_launch.learned`):
-read each worker's list once it has stepped, have the zygote's heir import what is new, say
-what was learned and what was left out (once), and keep it for the job's next run."""
+"""The agent's side of learning the workers' imports (:mod:`elastic_launch.learned`): read each
+worker's list once it has stepped, have the zygote's heir import what is new, say what was
+learned and what was left out (once), and keep it for the next run of the same entrypoint."""
 
 from __future__ import annotations
 
@@ -8,25 +8,26 @@ import logging
 import os
 from typing import Any
 
-from elastic_launch import learned
+from elastic_launch import learned, untrusted
 from elastic_launch.agent.context import NodeContext
 from elastic_launch.agent.events import Events
 from elastic_launch.agent.workers import WorkerGroup
-from elastic_launch.files import write_atomically
 from elastic_launch.processes import preload
 from elastic_launch.processes.spawn import Settled, ZygoteFork
 
 logger = logging.getLogger(__name__)
 
-#: Heirs given up for what they imported, at most, before the job stops learning.
+#: Heirs given up (for what they imported, or dead, or stalled), at most, before the job
+#: stops learning.
 MAX_ROUNDS = 3
 #: What nearly every worker under elasticrun imports, with what its first DDP model and
 #: optimizer step import lazily (1.5 s alone on a CPU): learned ahead of the workers' word
-#: when the zygote holds no torch, so that a worker that fails before the workers' own list is
+#: when the zygote holds no torch, at the normal CPU policy (it competes with the first
+#: workers' own start, once), so that a worker that fails before the workers' own list is
 #: learned is still replaced warm. A job that never imports torch pays an heir's memory.
 AHEAD = (
-    "torch",
-    "torch._dynamo",
+    preload.TORCH,
+    preload.DYNAMO,
     "torch.nn.parallel.distributed",
     "torch.optim",
     "torch.utils.data",
@@ -45,28 +46,30 @@ class Learning:
         #: Only ``--preload auto`` learns: an explicit list, or none, keeps its meaning.
         self.enabled = preload.AUTO in context.config.preload
         self.kept = kept_path(context)
-        self.key = learned.entrypoint_key(context.entrypoint.kind.value, context.entrypoint.target)
-        self.asked: dict[str, None] = {}  # every name asked for, in order
+        entrypoint = context.entrypoint
+        self.key = learned.entrypoint_key(entrypoint.kind.value, entrypoint.target)
+        self.asked: dict[str, None] = {}  # every name an heir was asked for, in order
+        self.reported: dict[str, None] = {}  # every name a worker reported, in order
+        self.pending: tuple[str, ...] = ()  # asked for next (an heir given up, or capped)
         self.skip: set[str] = set()  # what a heir found unsafe, with what it brought
         self.left_out: dict[str, str] = {}  # the unsafe ones, and why
         self.changed: dict[str, str | None] = {}  # variables the workers changed: digests
-        self._seen: dict[str, int] = {}  # imports file -> its mtime when read
+        self._reads: dict[str, int] = {}  # imports file -> times read (one per record step)
         self._said: set[str] = set()  # files found unusable, left out modules: said once
-        self._retry: tuple[str, ...] = ()  # what an heir given up was to import
-        self.rounds = 0
-        self.heirs = 0  # heirs that took over
-        self._kept_said = False
-        self._ahead_asked = False
-        kept = learned.read_kept(self.kept, self.key) if self.kept and self.enabled else None
-        if kept is not None:  # the first zygote imports it: no heir is to learn it again
-            self.asked.update(dict.fromkeys([*kept.modules, *kept.skip]))
-            self.skip.update(kept.skip)
-            self.changed.update(kept.differ)
+        self.rounds = self.heirs = 0  # heirs given up; heirs that took over
+        self._kept_said = self._ahead_asked = False
         self.node_file = os.path.join(context.layout.run_dir, learned.NODE_FILE)
+        spawner = self._spawner
+        earlier = spawner.chosen.kept if spawner is not None and self.enabled else None
+        if earlier is not None:  # the first zygote imports it: no heir is to learn it again
+            self.asked.update(dict.fromkeys([*earlier.modules, *earlier.skip]))
+            self.reported.update(dict.fromkeys(earlier.modules))
+            self.skip.update(earlier.skip)
+            self.changed.update(earlier.differ)
 
     @property
     def _spawner(self) -> ZygoteFork | None:
-        """The spawner, if it forks from a zygote that can learn (what has ``learn``)."""
+        """The spawner, if it forks from a zygote (what has ``learn``: tests' fakes too)."""
         s = self.group.spawner
         return s if hasattr(s, "learn") else None  # type: ignore[return-value]
 
@@ -79,30 +82,36 @@ class Learning:
         self._first_zygote(spawner, attempt)
         for s in spawner.settled():
             self._settled(s, attempt)
-        if spawner.learning or spawner.zygote is None:
-            return
+        z = spawner.zygote
+        if spawner.learning or z is None or not z.ready:
+            return  # what is new waits in the files (and in `pending`) until it can be asked
         if self.rounds >= MAX_ROUNDS or self.heirs >= MAX_HEIRS:
             return
-        new = self._retry or tuple(self._new_names()) or self._ahead(spawner)
-        if not new:
+        ahead = not self.pending and not self._new_names() and self._ahead(spawner)
+        if ahead:
+            self.pending = AHEAD
+        if not self.pending:
             return
-        differ = {**self.changed, **dict.fromkeys(spawner.differ, learned.ALWAYS)}
-        plan = learned.ImportPlan(new, differ, tuple(sorted(self.skip)))
-        if spawner.learn(plan):
-            self._retry = ()
-            self.asked.update(dict.fromkeys(new))
+        held = set(z.learned["holds"]) if z.learned else set()
+        new = [m for m in self.pending if m not in held]
+        plan_names, rest = new[: learned.MAX_PER_HEIR], new[learned.MAX_PER_HEIR :]
+        differ = dict(self.changed) | dict.fromkeys(spawner.differ, learned.ALWAYS)
+        plan = learned.ImportPlan(tuple(plan_names), differ, tuple(sorted(self.skip)))
+        if plan_names and spawner.learn(plan, idle_cpu=not ahead):
+            self.asked.update(dict.fromkeys(plan_names))
+            self.pending = tuple(rest)
+        elif not plan_names:
+            self.pending = ()
 
-    def _ahead(self, spawner: ZygoteFork) -> tuple[str, ...]:
-        """What to learn before the workers say it, once: :data:`AHEAD`, when the zygote holds
-        no torch (its script's text did not show it: a wrapper, a helper installed elsewhere)
-        and nothing kept from an earlier run; empty otherwise."""
+    def _ahead(self, spawner: ZygoteFork) -> bool:
+        """Whether to learn :data:`AHEAD` before the workers say it (once): the zygote holds no
+        torch (its script's text did not show it: a wrapper, a helper installed elsewhere)
+        and nothing kept from an earlier run."""
         if self._ahead_asked or spawner.zygote is None:
-            return ()
+            return False
         self._ahead_asked = True
         z = spawner.zygote
-        if preload.TORCH in z.modules or z.learned is not None:
-            return ()
-        return AHEAD
+        return preload.TORCH not in z.modules and z.learned is None
 
     def _first_zygote(self, spawner: ZygoteFork, attempt: int) -> None:
         """The event of a zygote that started with what an earlier run learned, once."""
@@ -113,33 +122,43 @@ class Learning:
         if z.learned is not None:
             self._report(z.pid, z.learned, attempt, kept=True)
 
-    def _new_names(self) -> list[str]:
-        """The names in the imports files of workers that have stepped, not asked for yet."""
+    def _new_names(self) -> bool:
+        """Read the imports files of workers that have stepped (each at most once per step in
+        :data:`~elastic_launch.learned.RECORD_AT_STEPS` it passed: a worker that rewrites its
+        file costs the agent nothing more), and add the names not asked for yet to
+        `pending`; whether any was."""
         steps = self.group.steps()
+        due = sorted(learned.RECORD_AT_STEPS)
         new: dict[str, None] = {}
         for w in self.group.workers:
-            if steps.get(w.local_rank, 0) < 1:
-                continue
             path = learned.imports_file(w.rank_dir)
+            reads = self._reads.get(path, 0)
+            if reads >= len(due) or steps.get(w.local_rank, 0) < due[reads]:
+                continue
             try:
-                mtime = os.stat(path).st_mtime_ns
-                if self._seen.get(path) == mtime:
-                    continue
-                self._seen[path] = mtime
                 imports = learned.read(path)
             except (OSError, ValueError) as e:
+                self._reads[path] = reads + 1
                 self._say_once(path, "the imports file %s cannot be used (%s): ignored", path, e)
                 continue
             if imports is None:
-                continue
-            self.changed.update(imports.env_changed)
+                continue  # not written yet: read again at the next turn
+            self._reads[path] = reads + 1
+            for key, value in imports.env_changed.items():  # two workers' values: no one's
+                known = self.changed.setdefault(key, value)
+                self.changed[key] = known if known == value else learned.ALWAYS
+            self.reported.update(dict.fromkeys(imports.modules))
             new.update(dict.fromkeys(m for m in imports.modules if m not in self.asked))
-        return list(new)
+        self.pending = tuple(new)
+        return bool(new)
 
     def _settled(self, s: Settled, attempt: int) -> None:
-        if not s.account:
-            logger.warning("the zygote's heir ended before it had learned the workers' imports")
+        if not s.took_over:
             self.rounds += 1
+        if not s.account:
+            logger.warning(
+                "the zygote's heir ended, or stopped, before it had learned the workers' imports"
+            )
             return
         left_out = s.account["left_out"]
         self.left_out.update(left_out)
@@ -151,9 +170,8 @@ class Learning:
                 why,
             )
         if not s.took_over:
-            self.rounds += 1
             self.skip.update(s.account["excluded"])
-            self._retry = tuple(m for m in s.plan.modules if m not in self.skip)
+            self.pending = tuple(m for m in s.plan.modules if m not in self.skip)
             return
         self.heirs += 1
         self._report(s.pid, s.account, attempt, kept=False)
@@ -180,12 +198,15 @@ class Learning:
         )
 
     def _keep(self) -> None:
-        """Write what was learned where the spares and the job's next run find it."""
-        modules = tuple(m for m in self.asked if m not in self.skip)
-        plan = learned.ImportPlan(modules, dict(self.changed), tuple(sorted(self.skip)))
+        """Write what the workers reported (not what was learned ahead of them), safe to
+        import, where the spares and the next run find it."""
+        modules = tuple(m for m in self.reported if m not in self.skip)
+        spawner = self._spawner
+        always = dict.fromkeys(spawner.differ, learned.ALWAYS) if spawner is not None else {}
+        plan = learned.ImportPlan(modules, {**self.changed, **always}, tuple(sorted(self.skip)))
         for path in filter(None, (self.node_file, self.kept)):
             try:
-                write_atomically(path, plan.to_json(self.key))
+                untrusted.replace(path, plan.to_json(self.key).encode())
             except OSError as e:
                 self._say_once(path, "what was learned cannot be kept at %s (%s)", path, e)
 
@@ -201,6 +222,7 @@ def kept_path(context: NodeContext) -> str | None:
     log_dir = context.config.log_dir
     if not log_dir or log_dir == os.devnull or preload.AUTO not in context.config.preload:
         return None
+    entrypoint = context.entrypoint
     return learned.kept_path(
-        log_dir, learned.entrypoint_key(context.entrypoint.kind.value, context.entrypoint.target)
+        log_dir, learned.entrypoint_key(entrypoint.kind.value, entrypoint.target)
     )

@@ -83,15 +83,16 @@ class PreloadPlan:
     #: What ``auto`` added for the packages the script imports: left out of the zygote, rather
     #: than giving up forking, when importing them makes forking unsafe (a thread they start).
     optional: tuple[str, ...] = ()
-    #: The file of what an earlier run of the job learned its workers import (``auto``):
-    #: imported after `modules`, checked (:mod:`~elastic_launch.learned`).
-    kept: str | None = None
+    #: What an earlier run of the entrypoint learned its workers import (``auto``): imported
+    #: after `modules`, checked (:mod:`~elastic_launch.learned`).
+    kept: learned.ImportPlan | None = None
 
 
 def plan(preload: list[str], entrypoint: Entrypoint, kept: str | None = None) -> PreloadPlan:
     """The zygote for `preload` (``LaunchConfig.preload``: module names, with ``auto`` for
     the automatic choice; empty: none) and `entrypoint`; with ``auto``, what an earlier run
-    learned is imported too when `kept` (where it is kept) holds it for this entrypoint."""
+    learned is imported too when the file at `kept` (read here, once) holds it for this
+    entrypoint."""
     auto = AUTO in preload
     named = [m for m in preload if m != AUTO]
     if not preload:
@@ -109,15 +110,9 @@ def plan(preload: list[str], entrypoint: Entrypoint, kept: str | None = None) ->
     base, packages = _auto(read_sources(entrypoint))
     modules = [m for m in base + packages if m not in named]
     optional = tuple(m for m in packages if m in modules)
-    if (
-        kept is not None
-        and learned.read_kept(
-            kept, learned.entrypoint_key(entrypoint.kind.value, entrypoint.target)
-        )
-        is None
-    ):
-        kept = None
-    return PreloadPlan(modules + named, zygote=True, optional=optional, kept=kept)
+    key = learned.entrypoint_key(entrypoint.kind.value, entrypoint.target)
+    earlier = learned.read_kept(kept, key) if kept is not None else None
+    return PreloadPlan(modules + named, zygote=True, optional=optional, kept=earlier)
 
 
 def _source_files(entrypoint: Entrypoint) -> tuple[list[str], str | None, str | None]:

@@ -45,6 +45,10 @@ ZYGOTE_START_TIMEOUT = 300.0
 #: after which spawns stop waiting for it: workers start as fresh interpreters until it is
 #: ready, and later spawns use it only if it is.
 ZYGOTE_STALL = 3.0
+#: Seconds an heir may go without CPU time or reads before it is given up (stopped: at once).
+#: Far longer than the zygote's: an heir imports on idle CPU, which a busy node may not give
+#: it for a while.
+HEIR_STALL = 120.0
 
 
 @dataclass
@@ -279,10 +283,20 @@ class ZygoteFork(Spawner):
         return self.zygote.pid if self.zygote is not None else None
 
     def _give_up(self, why: str) -> None:
+        """Spawn no more from the zygote (nor from an heir learning), saying why once. One
+        that still has workers running is kept, as their parent, until the launch ends."""
         if self.why_not is None:
             logger.warning("%s; starting workers as fresh interpreters", why)
             self.why_not = why
-        self.close()
+        if self._heir is not None:
+            self._heir[0].close()
+            self._heir = None
+        z, self.zygote = self.zygote, None
+        if z is not None and (z.busy or self._retired):
+            z.keep_spares(0)
+            self._retired.append(z)
+        elif z is not None:
+            self._close(z)
 
     def _ready_zygote(self) -> Zygote | None:
         z = self.zygote
@@ -310,6 +324,14 @@ class ZygoteFork(Spawner):
         for name, error in z.failed.items():
             logger.warning("--preload: importing '%s' failed in the zygote: %s", name, error)
         z.failed = {}
+        return self._checked(z)
+
+    def _checked(self, z: Zygote) -> Zygote | None:
+        """`z`, ready, if forking from it is safe; else a zygote started again without what
+        made it unsafe (the script's packages ``auto`` added, what an earlier run learned), or
+        None (workers start as fresh interpreters)."""
+        if z.learned and z.learned["left_out"] and self.chosen.kept is not None:
+            return self._without_left_out(z.learned)
         if z.unsafe and self.chosen.optional:
             return self._without_optional(z.unsafe)
         if z.unsafe:
@@ -337,22 +359,39 @@ class ZygoteFork(Spawner):
         self._waited = False  # the new one's imports are waited for as the first's were
         return self._ready_zygote()
 
+    def _without_left_out(self, account: dict[str, Any]) -> Zygote | None:
+        """A zygote that imported, from what an earlier run learned, what it must not fork
+        with: it starts again without it (once), and the warning names it."""
+        kept = self.chosen.kept
+        assert kept is not None
+        left_out = account["left_out"]
+        for name, why in left_out.items():
+            logger.warning("--preload: '%s' is left out of the zygote (%s)", name, why)
+        self.close()
+        skip = (*kept.skip, *account["excluded"], *left_out)
+        again = dataclasses.replace(kept, skip=skip) if len(kept.skip) < len(skip) else None
+        self.chosen = dataclasses.replace(self.chosen, kept=again)
+        self._start(self.chosen.modules)
+        self._waited = False
+        return self._ready_zygote()
+
     @property
     def forks(self) -> bool:
         return self.zygote is not None
 
     # ---- learning (:mod:`~elastic_launch.learned`) ---------------------------------
 
-    def learn(self, plan: learned.ImportPlan) -> bool:
-        """Have the zygote fork an heir that imports what `plan` names, to serve the spawns
-        from when it is ready; False when it cannot now (no zygote ready, an heir learning)."""
-        from elastic_launch.processes.zygote import Zygote
+    def learn(self, plan: learned.ImportPlan, idle_cpu: bool = True) -> bool:
+        """Have the zygote fork an heir that imports what `plan` names (on idle CPU if
+        `idle_cpu`), to serve the spawns from when it is ready; False when it cannot now (no
+        zygote ready, an heir learning)."""
+        from elastic_launch.processes.zygote import Heir
 
         z = self.zygote
         if z is None or self._heir is not None or not z.ready:
             return False
         try:
-            self._heir = (Zygote.heir(z, plan), plan)
+            self._heir = (Heir(z, plan, idle_cpu), plan)
         except OSError as e:
             logger.warning("the zygote cannot learn the workers' imports (%s)", e)
             return False
@@ -360,6 +399,7 @@ class ZygoteFork(Spawner):
 
     @property
     def learning(self) -> bool:
+        """Whether an heir is learning."""
         return self._heir is not None
 
     def settled(self) -> list[Settled]:
@@ -375,11 +415,13 @@ class ZygoteFork(Spawner):
         if self._heir is None or self.zygote is None:
             return
         heir, plan = self._heir
-        if not heir.ready and not heir.dead:
+        reported = heir.reported  # its account, even if it ended since
+        if not reported and not heir.dead and not heir.stalled(HEIR_STALL):
             return
         self._heir = None
-        account = heir.learned if heir.ready else None
-        took_over = account is not None and not account["left_out"] and heir.unsafe is None
+        account = heir.learned if reported else None
+        usable = account is not None and not account["left_out"] and heir.unsafe is None
+        took_over = usable and not heir.dead
         self._settled.append(Settled(plan, account or {}, took_over, heir.pid))
         if not took_over:
             heir.close()
@@ -423,10 +465,13 @@ class ZygoteFork(Spawner):
                 self.guardian.forget_group(self.zygote.pid)
             self.zygote = None
         for z in reversed(self._retired):  # the heirs first: they die with their parents
-            z.close()
-            if self.guardian is not None:
-                self.guardian.forget_group(z.pid)
+            self._close(z)
         self._retired = []
+
+    def _close(self, z: Zygote) -> None:
+        z.close()
+        if self.guardian is not None:
+            self.guardian.forget_group(z.pid)
 
 
 class FunctionFork(Spawner):

@@ -6,12 +6,17 @@ streams passed as file descriptors), and learns each worker's exit status from i
 zygote is their parent. A forked worker becomes a worker through
 :func:`elastic_launch.processes.worker_main.run_worker`, the same path as every other worker.
 
-Protocol (agent -> zygote): ``spares {count}``: how many warm spares to keep; ``spawn {id,
-argv, env, cwd, stdout, stderr}`` with the stream descriptors attached; ``watched {pid}`` once
-the agent watches a child (from then on the zygote may reap it: until then its zombie keeps
-the pid, so the agent's pidfd always finds the right process). Zygote -> agent: ``ready
-{seconds, failed}`` once its imports are done; ``spawned {id, pid}``; ``exited {pid,
-status}``. End of file on either side ends the other.
+Protocol (agent -> zygote): ``kept {modules, differ, skip}`` first, when started with
+``--learned`` (what an earlier run learned: imported after the modules named); ``spares
+{count}``: how many warm spares to keep; ``spawn {id, argv, env, cwd, stdout, stderr}`` with
+the stream descriptors attached; ``watched {pid}`` once the agent watches a child (from then on
+the zygote may reap it: until then its zombie keeps the pid, so the agent's pidfd always finds
+the right process); ``learn {modules, differ, skip, idle}`` with the socket of an *heir*
+attached (:mod:`elastic_launch.learned`: the heir imports them, then serves on that socket as
+a zygote of its own). Zygote (or heir) -> agent: ``learning {pid}`` from an heir as it starts;
+``ready {pid, seconds, failed, unsafe, learned}`` once its imports are done; ``spawned {id,
+pid}``; ``exited {pid, status}``. Lists of module names travel packed
+(:func:`elastic_launch.learned.pack`). End of file on either side ends the other.
 
 A *warm spare* is a child forked ahead of need, while the zygote has nothing else to do, that
 waits for a spawn request on a socketpair of its own: a spawn then hands the request to a spare
@@ -19,7 +24,7 @@ waits for a spawn request on a socketpair of its own: a spawn then hands the req
 idle again. A spare is the zygote as it was when forked (nothing changes in the zygote after
 its imports), with the stop signals held as a freshly forked child's are.
 
-Run by the agent as ``python -m elastic_launch.processes.zygote FD MODULE...``.
+Run by the agent as ``python -m elastic_launch.processes.zygote FD [--learned] MODULE...``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_launch import learned
+from elastic_launch import idle, learned
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.learned import load
@@ -58,8 +63,10 @@ SPAWN_ANSWER_TIMEOUT = 5.0
 #: means the zygote is stopped or stuck, and the agent gives it up for fresh interpreters.
 SEND_DEADLINE = 2.0
 _MALFORMED = "a message that is not JSON"
-#: Before the file of what a previous run learned, on the zygote's command line.
+#: On the zygote's command line: its first message is what an earlier run learned.
 LEARNED_ARG = "--learned"
+#: The agent's pid, in the zygote's environment (it dies with the agent), then removed.
+AGENT_PID_ENV = "ELASTICRUN_AGENT_PID"
 
 
 def send(
@@ -151,14 +158,14 @@ def serve(fd: int, args: list[str]) -> None:
     cgroup.join()  # first: what a module it imports starts is in the workers' cgroup too
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # a program a preloaded module starts does not get it
-    kept = args[args.index(LEARNED_ARG) + 1] if LEARNED_ARG in args[:-1] else None
-    modules = [m for m in args if m.strip() and m not in (LEARNED_ARG, kept)]  # blank: room
+    kept = LEARNED_ARG in args
+    modules = [m for m in args if m.strip() and m != LEARNED_ARG]  # the blank one: room
     set_title(
         [sys.executable, "-u", "-m", "elastic_launch.processes.zygote", str(fd), *modules]
     )  # ps
     import elastic_core
 
-    elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.get("ELASTICRUN_AGENT_PID", "0")))
+    elastic_core.die_with_parent(signal.SIGKILL, int(os.environ.pop(AGENT_PID_ENV, "0")))
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # the agent ends us (end of file, or SIGKILL)
     start = time.monotonic()
@@ -171,8 +178,11 @@ def serve(fd: int, args: list[str]) -> None:
     from elastic_launch import errors  # noqa: F401 - warm for the workers (their error file)
 
     taken = None
-    if kept is not None:
-        plan = learned.read_kept(kept)
+    if kept:  # the agent's first message: what an earlier run learned, checked there
+        message, fds = recv(sock)
+        for f in fds:
+            os.close(f)
+        plan = learned.plan_of(message) if isinstance(message, dict) else None
         if plan is not None:
             taken = learned.take(plan.modules, plan.differ, plan.skip)
     send(sock, _ready(start, failed, taken))
@@ -189,24 +199,26 @@ def _ready(start: float, failed: dict[str, str], taken: learned.Taken | None) ->
     return message
 
 
-def _serve_heir(sock: socket.socket, request: dict[str, Any]) -> None:
-    """An heir (forked by the zygote on a ``learn`` request): import what the workers were
-    seen to import, on idle CPU (the job trains meanwhile), then serve on `sock`; one that
-    imported what it must not fork with says so and ends."""
+def _serve_heir(sock: socket.socket, plan: learned.ImportPlan, idle_cpu: bool, parent: int) -> None:
+    """An heir (forked by the zygote, `parent`, on a ``learn`` request): import what `plan`
+    names (on idle CPU if `idle_cpu`: the job trains meanwhile), then serve on `sock`; one
+    that imported what it must not fork with says so and waits for the end of file."""
     signal.set_wakeup_fd(-1)  # the zygote's, closed here
-    set_title([sys.executable, "-m", "elastic_launch.processes.zygote", "(learning)"])
+    sock.set_inheritable(False)  # a program a learned module starts does not get it
     import elastic_core
 
-    elastic_core.die_with_parent(signal.SIGKILL, os.getppid())
+    elastic_core.die_with_parent(signal.SIGKILL, parent)
+    set_title([sys.executable, "-m", "elastic_launch.processes.zygote", "(learning)"])
+    send(sock, {"op": "learning", "pid": os.getpid()})
     start = time.monotonic()
-    with learned.on_idle_cpu():
-        taken = learned.take(request["modules"], request["differ"], request["skip"])
+    with idle.on_idle_cpu(idle_cpu):
+        taken = learned.take(plan.modules, plan.differ, plan.skip)
     send(sock, _ready(start, {}, taken))
     if taken.poisoned:  # given up: it lives until the agent has read why (it checks the pid)
-        sock.settimeout(SPAWN_ANSWER_TIMEOUT)
         with contextlib.suppress(OSError):
             recv(sock)
         os._exit(0)
+    set_title([sys.executable, "-m", "elastic_launch.processes.zygote", "(heir)"])
     _Forks(sock).serve()
 
 
@@ -228,7 +240,7 @@ class _Forks:
         self.children: dict[int, bool] = {}  # pid -> whether the agent watches it yet
         self.spares: dict[int, socket.socket] = {}  # pid -> its end of the spare's channel
         self.want_spares = 0
-        self.heirs: set[int] = set()  # heirs and ended spares: reaped, never reported
+        self.quiet: set[int] = set()  # heirs and ended spares: reaped, never reported
 
     def serve(self) -> None:
         while True:
@@ -244,7 +256,7 @@ class _Forks:
                         if watched:
                             self._reap_if_exited(pid)
                     self._reap_dead_spares()
-                    self._reap_heirs()
+                    self._reap_quiet()
                 else:
                     self._request()
 
@@ -279,14 +291,16 @@ class _Forks:
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
-            self.sel.close()
-            self.sock.close()
-            for fd in self.wakeup:
-                os.close(fd)
-            for end in [*self.spares.values(), *([close] if close else [])]:
-                end.close()
-            child()
-            os._exit(1)  # never reached: the worker path ends the process
+            try:
+                self.sel.close()
+                self.sock.close()
+                for fd in self.wakeup:
+                    os.close(fd)
+                for end in [*self.spares.values(), *([close] if close else [])]:
+                    end.close()
+                child()
+            finally:
+                os._exit(1)  # a child never returns into the zygote's loop
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return pid
 
@@ -297,18 +311,21 @@ class _Forks:
         while len(self.spares) > count:
             pid, end = self.spares.popitem()
             end.close()
-            self.heirs.add(pid)  # reaped without a word, as an heir is
+            self.quiet.add(pid)  # reaped without a word, as an heir is
 
     def _fork_heir(self, request: dict[str, Any], fds: list[int]) -> None:
-        """Fork an heir that learns the request's modules and serves on the socket attached."""
-        if len(fds) != 1:
+        """Fork an heir that learns the request's modules and serves on the socket attached
+        (a request without its socket, or without a plan, is dropped)."""
+        plan = learned.plan_of(request)
+        if len(fds) != 1 or plan is None:
             for f in fds:
                 os.close(f)
             return
         theirs = socket.socket(fileno=fds[0])
-        pid = self._fork(lambda: _serve_heir(theirs, request))
+        me, idle_cpu = os.getpid(), request.get("idle") is not False
+        pid = self._fork(lambda: _serve_heir(theirs, plan, idle_cpu, me))
         theirs.close()
-        self.heirs.add(pid)
+        self.quiet.add(pid)
 
     def _fork_spare(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -340,13 +357,13 @@ class _Forks:
                     # cause that kills each new one would make the zygote fork without end.
                     self.want_spares = 0
 
-    def _reap_heirs(self) -> None:
-        for pid in list(self.heirs):
+    def _reap_quiet(self) -> None:
+        for pid in list(self.quiet):
             try:
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    self.heirs.discard(pid)
+                    self.quiet.discard(pid)
             except ChildProcessError:
-                self.heirs.discard(pid)
+                self.quiet.discard(pid)
 
     def _reap_spare(self, pid: int) -> None:
         with contextlib.suppress(ChildProcessError):
@@ -406,23 +423,16 @@ def _ready_fields(message: dict[str, Any]) -> dict[str, Any] | None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
         return None
     pid, account = message.get("pid"), message.get("learned")
-    if not _count(pid, 1) or not (account is None or _account(account)):
+    unpacked = learned.unpacked_account(account) if account is not None else None
+    if not _count(pid, 1) or (account is not None and unpacked is None):
         return None
     fields = {"seconds": float(seconds), "failed": dict(failed), "unsafe": unsafe}
-    return fields | {"pid": pid, "learned": account}
+    return fields | {"pid": pid, "learned": unpacked}
 
 
-def _account(account: Any) -> bool:
-    """Whether `account` is what :func:`~elastic_launch.learned.account` makes."""
-    if not isinstance(account, dict) or not _count(account.get("failed")):
-        return False
-    lists = [account.get(k) for k in ("loaded", "excluded", "holds")]
-    left_out = account.get("left_out")
-    if not all(isinstance(x, list) and all(isinstance(v, str) for v in x) for x in lists):
-        return False
-    return isinstance(left_out, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in left_out.items()
-    )
+def _learning_fields(message: dict[str, Any]) -> dict[str, Any] | None:
+    pid = message.get("pid")
+    return {"pid": pid} if _count(pid, 1) else None
 
 
 def _spawned_fields(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -438,7 +448,12 @@ def _exited_fields(message: dict[str, Any]) -> dict[str, Any] | None:
     return {"pid": pid, "status": status}
 
 
-_FIELDS = {"ready": _ready_fields, "spawned": _spawned_fields, "exited": _exited_fields}
+_FIELDS = {
+    "ready": _ready_fields,
+    "learning": _learning_fields,
+    "spawned": _spawned_fields,
+    "exited": _exited_fields,
+}
 
 
 def _io_bytes(pid: int) -> int:
@@ -475,23 +490,22 @@ class Zygote:
         modules: list[str],
         spares: int = 0,
         cgroup_path: str | None = None,
-        kept: str | None = None,
+        kept: learned.ImportPlan | None = None,
     ) -> None:
         """`spares`: how many warm spares the zygote keeps forked (see the module's doc);
         `cgroup_path`: the job's cgroup, which it joins before it imports anything (and whose
-        mark its environment carries, as every process it forks does); `kept`: the file of
-        what an earlier run learned, imported (checked) after `modules`."""
+        mark its environment carries, as every process it forks does); `kept`: what an
+        earlier run learned, imported (checked) after `modules`."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         # The interpreter fresh workers would run ($PYTHON_EXEC, as torchrun honours it).
         command = [python_executable(sys.executable), "-u", "-m", __name__, str(child.fileno())]
-        command += [LEARNED_ARG, kept] if kept else []
-        started = {**env, **room_environment(), "ELASTICRUN_AGENT_PID": str(os.getpid())}
+        command += [LEARNED_ARG] if kept else []
+        started = {**env, **room_environment(), AGENT_PID_ENV: str(os.getpid())}
         if cgroup_path:
             started[cgroup.CGROUP_ENV] = cgroup_path
-        self._parent_pid = 0  # an heir's: the zygote that forked it
         try:
-            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            self._proc = subprocess.Popen(
                 [*command, *modules, room_argument()],
                 pass_fds=[child.fileno()],
                 start_new_session=True,
@@ -502,28 +516,10 @@ class Zygote:
             raise
         finally:
             child.close()
+        if kept is not None:  # its first message; a zygote gone already is found at the spawn
+            with contextlib.suppress(OSError):
+                send(parent, {"op": "kept", **kept.to_message()}, deadline=SEND_DEADLINE)
         self._begin(parent, self._proc.pid, modules, env, spares)
-
-    @classmethod
-    def heir(cls, parent: Zygote, plan: learned.ImportPlan) -> Zygote:
-        """Have `parent` fork an heir that imports what `plan` names, on idle CPU, and then
-        serves spawns: its handle, ready once its imports are done (raises OSError when the
-        request cannot be sent)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"op": "learn", "modules": list(plan.modules), "differ": dict(plan.differ)}
-        request["skip"] = list(plan.skip)
-        try:
-            send(parent._sock, request, [theirs.fileno()], SEND_DEADLINE)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self = cls.__new__(cls)
-        self._proc = None
-        self._parent_pid = parent.pid
-        self._begin(ours, 0, parent.modules, parent.env, 0)  # its pid comes with 'ready'
-        return self
 
     def _begin(
         self, sock: socket.socket, pid: int, modules: list[str], env: dict[str, str], spares: int
@@ -541,6 +537,7 @@ class Zygote:
         self._spawned: dict[int, int] = {}
         self._spawned_pids: set[int] = set()  # its children the agent has not seen exit
         self._malformed_said = False
+        self._parent_pid = getattr(self, "_parent_pid", 0)  # an heir's: the zygote it came from
         #: (CPU ticks, I/O bytes), and when they last moved.
         self._progress: tuple[tuple[int, int], float] | None = None
         self._next_id = 0
@@ -558,6 +555,12 @@ class Zygote:
         """Have it keep `count` warm spares forked (fewer: the others end)."""
         with contextlib.suppress(OSError):  # a zygote gone already is found at the spawn
             send(self._sock, {"op": "spares", "count": count}, deadline=SEND_DEADLINE)
+
+    @property
+    def reported(self) -> bool:
+        """Whether its 'ready' came (its account is in, whether it lives on or not)."""
+        with self._cond:
+            return self._ready
 
     @property
     def busy(self) -> bool:
@@ -595,9 +598,11 @@ class Zygote:
         assert not isinstance(checked, str)
         op, fields = checked
         with self._cond:
-            if op == "ready":
+            if op == "learning":
+                self.pid = fields["pid"]
+            elif op == "ready":
                 self._ready = True
-                self.pid = self.pid or fields["pid"]
+                self.pid = fields["pid"]
                 self.learned = fields["learned"]
                 self.startup_seconds = fields["seconds"]
                 self.failed = fields["failed"]
@@ -614,8 +619,8 @@ class Zygote:
         """Why a well-formed message cannot be the zygote's: a 'spawned' naming a process that
         is not its child, an 'exited' for a child of it that still runs (it sends that once it
         reaped the child); None if it can be."""
-        if op == "ready":
-            return self._forged_ready(fields["pid"])
+        if op in ("ready", "learning"):
+            return self._forged_ready(op, fields["pid"])
         if op not in ("spawned", "exited"):
             return None
         pid = fields["pid"]
@@ -627,14 +632,16 @@ class Zygote:
             return f"an exit of pid {pid}, which still runs"
         return None
 
-    def _forged_ready(self, pid: int) -> str | None:
-        """An heir's 'ready' names it: a child of the zygote that forked it. (A zygote started
-        by the agent is known by its pid from the start.)"""
+    def _forged_ready(self, op: str, pid: int) -> str | None:
+        """A 'ready' (or an heir's 'learning') comes once and names the zygote: an heir by a
+        child of the zygote that forked it, a zygote the agent started by its known pid."""
+        if self._ready:
+            return f"a second {op!r}"
         if self.pid:
-            return None if pid == self.pid else f"a 'ready' naming pid {pid}, not the zygote's"
+            return None if pid == self.pid else f"a {op!r} naming pid {pid}, not the zygote's"
         found = stat_of(pid)
-        if found is None or found.ppid != getattr(self, "_parent_pid", -1):
-            return f"a 'ready' naming pid {pid}, which is not the zygote's heir"
+        if found is None or found.ppid != self._parent_pid:
+            return f"a {op!r} naming pid {pid}, which is not the zygote's heir"
         return None
 
     def stalled(self, quiet: float) -> str | None:
@@ -740,19 +747,47 @@ class Zygote:
             return self._statuses.pop(pid, None)
 
     def close(self) -> None:
+        """End it (its children, the workers it forked, die with it)."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        if self._proc is None:  # an heir: it ends at end of file, and its zygote reaps it
-            found = stat_of(self.pid) if self.pid else None
-            if found is not None and found.ppid == self._parent_pid:
-                with contextlib.suppress(OSError):
-                    os.kill(self.pid, signal.SIGKILL)
-        else:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait(timeout=10)
+        self._end()
         join(self._reader, 5, "the zygote's reader thread")
+
+    def _end(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait(timeout=10)
+
+
+class Heir(Zygote):
+    """The agent's handle on an heir: a child its zygote forks to import what the workers were
+    seen to import (:mod:`elastic_launch.learned`), which then serves spawns as a zygote of its
+    own. Its pid comes with its first message, checked to be a child of that zygote."""
+
+    def __init__(self, parent: Zygote, plan: learned.ImportPlan, idle_cpu: bool = True) -> None:
+        """Have `parent` fork it (raises OSError when the request cannot be sent); it imports
+        on idle CPU if `idle_cpu`."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.set_inheritable(False)
+        request = {"op": "learn", **plan.to_message(), "idle": idle_cpu}
+        try:
+            send(parent._sock, request, [theirs.fileno()], SEND_DEADLINE)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._parent_pid = parent.pid
+        self._begin(ours, 0, parent.modules, parent.env, 0)
+
+    def _end(self) -> None:
+        """It ends at end of file and its zygote reaps it; one stopped or stuck is killed (if
+        it still is that zygote's child)."""
+        found = stat_of(self.pid) if self.pid else None
+        if found is not None and found.ppid == self._parent_pid:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
