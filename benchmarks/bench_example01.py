@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_imagenet import TORCHRUN, once
+from bench_imagenet import TORCHRUN, image_tree, once
 
 from common import Row, end_job, median, step_records, wait_until, waiting_spare
 
@@ -43,16 +43,6 @@ class Outcome:
     seconds: float | None  # the kill to the survivors' next step (None: the run failed)
     digests: set[str]  # the workers' final parameters
     kept_pids: bool  # the survivor trained on in its own process
-
-
-def tree(root: Path) -> Path:
-    classes, files = TREE
-    for c in range(classes):
-        folder = root / f"n{c:08d}"
-        folder.mkdir(parents=True)
-        for i in range(files):
-            (folder / f"img_{i:06d}.jpg").touch()
-    return root
 
 
 def example(data: Path, kill_at: int, spares: bool, wait_spare: bool) -> Outcome:
@@ -151,9 +141,7 @@ def run(cpp_build: Path | None = None, runs: int | None = None) -> list[Row]:
     runs = runs or int(os.environ.get("BENCH_EXAMPLE01_RUNS", "5"))
     root = Path(tempfile.mkdtemp(prefix="bench-example01-tree-"))
     try:
-        from bench_imagenet import image_tree
-
-        return rows(runs, tree(root / "train"), image_tree(root / "recreation"))
+        return rows(runs, image_tree(root / "train", TREE), image_tree(root / "recreation"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -43,9 +43,10 @@ RUN_TIMEOUT = 180  # a run that has not ended by then hangs: it counts as not re
 TREE = (200, 1000)
 
 
-def image_tree(root: Path) -> Path:
-    """A directory per class with empty image files, which ImageFolder would list."""
-    classes, files = TREE
+def image_tree(root: Path, tree: tuple[int, int] = TREE) -> Path:
+    """A directory per class with empty image files, which ImageFolder would list (`tree`:
+    classes x files)."""
+    classes, files = tree
     for c in range(classes):
         folder = root / f"n{c:08d}"
         folder.mkdir(parents=True)
