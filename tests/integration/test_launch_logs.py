@@ -13,7 +13,7 @@ BASE = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05"]
 
 
 def run_dir(logs: Path) -> Path:
-    (d,) = logs.iterdir()
+    (d,) = [p for p in logs.iterdir() if p.is_dir()]  # beside it: the learned imports
     return d
 
 

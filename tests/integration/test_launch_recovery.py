@@ -178,7 +178,7 @@ def test_hang_is_detected_its_stack_logged_and_the_group_restarted(out, tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert "rank 1 hung" in result.stderr
-    (run_dir,) = logs.iterdir()
+    (run_dir,) = [d for d in logs.iterdir() if d.is_dir()]  # beside it: the learned imports
     stderr0 = (run_dir / "attempt_0" / "1" / "stderr.log").read_text()
     assert "Python stacks of rank 1" in stderr0
     assert "stuck_in_the_data_loader" in stderr0

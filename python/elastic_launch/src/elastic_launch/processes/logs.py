@@ -7,7 +7,11 @@ never overwrites an earlier one)::
                                                         /stderr.log
                                                         /error.json   (the error file)
                                                         /stack.txt    (hang stack dumps)
+                                                        /imports.json (the modules it holds)
                                            /filtered_stdout.log       (--duplicate-*-filters)
+                               /learned_imports.json  (for the node's hot spares)
+    <log_dir>/elasticrun_imports_<digest>.json  (what the runs of one script learned: the next
+                                                 one starts with it; elastic_launch.learned)
 
 Without ``--log-dir`` the base is a new temporary directory, removed at exit unless it holds the
 log files asked for with ``--redirects``/``--tee``. ``--log-dir /dev/null`` keeps no logs: error
