@@ -162,7 +162,12 @@ def parse(data: bytes) -> Imports:
         raise ValueError(f"not JSON ({e})") from None
     if not isinstance(found, dict):
         raise ValueError(f"not a JSON object: {str(found)[:40]!r}")
-    modules, changed = found.get("modules"), found.get("env_changed", {})
+    return _imports_of(found.get("modules"), found.get("env_changed", {}))
+
+
+def _imports_of(modules: object, changed: object) -> Imports:
+    """The names and digests of a worker's file (or a kept one), checked as :func:`parse`
+    says."""
     if not isinstance(modules, list) or not isinstance(changed, dict):
         raise ValueError("'modules' must be a list and 'env_changed' an object")
     names = [m for m in modules[:MAX_NAMES] if _module_name(m)]
@@ -379,12 +384,11 @@ def to_import(names: Iterable[str], skip: Iterable[str] = ()) -> Iterator[str]:
 _distributions: dict[str, list[str]] = {}
 
 
-def installed(name: str, own: str | None = None) -> bool:
-    """Whether module `name` is of the standard library or of an installed distribution found
-    outside the working directory and `own` (the script's directory): never a module of the
-    script's own, whose import is the script's code (it may parse ``sys.argv``, read a
-    worker's environment), nor of a project installed in place (``pip install -e``), the
-    launcher's own packages aside."""
+def installed(name: str) -> bool:
+    """Whether module `name` is of the standard library or of an installed distribution not
+    found in the working directory: never a module of the script's own, whose import is the
+    script's code (it may parse ``sys.argv``, read a worker's environment), nor of a project
+    installed in place (``pip install -e``), the launcher's own packages aside."""
     import importlib.metadata
     import importlib.util
 
@@ -409,8 +413,7 @@ def installed(name: str, own: str | None = None) -> bool:
     found_in = {os.path.dirname(p) for p in packages} or (
         {os.path.dirname(origin)} if origin else set()
     )
-    own_dirs = {os.path.abspath(d) for d in (os.getcwd(), own) if d}
-    if not found_in or {os.path.abspath(d) for d in found_in} & own_dirs:
+    if not found_in or os.path.abspath(os.getcwd()) in {os.path.abspath(d) for d in found_in}:
         return False
     return root in _OURS or not any(_in_place(d) for d in dists)
 
@@ -585,7 +588,7 @@ def read_kept(path: str, entrypoint: str | None = None) -> ImportPlan | None:
     if not isinstance(skip, list) or not all(isinstance(v, str) for v in skip):
         return None
     try:
-        names = parse(json.dumps({"modules": modules, "env_changed": differ}).encode())
+        names = _imports_of(modules, differ)
     except ValueError:
         return None
     return ImportPlan(

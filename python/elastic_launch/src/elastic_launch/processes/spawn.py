@@ -349,15 +349,8 @@ class ZygoteFork(Spawner):
             why,
             ", ".join(left_out),
         )
-        self.close()
-        self.chosen = dataclasses.replace(
-            self.chosen,
-            modules=[m for m in self.chosen.modules if m not in left_out],
-            optional=(),
-        )
-        self._start(self.chosen.modules)
-        self._waited = False  # the new one's imports are waited for as the first's were
-        return self._ready_zygote()
+        modules = [m for m in self.chosen.modules if m not in left_out]
+        return self._again(dataclasses.replace(self.chosen, modules=modules, optional=()))
 
     def _without_left_out(self, account: dict[str, Any]) -> Zygote | None:
         """A zygote that imported, from what an earlier run learned, what it must not fork
@@ -367,11 +360,15 @@ class ZygoteFork(Spawner):
         left_out = account["left_out"]
         for name, why in left_out.items():
             logger.warning("--preload: '%s' is left out of the zygote (%s)", name, why)
-        self.close()
         skip = (*kept.skip, *account["excluded"], *left_out)
         again = dataclasses.replace(kept, skip=skip) if len(kept.skip) < len(skip) else None
-        self.chosen = dataclasses.replace(self.chosen, kept=again)
-        self._start(self.chosen.modules)
+        return self._again(dataclasses.replace(self.chosen, kept=again))
+
+    def _again(self, chosen: PreloadPlan) -> Zygote | None:
+        """A zygote started again for `chosen`, its imports waited for as the first's were."""
+        self.close()
+        self.chosen = chosen
+        self._start(chosen.modules)
         self._waited = False
         return self._ready_zygote()
 

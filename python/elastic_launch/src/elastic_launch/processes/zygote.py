@@ -485,6 +485,9 @@ class Zygote:
     """The agent's handle on its zygote. Starts it in the background: its imports (seconds for
     torch) overlap the rendezvous."""
 
+    #: The pid of the zygote that forked it (an :class:`Heir`'s; 0: the agent started it).
+    _parent_pid = 0
+
     def __init__(
         self,
         modules: list[str],
@@ -537,7 +540,6 @@ class Zygote:
         self._spawned: dict[int, int] = {}
         self._spawned_pids: set[int] = set()  # its children the agent has not seen exit
         self._malformed_said = False
-        self._parent_pid = getattr(self, "_parent_pid", 0)  # an heir's: the zygote it came from
         #: (CPU ticks, I/O bytes), and when they last moved.
         self._progress: tuple[tuple[int, int], float] | None = None
         self._next_id = 0
