@@ -4,6 +4,7 @@ both in real workers, DDP included)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -77,3 +78,92 @@ def test_flushing_the_files_reads_no_object_s_class_property(tmp_path):
     finally:
         f.close()
     assert alive is not None
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=False,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_freeze_notes_files_only_where_a_descriptor_open_for_writing_could_back_one(tmp_path):
+    """Noting the files costs a scan of every object: only when some descriptor beyond the
+    standard streams (and the ones the caller names) is open for writing, and only among the
+    objects not frozen yet. A socket, or a file open for reading, is none."""
+    (tmp_path / "read").write_text("")
+    proc = _run(
+        f"""
+        import json, os, socket
+        from elastic_launch import teardown
+
+        def noted(f):
+            return any(r() is f for r in teardown._inherited)
+
+        found = []
+        readonly = open({str(tmp_path / "read")!r})
+        pair = socket.socketpair()
+        pipe = os.pipe()
+        teardown.freeze(ignore=pipe)
+        found.append(len(teardown._inherited))  # nothing could hold unwritten data
+        written = open({str(tmp_path / "written")!r}, "w")
+        teardown.freeze(ignore=pipe)
+        found.append(noted(written) and not noted(readonly))  # frozen before: not scanned
+        before = len(teardown._inherited)
+        teardown.freeze(ignore=pipe)
+        found.append(len(teardown._inherited) - before)  # nothing new to scan
+        written.close()
+        again = open({str(tmp_path / "read")!r})
+        teardown.freeze(ignore=())  # the pipe's write end is open for writing
+        found.append(noted(again))
+        print(json.dumps(found))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [0, True, 0, True]
+
+
+def test_a_file_frozen_before_a_fork_is_flushed_as_the_child_ends(tmp_path):
+    proc = _run(
+        f"""
+        import gc, os
+        from elastic_launch import teardown
+
+        shared = open({str(tmp_path / "shared")!r}, "w")
+        teardown.freeze()
+        pid = os.fork()
+        if pid == 0:
+            assert not any(o is shared for o in gc.get_objects()), "frozen: not scanned"
+            shared.write("the child's")
+            teardown.end_process(0)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "shared").read_text() == "the child's"
+
+
+def test_a_script_s_own_gc_freeze_does_not_hide_its_files(tmp_path):
+    """A worker's script may call gc.freeze() itself (before forking its data loaders): the
+    files it froze are flushed at its end all the same; unwatched, they would not be."""
+    for watched in (True, False):
+        target = tmp_path / f"watched-{watched}"
+        proc = _run(
+            f"""
+            import gc
+            from elastic_launch import teardown
+
+            if {watched}:
+                teardown.watch_freeze()
+            f = open({str(target)!r}, "w")
+            f.write("kept")
+            gc.freeze()
+            teardown.end_process(0)
+            """
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert target.read_text() == ("kept" if watched else ""), f"watched: {watched}"

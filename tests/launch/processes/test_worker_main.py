@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -192,3 +193,80 @@ def test_the_launcher_imports_nothing_heavy_into_workers():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
     )
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_ranks_other_than_0_wait_for_the_store_to_listen_before_torch_connects(tmp_path):
+    """torch's TCPStore client that finds rank 0's store refusing sleeps a backoff of 0.25-0.75
+    s before it tries again: a worker's rank other than 0 waits for the store to listen
+    first, so torch's one try connects (a fake torch.distributed.rendezvous tries once). Rank
+    0 (it hosts the store) and a job on the agent's store do not wait."""
+    fake = tmp_path / "torch" / "distributed"
+    fake.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "rendezvous.py").write_text(
+        textwrap.dedent(
+            """
+            import os, socket
+
+            def _torchelastic_use_agent_store():
+                return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+            def _create_c10d_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+                try:  # torch's client would back off here
+                    socket.create_connection((hostname, port), timeout=5).close()
+                    return "connected"
+                except OSError:
+                    return "refused"
+            """
+        )
+    )
+    script = tmp_path / "s.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import datetime, json, sys
+            from torch.distributed import rendezvous
+
+            port, ranks = int(sys.argv[1]), json.loads(sys.argv[2])
+            found = []
+            for rank in ranks:
+                if rank:
+                    open({str(tmp_path / "calling")!r}, "w").close()
+                timeout = datetime.timedelta(seconds=60)
+                found.append(rendezvous._create_c10d_store("127.0.0.1", port, rank, 2, timeout))
+            print(json.dumps(found))
+            """
+        )
+    )
+    env = {"PYTHONPATH": str(tmp_path)}
+    with socket.socket() as store:  # bound, not listening: connections are refused
+        store.bind(("127.0.0.1", 0))
+        port = store.getsockname()[1]
+        done = worker(["--", str(script), str(port), "[0]"], env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == ["refused"], "rank 0 hosts the store: no wait"
+        agent = worker(["--", str(script), str(port), "[1]"], {**env, **AGENT_STORE})
+        assert json.loads(agent.stdout) == ["refused"], "on the agent's store: no wait"
+        (tmp_path / "calling").unlink()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_launch.processes.worker_main", "--", str(script)]
+            + [str(port), "[1]"],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "calling").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "never called"
+                time.sleep(0.005)
+            store.listen()
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(30)
+    assert json.loads(out) == ["connected"], "rank 1 waited for the store, then connected"
+
+
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}

@@ -537,3 +537,43 @@ def test_a_learn_request_without_its_socket_is_dropped_and_the_zygote_serves(tmp
         assert z.wait_status(pid, 30) is not None, "it still forks workers"
     finally:
         z.close()
+
+
+def test_a_worker_shares_the_zygotes_objects_untouched_and_still_flushes_its_files(
+    tmp_path, monkeypatch
+):
+    """The zygote freezes its objects before it forks: a worker's collections and its end
+    never touch them (they are not in its gc.get_objects()), yet a file a preloaded module
+    opened as it was imported, written by the worker and never flushed, is written at its
+    end, as is one the worker opened itself."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "opens_a_log.py").write_text(
+        f"LOG = open({str(tmp_path / 'module.log')!r}, 'w')  # noqa: SIM115\n"
+    )
+    _on_path(monkeypatch, site)
+    script = tmp_path / "writes.py"
+    script.write_text(
+        "import gc, json, sys\n"
+        "import opens_a_log\n"
+        "opens_a_log.LOG.write('from the worker')\n"
+        "mine = open(sys.argv[2], 'w')\n"
+        "mine.write('its own')\n"
+        "seen = any(o is opens_a_log.LOG for o in gc.get_objects())\n"
+        "with open(sys.argv[1], 'w') as f:\n"
+        "    json.dump({'scanned': seen, 'objects': len(gc.get_objects())}, f)\n"
+    )
+    z = Zygote(["json", "opens_a_log"])
+    try:
+        assert z.wait_ready(30), "the zygote never got ready"
+        out, own = tmp_path / "out.json", tmp_path / "own.log"
+        pid = z.spawn(["--", str(script), str(out), str(own)], dict(os.environ), DEVNULL, DEVNULL)
+        z.acknowledge(pid)
+        status = z.wait_status(pid, 30)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0
+    finally:
+        z.close()
+    seen = json.loads(out.read_text())
+    assert seen["scanned"] is False, "the zygote's objects are frozen: not the worker's to scan"
+    assert (tmp_path / "module.log").read_text() == "from the worker"
+    assert own.read_text() == "its own"

@@ -79,12 +79,16 @@ LISTEN_POLL = 0.002
 
 
 def await_listening(
-    host: str, port: int, timeout: float, give_up: Callable[[], bool] = lambda: False
+    host: str,
+    port: int,
+    timeout: float,
+    give_up: Callable[[], bool] = lambda: False,
+    poll: float = LISTEN_POLL,
 ) -> bool:
     """Wait until something accepts connections at `host`:`port` (a connection made and closed
-    at once), up to `timeout` seconds or until `give_up()`; whether it did. A TCPStore client
-    that finds its server not yet listening backs off for up to a second before it tries
-    again: one that comes after this call connects at its first try."""
+    at once, tried every `poll` seconds), up to `timeout` seconds or until `give_up()`; whether
+    it did. A TCPStore client that finds its server not yet listening backs off for up to a
+    second before it tries again: one that comes after this call connects at its first try."""
     deadline = time.monotonic() + timeout
     while not give_up():
         left = deadline - time.monotonic()
@@ -94,7 +98,7 @@ def await_listening(
         except OSError:
             if left <= 0:
                 return False
-            time.sleep(LISTEN_POLL)
+            time.sleep(poll)
     return False
 
 

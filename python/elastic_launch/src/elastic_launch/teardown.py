@@ -17,15 +17,25 @@ So a worker
   exit handlers run, its open files and streams flushed, then ``os._exit``. Python does not
   promise ``__del__`` for objects alive at exit; exit handlers (``atexit``,
   ``weakref.finalize``, ``logging``) run as before.
+
+A process that forks workers (the zygote) calls :func:`freeze` first: the objects the child
+shares with it are then never touched by the child's collections or by its scan for open
+files at the end (350k objects in a Lightning worker; touching each copies its page, 140 ms
+of a stopped worker's end).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
+import gc
+import itertools
 import os
+import stat
 import sys
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Container, Iterable
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -70,15 +80,91 @@ def keep_destroyed_groups(c10d: ModuleType) -> None:
         dist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
 
 
+_inherited: list[weakref.ref[Any]] = []  # file objects frozen by freeze() (or the script's)
+_gc_freeze = gc.freeze
+
+
+def _file_types() -> set[type]:
+    """Every class of file object: the subclasses of the C base every ``io`` class shares
+    (walked directly; ``issubclass`` against the ABC costs more than the whole scan)."""
+    import _io
+
+    found: set[type] = {_io._IOBase}
+    todo: list[type] = [_io._IOBase]
+    while todo:
+        for sub in type.__subclasses__(todo.pop()):
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def _files(objects: list[Any]) -> list[Any]:
+    """The file objects among `objects`, by type, not isinstance: an object's __class__ may be
+    a property (torch's deprecated names warn when it is read). The scan stays in C, one set
+    lookup per object: a Lightning worker holds 350k objects."""
+    kinds = _file_types()
+    return list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
+
+
+def _writable_descriptors(ignore: Container[int]) -> bool:
+    """Whether this process holds a descriptor (beyond the standard streams and `ignore`) that
+    a file object could have buffered writes for: a file, pipe or device open for writing.
+    Sockets are not counted (a ``makefile`` writer made before the fork is not flushed)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return True
+    for fd in map(int, names):
+        if fd <= 2 or fd in ignore:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+                continue
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+                return True
+        except OSError:
+            continue  # listdir's own descriptor, closed by now
+    return False
+
+
+def _note_files() -> None:
+    """Note the file objects among those not yet frozen, for :func:`end_process` to flush."""
+    for f in _files(gc.get_objects()):
+        with contextlib.suppress(TypeError):
+            _inherited.append(weakref.ref(f))
+
+
+def freeze(ignore: Container[int] = ()) -> None:
+    """Before a fork: move every object alive into the collector's permanent generation
+    (``gc.freeze``), so that a child's collections, and its scan for open files as it ends,
+    never touch the objects it shares with this process: touching one copies its page. The
+    file objects among them are noted first (a frozen object is not in ``gc.get_objects()``),
+    only when a descriptor open for writing (other than `ignore`) could back one."""
+    if _writable_descriptors(ignore):
+        _note_files()
+    _gc_freeze()
+
+
+@functools.wraps(_gc_freeze)
+def _freeze_for_script() -> None:
+    _note_files()
+    _gc_freeze()
+
+
+def watch_freeze() -> None:
+    """Make the script's own ``gc.freeze()`` note the files it freezes, as :func:`freeze`
+    does (its end would not see them otherwise)."""
+    gc.freeze = _freeze_for_script
+
+
 def _flush_open_files() -> None:
     """Flush every open file object (text first, then the buffers below them): what the
     interpreter's teardown would have done as it freed them."""
-    import gc
     import io
 
-    # By type, not isinstance: an object's __class__ may be a property (torch's deprecated
-    # names warn when it is read), and every object alive passes here.
-    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
+    files = _files(gc.get_objects()) + [f for f in (r() for r in _inherited) if f is not None]
     files.sort(key=lambda f: not issubclass(type(f), io.TextIOBase))
     for f in files:
         with contextlib.suppress(Exception):
@@ -101,7 +187,7 @@ def end_process(code: int, run_exit_handlers: bool = True) -> NoReturn:
             atexit._run_exitfuncs()
     finally:
         _flush_open_files()
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code & 0xFF if code >= 0 else 1)

@@ -14,6 +14,8 @@ gets:
   :data:`STACK_SIGNAL`, which the agent sends before it stops a hung worker;
 - an error file (torch's format, ``$TORCHELASTIC_ERROR_FILE``) for an uncaught exception, so the
   failure summary shows the traceback without ``@record``;
+- a rank other than 0 that waits for rank 0's store to listen before torch connects to it,
+  so it never sleeps torch's connect backoff;
 - process groups kept alive once ended, and an end without the interpreter's teardown, so that
   torch's teardown order cannot deadlock it (:mod:`elastic_launch.teardown`).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import runpy
 import signal
@@ -57,6 +60,7 @@ KEEP = -1  # the stream the parent has (the launcher's console)
 DEVNULL = -2
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 _C10D_MODULE = "torch.distributed.distributed_c10d"
+_RENDEZVOUS_MODULE = "torch.distributed.rendezvous"
 _RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGCHLD", "SIGALRM")
 #: What a zygote ignores (the agent ends it) and holds blocked across a worker's fork.
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -99,10 +103,38 @@ def _hook_optimizer(module: types.ModuleType) -> None:
         register(_beat_after_step)
 
 
+def _hook_store(module: types.ModuleType) -> None:
+    """Ranks other than 0 wait for rank 0's store to listen before torch's client connects to
+    it (``env://`` and ``tcp://``): a client that comes first finds it refusing and sleeps a
+    backoff of 0.25-0.75 s, growing, before it tries again; a restarted group's ranks start
+    together and race. The ranks try every 2 ms, less often in a large job: rank 0's host
+    sees at most about 8,000 attempts a second, from all of them."""
+    create = getattr(module, "_create_c10d_store", None)
+    if create is None or getattr(create, "_elasticrun_waits", False):
+        return
+
+    @functools.wraps(create)
+    def _create_c10d_store(hostname: str, port: int, rank: int, *args: Any, **kw: Any) -> Any:
+        agent_store = getattr(module, "_torchelastic_use_agent_store", lambda: False)
+        if rank != 0 and not agent_store():
+            from elastic_launch.net import LISTEN_POLL, await_listening
+
+            world_size = int(kw.get("world_size", args[0] if args else 1))
+            timeout = kw.get("timeout", args[1] if len(args) > 1 else None)
+            seconds = getattr(timeout, "total_seconds", lambda: 300.0)()
+            poll = min(0.25, LISTEN_POLL * max(1.0, world_size / 16))
+            await_listening(hostname, int(port), seconds, poll=poll)  # then torch's own
+        return create(hostname, port, rank, *args, **kw)
+
+    _create_c10d_store._elasticrun_waits = True  # type: ignore[attr-defined]
+    module._create_c10d_store = _create_c10d_store  # type: ignore[attr-defined]
+
+
 #: What a worker does to torch's modules as they are loaded (or at once, if they are).
 _HOOKS: dict[str, Callable[[types.ModuleType], None]] = {
     _OPTIMIZER_MODULE: _hook_optimizer,
     _C10D_MODULE: teardown.keep_destroyed_groups,
+    _RENDEZVOUS_MODULE: _hook_store,
 }
 
 
@@ -151,8 +183,9 @@ class _HookFinder:
 
 
 def install_hooks() -> None:
-    """Install the stack dump and the hooks on torch's modules (the beat after each optimizer
-    step, the groups kept once ended); safe to call more than once."""
+    """Install the stack dump, the hooks on torch's modules (the beat after each optimizer
+    step, the groups kept once ended) and on ``gc.freeze`` (what it freezes is flushed at the
+    end too); safe to call more than once."""
     global _stack_file
     stack_path = os.environ.get(STACK_FILE_ENV)
     if stack_path and _stack_file is None:
@@ -160,6 +193,7 @@ def install_hooks() -> None:
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
+    teardown.watch_freeze()
     waiting = set()
     for name, hook in _HOOKS.items():
         if name in sys.modules:  # a zygote imported it already

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_launch import idle, learned
+from elastic_launch import idle, learned, teardown
 from elastic_launch.cancel import join
 from elastic_launch.compat import python_executable
 from elastic_launch.learned import load
@@ -289,6 +289,7 @@ class _Forks:
         # one sent in between (a job that fails as it starts) would be lost. Held blocked
         # across the fork, it waits in the child until the worker unblocks it.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        teardown.freeze(ignore=self.wakeup)  # the child never scans what it shares with us
         pid = os.fork()
         if pid == 0:
             try:
