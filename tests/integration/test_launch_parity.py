@@ -158,3 +158,16 @@ def test_a_directory_without_main_is_a_usage_error(tmp_path):
     result = run(["--standalone", str(tmp_path)], tmp_path)
     assert result.returncode == 2
     assert f"training script '{tmp_path}' is a directory without a __main__.py" in result.stderr
+
+
+def test_a_scripts_flags_are_its_own_where_torchrun_takes_them_for_its_own(tmp_path):
+    """`train.py --log out.jsonl`: torchrun's argparse reads --log as an abbreviation of its
+    --log-dir and exits 2 (torch 2.13); elasticrun hands the script everything after its name."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\n")
+    argv = ["--standalone", "--nproc-per-node", "1", str(script), "--log", "out.jsonl", "-h"]
+    theirs = run(argv, tmp_path, launcher=TORCHRUN)
+    assert theirs.returncode == 2 and "--log-dir" in theirs.stderr, "torchrun's behaviour"
+    ours = run(argv, tmp_path)
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.strip() == "argv ['--log', 'out.jsonl', '-h']"

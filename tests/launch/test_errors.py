@@ -122,3 +122,27 @@ def test_an_error_whose_message_is_all_is_reported_without_its_traceback(tmp_pat
         parsed = read_error_file(str(path))
         assert parsed is not None and parsed.show_traceback is shown
         assert parsed.message.startswith(type(error).__name__)
+
+
+def test_a_childs_error_file_is_read_as_untrusted(tmp_path, monkeypatch):
+    """The child wrote its error file: a FIFO there must not block the launcher, a link must
+    not be followed (to a file the child could not read), a file past the limit is not read."""
+    import os
+
+    from elastic_launch import errors
+
+    mine = tmp_path / "mine.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    errors.dump_error_file(str(fifo), 3)  # returns: no writer will ever come
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"message": {"message": "not the child's"}}))
+    link = tmp_path / "link.json"
+    link.symlink_to(secret)
+    errors.dump_error_file(str(link), 3)
+    monkeypatch.setattr(errors, "ERROR_FILE_LIMIT", 64)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"message": {"message": "x" * 100}}))
+    errors.dump_error_file(str(big), 3)
+    assert not mine.exists(), "nothing handed on from any of them"

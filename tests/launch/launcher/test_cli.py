@@ -55,7 +55,7 @@ def _no_pet(monkeypatch):
         (["--warm-spares", "-1"], "--warm-spares '-1' is not valid"),
         (["--role", "r\n[host:default1]: FORGED"], "--role 'r\\n[host:default1]: FORGED': it"),
         (["--role", ""], "--role '': it is empty or too long"),
-        (["--warm-spares", "5000"], "--warm-spares '5000' is not valid"),
+        (["--warm-spares", "70000"], "--warm-spares '70000' is not valid"),
         (["--preload", "none,numpy"], "--preload none turns preloading off, but modules are"),
         (["--preload", "torch", "--preload", "off"], "named too (torch)"),
         (["--preload", "torch,2d"], "--preload 'torch,2d': '2d' is not a module name"),
@@ -256,3 +256,59 @@ def test_the_loops_budget_is_the_users_max_restarts_when_given(argv, env, cap, m
         monkeypatch.setenv(name, value)
     config, _ = cli.launch_from_args(cli.parse_args([*argv, "train.py"]))
     assert config.loop_max_restarts == cap
+
+
+@pytest.mark.parametrize(
+    ("argv", "script", "theirs"),
+    [
+        # torchrun (and argparse alone) takes --log for an abbreviation of --log-dir: exit 2
+        (
+            ["--nproc-per-node", "2", "train.py", "--log", "out.jsonl"],
+            "train.py",
+            ["--log", "out.jsonl"],
+        ),
+        (
+            ["train.py", "-h", "--nnodes", "3", "--version"],
+            "train.py",
+            ["-h", "--nnodes", "3", "--version"],
+        ),
+        (["-m", "pkg.train", "--log-dir", "x"], "pkg.train", ["--log-dir", "x"]),
+        (["--standalone", "--", "train.py", "--max-restarts"], "train.py", ["--max-restarts"]),
+        (["-r3", "--tee=1", "train.py", "--", "x"], "train.py", ["--", "x"]),
+        (
+            ["--max-restarts=2", "train.py", "--max-restarts", "5"],
+            "train.py",
+            ["--max-restarts", "5"],
+        ),
+    ],
+)
+def test_what_follows_the_script_reaches_it_untouched(argv, script, theirs):
+    args = cli.parse_args(argv)
+    assert args.training_script == script and args.training_script_args == theirs
+
+
+def test_the_launchers_flags_keep_their_abbreviations_before_the_script():
+    args = cli.parse_args(["--max-r", "4", "--log-d", "/tmp/logs", "train.py", "--max-r", "9"])
+    assert int(args.max_restarts) == 4 and args.log_dir == "/tmp/logs"
+    assert args.training_script_args == ["--max-r", "9"]
+
+
+def test_a_flag_missing_its_value_or_the_script_is_still_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--nproc-per-node"])
+    assert e.value.code == 2 and "expected one argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--standalone"])
+    assert e.value.code == 2 and "training_script" in capsys.readouterr().err
+
+
+def test_spares_count_against_what_the_node_can_run_before_anything_starts(monkeypatch):
+    """check_config (plan_launch runs it before any resource is opened) counts the spares."""
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))
+    with pytest.raises(ConfigError) as e:
+        check_config(config_of("--nproc-per-node", "100", "--hot-spares", "61"))
+    assert "nproc_per_node '100' with 61 spare(s)" in str(e.value)
+    assert "at most 160 workers" in str(e.value) and "ulimit -n" in str(e.value)
+    with pytest.raises(ConfigError, match="with 100 spare"):
+        check_config(config_of("--nproc-per-node", "100", "--warm-spares", "100"))
+    check_config(config_of("--nproc-per-node", "100", "--hot-spares", "60"))

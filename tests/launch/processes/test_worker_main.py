@@ -249,9 +249,9 @@ def test_ranks_other_than_0_wait_for_the_store_to_listen_before_torch_connects(t
         agent = worker(["--", str(script), str(port), "[1]"], {**env, **AGENT_STORE})
         assert json.loads(agent.stdout) == ["refused"], "on the agent's store: no wait"
         (tmp_path / "calling").unlink()
+        command = ["-m", "elastic_launch.processes.worker_main", "--", str(script), str(port)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_launch.processes.worker_main", "--", str(script)]
-            + [str(port), "[1]"],
+            [sys.executable, *command, "[1]"],
             env={**os.environ, **env},
             stdout=subprocess.PIPE,
             text=True,

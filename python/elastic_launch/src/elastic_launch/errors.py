@@ -123,9 +123,11 @@ def dump_error_file(child_file: str, error_code: int = 0) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if not path or child_file == NOT_AVAILABLE:
         return
-    try:
-        with open(child_file) as f:
-            data = json.load(f)
+    try:  # the child wrote it: a regular file of bounded size, never a FIFO or a link
+        raw = untrusted.read(child_file, ERROR_FILE_LIMIT + 1)
+        if len(raw) > ERROR_FILE_LIMIT:
+            return
+        data = json.loads(raw)
         if error_code and isinstance(data.get("message"), dict):
             data["message"]["errorCode"] = error_code
         with open(path, "w") as f:

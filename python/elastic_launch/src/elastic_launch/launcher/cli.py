@@ -158,9 +158,48 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Whether each launcher flag takes the next argument as its value (help and version do not).
+_TAKES_VALUE = {"-h": False, "--help": False, "-V": False, "--version": False} | {
+    name: option.kind != "switch" for option in OPTIONS for name in option.names
+}
+
+
+def _takes_value(token: str) -> bool:
+    """Whether the launcher flag `token` (as typed: abbreviated, ``--flag=value``, ``-r3``)
+    takes the next argument. Unknown or ambiguous: no (argparse then names the error)."""
+    if "=" in token or (not token.startswith("--") and len(token) > 2):
+        return False  # the value is in the token
+    if token in _TAKES_VALUE:
+        return _TAKES_VALUE[token]
+    found = {
+        v for name, v in _TAKES_VALUE.items() if token.startswith("--") and name.startswith(token)
+    }
+    return found == {True}
+
+
+def split_command_line(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's arguments (its flags, then the script or module name) and the script's
+    own: everything after the name, untouched, whatever it looks like (``--log``, ``-h``,
+    ``--nnodes``). argparse alone would take ``--log`` after the script for an abbreviation
+    of ``--log-dir``, as torchrun does."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return [*argv[: i + 2]], list(argv[i + 2 :])
+        if not token.startswith("-") or token == "-":
+            return [*argv[: i + 1]], list(argv[i + 1 :])
+        i += 2 if _takes_value(token) else 1
+    return list(argv), []
+
+
 def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
-    """torch's ``parse_args``: the command line (``sys.argv[1:]`` when None), parsed."""
-    return get_args_parser().parse_args(args)
+    """torch's ``parse_args``: the command line (``sys.argv[1:]`` when None), parsed; what
+    follows the script's name is the script's (:func:`split_command_line`)."""
+    ours, theirs = split_command_line(sys.argv[1:] if args is None else list(args))
+    parsed = get_args_parser().parse_args(ours)
+    parsed.training_script_args = [*parsed.training_script_args, *theirs]
+    return parsed
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Any, list[Any]]:

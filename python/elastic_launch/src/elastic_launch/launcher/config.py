@@ -158,8 +158,8 @@ def check_config(config: LaunchConfig) -> None:
     parse_nnodes(f"{config.min_nodes}:{config.max_nodes}", "min_nodes:max_nodes")
     if config.nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
-    check_nproc(config.nproc_per_node)
     check_numbers(config)
+    check_nproc(config.nproc_per_node, spares=config.hot_spares + (config.warm_spares or 0))
     most = config.max_nodes * config.nproc_per_node
     if config.min_workers is not None and config.min_workers > most:
         raise ConfigError(

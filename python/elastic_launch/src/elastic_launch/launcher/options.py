@@ -24,7 +24,7 @@ from typing import Any
 from elastic_launch import compat
 from elastic_launch.api import LaunchConfig
 from elastic_launch.launcher import parse
-from elastic_launch.launcher.parse import MAX_NODES, MAX_SECONDS, Range
+from elastic_launch.launcher.parse import MAX_LOCAL_WORKERS, MAX_NODES, MAX_SECONDS, Range
 from elastic_launch.rendezvous import conf as rdzv_conf
 
 #: An option's default is LaunchConfig's field default (the option gives no other).
@@ -365,7 +365,7 @@ OPTIONS: tuple[Option, ...] = (
     _flag(
         "warm-spares",
         "workers the --preload zygote keeps forked ahead of need (about 2 MB each; 0: none)",
-        Range(0, 4096, "a number of workers", integer=True),
+        Range(0, MAX_LOCAL_WORKERS, "a number of workers", integer=True),
         shown="one per local worker",
     ),
     _flag(
@@ -379,7 +379,7 @@ OPTIONS: tuple[Option, ...] = (
         "the classic train loop: workers per node that run the script up to train() and wait "
         "to take a dead worker's place at once (each holds what a worker holds before its "
         "first step: its model and data); 0: none",
-        Range(0, 4096, "a number of workers", integer=True),
+        Range(0, MAX_LOCAL_WORKERS, "a number of workers", integer=True),
     ),
     _flag(
         "loop-max-restarts",

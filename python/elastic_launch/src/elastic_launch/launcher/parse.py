@@ -48,14 +48,17 @@ MAX_NODES = 1_000_000  # beyond any cluster; a bound so a typo is an error, not 
 # process handle's) and for itself: what --nproc-per-node is checked against.
 FDS_PER_WORKER = 6
 FDS_OWN = 64
+#: Where no resource limit bounds the workers of a node (both unlimited): a sanity bound.
+MAX_LOCAL_WORKERS = 1 << 16
 
 
 def max_workers_per_node() -> tuple[int, str]:
-    """How many workers this node can run, and what sets the limit: the heartbeat table's
-    slots, the open-file limit, or the user's process limit."""
+    """How many workers (hot spares included) this node can run, and what sets the limit:
+    the open-file limit, or the user's process limit. (Each worker beats into a table of its
+    own: the core's slot limit per table does not bound them.)"""
     import resource
 
-    limits = [(4096, "the heartbeat table holds 4096 workers")]
+    limits: list[tuple[int, str]] = []
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY:
         limits.append(
@@ -68,7 +71,7 @@ def max_workers_per_node() -> tuple[int, str]:
     nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
         limits.append((max(1, nproc // 2), f"the process limit is {nproc} (ulimit -u)"))
-    return min(limits)
+    return min(limits, default=(MAX_LOCAL_WORKERS, f"at most {MAX_LOCAL_WORKERS} per node"))
 
 
 def cpu_count() -> int:
@@ -109,12 +112,18 @@ def parse_nproc_per_node(value: str, name: str = "--nproc-per-node") -> int:
     return n
 
 
-def check_nproc(n: int, name: str = "nproc_per_node") -> None:
+def check_nproc(n: int, name: str = "nproc_per_node", spares: int = 0) -> None:
+    """`n` workers and `spares` (hot spares, which hold a worker's resources, and warm
+    spares, which are processes) fit this node; the error quotes both and says what limits
+    them."""
     limit, why = max_workers_per_node()
-    if n > limit:
+    if n + spares > limit:
+        total = (
+            f"'{n}' with {spares} spare(s) (--hot-spares, --warm-spares)" if spares else f"'{n}'"
+        )
         raise ConfigError(
-            f"{name} '{n}': this node can run at most {limit} workers ({why}); give a smaller "
-            "count, or raise the limit"
+            f"{name} {total}: this node can run at most {limit} workers ({why}); give a "
+            "smaller count, or raise the limit"
         )
 
 
