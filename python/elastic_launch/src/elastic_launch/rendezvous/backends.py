@@ -42,7 +42,11 @@ from elastic_launch.rendezvous.api import (
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
 from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.endpoints import (
+    DEFAULT_EMBEDDED_PORT,
+    DEFAULT_ETCD_PORT,
+    StoreMember,
+)
 from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError, Tls
 from elastic_launch.rendezvous.succession import Succession
 
@@ -52,8 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EMBEDDED_PORT = 29400
-DEFAULT_ETCD_PORT = 2379
 HOST_LINGER_S = 300.0  # torchrun's exit barrier waits as long
 HOST_BIND_GRACE = 30.0  # seconds a held port may take to serve or come free (as a start)
 # Nodes the embedded service is measured to serve through a node loss (docs/rendezvous_scale.md:

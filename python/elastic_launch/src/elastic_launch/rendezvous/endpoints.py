@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from elastic_launch.api import ConfigError
 from elastic_launch.net import host_port, parse_endpoint
 
+#: The port of an endpoint given without one: the embedded service's (torch's c10d port) and
+#: etcd's client port.
+DEFAULT_EMBEDDED_PORT = 29400
+DEFAULT_ETCD_PORT = 2379
+
 
 @dataclass(frozen=True)
 class StoreMember:
@@ -94,7 +99,9 @@ def _members_of(host: str, port: int) -> list[StoreMember]:
     return [StoreMember(address, port, name=host) for address in addresses]
 
 
-def members_of(given: str | Sequence[StoreMember], default_port: int = 2379) -> list[StoreMember]:
+def members_of(
+    given: str | Sequence[StoreMember], default_port: int = DEFAULT_ETCD_PORT
+) -> list[StoreMember]:
     """The members `given` as a list, or as ``HOST:PORT[,HOST:PORT...]``."""
     if isinstance(given, str):
         return resolve(split(given, "the store's address", default_port))

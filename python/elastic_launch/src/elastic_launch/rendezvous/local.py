@@ -14,6 +14,7 @@ from elastic_launch.rendezvous.api import (
     RendezvousParameters,
 )
 from elastic_launch.rendezvous.conf import parse_conf
+from elastic_launch.rendezvous.endpoints import DEFAULT_EMBEDDED_PORT
 from elastic_launch.rendezvous.fixed import FixedRendezvous
 
 
@@ -26,7 +27,7 @@ class LocalRendezvous(FixedRendezvous):
                 "serves one node only"
             )
         if params.endpoint:
-            parse_endpoint(params.endpoint, "--rdzv-endpoint", default_port=29400)
+            parse_endpoint(params.endpoint, "--rdzv-endpoint", default_port=DEFAULT_EMBEDDED_PORT)
         super().__init__(params)
         self._host = params.local_addr or "127.0.0.1"
 
