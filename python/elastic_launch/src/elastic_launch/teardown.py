@@ -92,7 +92,8 @@ def _file_types() -> set[type]:
     found: set[type] = {_io._IOBase}
     todo: list[type] = [_io._IOBase]
     while todo:
-        for sub in type.__subclasses__(todo.pop()):
+        subclasses: list[type] = type.__subclasses__(todo.pop())
+        for sub in subclasses:
             if sub not in found:
                 found.add(sub)
                 todo.append(sub)
@@ -189,5 +190,6 @@ def end_process(code: int, run_exit_handlers: bool = True) -> NoReturn:
         _flush_open_files()
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(Exception):
-                stream.flush()
+                if stream is not None:
+                    stream.flush()
         os._exit(code & 0xFF if code >= 0 else 1)
