@@ -145,4 +145,8 @@ def test_a_childs_error_file_is_read_as_untrusted(tmp_path, monkeypatch):
     big = tmp_path / "big.json"
     big.write_text(json.dumps({"message": {"message": "x" * 100}}))
     errors.dump_error_file(str(big), 3)
+    monkeypatch.setattr(errors, "ERROR_FILE_LIMIT", 4 << 20)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)  # RecursionError in json
+    errors.dump_error_file(str(deep), 3)
     assert not mine.exists(), "nothing handed on from any of them"

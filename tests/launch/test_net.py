@@ -97,3 +97,27 @@ def test_await_listening_returns_once_a_server_listens_and_gives_up_when_told():
     gone = free_port()
     assert not await_listening("127.0.0.1", gone, 30, lambda: calls.append(1) or len(calls) > 3)
     assert not await_listening("127.0.0.1", gone, 0)
+
+
+def test_waiting_for_a_listener_resolves_its_host_once_not_at_every_try(monkeypatch):
+    """A try every 2 ms: a lookup each time would reach the resolver hundreds of times a
+    second from every rank."""
+    import socket as socket_module
+
+    from elastic_launch.net import await_listening
+
+    lookups = []
+    real = socket_module.getaddrinfo
+
+    def counted(*args, **kwargs):
+        lookups.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(socket_module, "getaddrinfo", counted)
+    with socket_module.socket() as s:  # bound, never listening: refused at every try
+        s.bind(("127.0.0.1", 0))
+        tries = []
+        assert not await_listening(
+            "localhost", s.getsockname()[1], 30, lambda: len(tries) > 20 or tries.append(1)
+        )
+    assert len(tries) > 20 and lookups == ["localhost"]

@@ -91,9 +91,11 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_freeze_notes_files_only_where_a_descriptor_open_for_writing_could_back_one(tmp_path):
-    """Noting the files costs a scan of every object: only when some descriptor beyond the
-    standard streams (and the ones the caller names) is open for writing, and only among the
-    objects not frozen yet. A socket, or a file open for reading, is none."""
+    """Noting the files costs a scan of every object: only when some descriptor beyond
+    standard output and error (and the ones the caller names) is a file, pipe or socket open
+    for writing, and only among the objects not frozen yet. A file open for reading, or
+    /dev/null, is none. What is noted is flushed at the freeze (written once, not again by
+    every child)."""
     (tmp_path / "read").write_text("")
     proc = _run(
         f"""
@@ -105,25 +107,69 @@ def test_a_freeze_notes_files_only_where_a_descriptor_open_for_writing_could_bac
 
         found = []
         readonly = open({str(tmp_path / "read")!r})
+        null = open(os.devnull, "w")
         pair = socket.socketpair()
         pipe = os.pipe()
-        teardown.freeze(ignore=pipe)
+        ours = [*pipe, *(s.fileno() for s in pair)]
+        teardown.freeze(ignore=ours)
         found.append(len(teardown._inherited))  # nothing could hold unwritten data
         written = open({str(tmp_path / "written")!r}, "w")
-        teardown.freeze(ignore=pipe)
+        written.write("before the fork")
+        teardown.freeze(ignore=ours)
         found.append(noted(written) and not noted(readonly))  # frozen before: not scanned
+        found.append(open({str(tmp_path / "written")!r}).read())  # flushed at the freeze
         before = len(teardown._inherited)
-        teardown.freeze(ignore=pipe)
+        teardown.freeze(ignore=ours)
         found.append(len(teardown._inherited) - before)  # nothing new to scan
         written.close()
         again = open({str(tmp_path / "read")!r})
-        teardown.freeze(ignore=())  # the pipe's write end is open for writing
+        teardown.freeze(ignore=pipe)  # a socket counts
         found.append(noted(again))
         print(json.dumps(found))
         """
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == [0, True, 0, True]
+    assert json.loads(proc.stdout) == [0, True, "before the fork", 0, True]
+
+
+def test_a_type_that_cannot_be_hashed_does_not_stop_the_scan(tmp_path):
+    """A metaclass with __eq__ and no __hash__ makes its classes unhashable: the scan compares
+    types by identity, so the zygote's fork and a worker's end go on."""
+    proc = _run(
+        f"""
+        from elastic_launch import teardown
+
+        class Meta(type):
+            def __eq__(cls, other):
+                return cls is other
+
+        class Odd(metaclass=Meta):
+            pass
+
+        odd = Odd()
+        f = open({str(tmp_path / "f")!r}, "w")
+        f.write("kept")
+        teardown.freeze()
+        teardown.end_process(0)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "f").read_text() == "kept"
+
+
+def test_a_pure_python_file_object_is_flushed_too(tmp_path):
+    proc = _run(
+        f"""
+        import _pyio
+        from elastic_launch import teardown
+
+        f = _pyio.open({str(tmp_path / "f")!r}, "w")
+        f.write("kept")
+        teardown.end_process(0)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "f").read_text() == "kept"
 
 
 def test_a_file_frozen_before_a_fork_is_flushed_as_the_child_ends(tmp_path):

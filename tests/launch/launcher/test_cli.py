@@ -4,6 +4,7 @@ PET_ variable is a usage error that quotes the value and names where it came fro
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 
 import pytest
@@ -275,6 +276,8 @@ def test_the_loops_budget_is_the_users_max_restarts_when_given(argv, env, cap, m
         (["-m", "pkg.train", "--log-dir", "x"], "pkg.train", ["--log-dir", "x"]),
         (["--standalone", "--", "train.py", "--max-restarts"], "train.py", ["--max-restarts"]),
         (["-r3", "--tee=1", "train.py", "--", "x"], "train.py", ["--", "x"]),
+        (["-mr", "3", "pkg.train", "-r", "1"], "pkg.train", ["-r", "1"]),  # torch's -m -r 3
+        (["-mr3", "pkg.train"], "pkg.train", []),
         (
             ["--max-restarts=2", "train.py", "--max-restarts", "5"],
             "train.py",
@@ -302,13 +305,36 @@ def test_a_flag_missing_its_value_or_the_script_is_still_a_usage_error(capsys):
     assert e.value.code == 2 and "training_script" in capsys.readouterr().err
 
 
-def test_spares_count_against_what_the_node_can_run_before_anything_starts(monkeypatch):
-    """check_config (plan_launch runs it before any resource is opened) counts the spares."""
+def test_hot_spares_count_against_what_the_node_can_run_before_anything_starts(monkeypatch):
+    """check_config (plan_launch runs it before any resource is opened) counts hot spares
+    with the workers: each holds a worker's descriptors in the launcher."""
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # root: no process limit
     with pytest.raises(ConfigError) as e:
         check_config(config_of("--nproc-per-node", "100", "--hot-spares", "61"))
-    assert "nproc_per_node '100' with 61 spare(s)" in str(e.value)
+    assert "nproc_per_node '100' with 61 hot spare(s)" in str(e.value)
     assert "at most 160 workers" in str(e.value) and "ulimit -n" in str(e.value)
-    with pytest.raises(ConfigError, match="with 100 spare"):
-        check_config(config_of("--nproc-per-node", "100", "--warm-spares", "100"))
     check_config(config_of("--nproc-per-node", "100", "--hot-spares", "60"))
+    check_config(config_of("--nproc-per-node", "100", "--warm-spares", "500")), "no descriptors"
+
+
+def test_warm_spares_count_against_the_process_limit_and_the_default_fits_it(monkeypatch):
+    """Warm spares are the zygote's processes: the user's process limit bounds them (not the
+    open-file limit), and the default (one per local worker) takes what room is left."""
+    from elastic_launch.launcher.config import warm_spares
+
+    limits = {resource.RLIMIT_NOFILE: 1 << 20, resource.RLIMIT_NPROC: 300}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limits[which],) * 2)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError) as e:
+        check_config(
+            config_of("--nproc-per-node", "100", "--hot-spares", "10", "--warm-spares", "41")
+        )
+    assert "--warm-spares '41'" in str(e.value) and "give at most 40" in str(e.value)
+    assert "ulimit -u" in str(e.value)
+    check_config(config_of("--nproc-per-node", "100", "--hot-spares", "10", "--warm-spares", "40"))
+    check_config(config_of("--nproc-per-node", "100", "--warm-spares", "900", "--preload", "none"))
+    assert warm_spares(config_of("--nproc-per-node", "100", "--hot-spares", "10")) == 40
+    assert warm_spares(config_of("--nproc-per-node", "4")) == 4
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert warm_spares(config_of("--nproc-per-node", "100", "--hot-spares", "10")) == 100

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 from elastic_launch.processes.spawn import FunctionFork, SpawnRequest
@@ -195,78 +196,83 @@ def test_the_launcher_imports_nothing_heavy_into_workers():
     assert done.stdout.strip() == "[]", done.stderr
 
 
-def test_ranks_other_than_0_wait_for_the_store_to_listen_before_torch_connects(tmp_path):
+def _store_module(calls: list) -> types.ModuleType:
+    """A stand-in for torch.distributed.rendezvous: its store maker records its calls."""
+    module = types.ModuleType("fake_rendezvous")
+    module._torchelastic_use_agent_store = lambda: os.environ.get(AGENT_STORE_ENV) == "True"
+
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        calls.append(("create", hostname, port, rank))
+        return "store"
+
+    module._create_c10d_store = _create_c10d_store
+    return module
+
+
+@pytest.mark.parametrize(
+    ("rank", "local", "agent", "waits"),
+    [
+        (1, True, False, True),
+        (0, True, False, False),
+        (1, False, False, False),
+        (1, True, True, False),
+    ],
+)
+def test_a_rank_waits_for_a_store_on_its_host_before_torch_connects(
+    monkeypatch, rank, local, agent, waits
+):
     """torch's TCPStore client that finds rank 0's store refusing sleeps a backoff of 0.25-0.75
-    s before it tries again: a worker's rank other than 0 waits for the store to listen
-    first, so torch's one try connects (a fake torch.distributed.rendezvous tries once). Rank
-    0 (it hosts the store) and a job on the agent's store do not wait."""
-    fake = tmp_path / "torch" / "distributed"
-    fake.mkdir(parents=True)
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (fake / "__init__.py").write_text("")
-    (fake / "rendezvous.py").write_text(
-        textwrap.dedent(
-            """
-            import os, socket
+    s: a rank other than 0 waits for the store to listen first, when the store is on its host
+    (a group started on one node races). Rank 0 hosts it; a store on another host, or the
+    agent's store, is torch's to reach as it does."""
+    from elastic_launch import net
+    from elastic_launch.processes import worker_main
 
-            def _torchelastic_use_agent_store():
-                return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-            def _create_c10d_store(hostname, port, rank, world_size, timeout, use_libuv=True):
-                try:  # torch's client would back off here
-                    socket.create_connection((hostname, port), timeout=5).close()
-                    return "connected"
-                except OSError:
-                    return "refused"
-            """
-        )
+    calls: list = []
+    monkeypatch.setattr(net, "names_this_host", lambda host, port: local)
+    monkeypatch.setattr(
+        net, "await_listening", lambda host, port, t: calls.append(("wait", host, port, t)) or True
     )
+    monkeypatch.setenv(AGENT_STORE_ENV, str(agent))
+    module = _store_module(calls)
+    worker_main._hook_store(module)
+    wrapped = module._create_c10d_store
+    worker_main._hook_store(module)
+    assert module._create_c10d_store is wrapped, "wrapped once"
+    timeout = datetime.timedelta(seconds=42)
+    assert module._create_c10d_store("node0", "29500", rank, 2, timeout) == "store"
+    expected = [("wait", "node0", 29500, 42.0)] if waits else []
+    assert calls == [*expected, ("create", "node0", "29500", rank)]
+
+
+def test_a_store_on_its_host_that_never_listens_is_torchs_error_at_torchs_timeout(monkeypatch):
+    """Not a second timeout in torch's own wait after ours: torch's error, after ours."""
+    from elastic_launch import net
+    from elastic_launch.processes import worker_main
+    from torch.distributed import DistNetworkError
+
+    calls: list = []
+    monkeypatch.setattr(net, "names_this_host", lambda host, port: True)
+    monkeypatch.setattr(net, "await_listening", lambda host, port, t: False)
+    module = _store_module(calls)
+    worker_main._hook_store(module)
+    with pytest.raises(DistNetworkError, match=r"timed out after 7 s .*\(node0, 29500\)"):
+        module._create_c10d_store(
+            "node0", 29500, 1, world_size=2, timeout=datetime.timedelta(seconds=7)
+        )
+    assert calls == [], "torch's client never waited a second time"
+
+
+def test_the_store_wait_is_installed_on_torchs_own_module_in_a_worker(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(
-        textwrap.dedent(
-            f"""
-            import datetime, json, sys
-            from torch.distributed import rendezvous
-
-            port, ranks = int(sys.argv[1]), json.loads(sys.argv[2])
-            found = []
-            for rank in ranks:
-                if rank:
-                    open({str(tmp_path / "calling")!r}, "w").close()
-                timeout = datetime.timedelta(seconds=60)
-                found.append(rendezvous._create_c10d_store("127.0.0.1", port, rank, 2, timeout))
-            print(json.dumps(found))
-            """
-        )
+        "import sys, torch.distributed\n"
+        "r = sys.modules['torch.distributed.rendezvous']\n"
+        "print(getattr(r._create_c10d_store, '_elasticrun_waits', False))\n"
     )
-    env = {"PYTHONPATH": str(tmp_path)}
-    with socket.socket() as store:  # bound, not listening: connections are refused
-        store.bind(("127.0.0.1", 0))
-        port = store.getsockname()[1]
-        done = worker(["--", str(script), str(port), "[0]"], env)
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout) == ["refused"], "rank 0 hosts the store: no wait"
-        agent = worker(["--", str(script), str(port), "[1]"], {**env, **AGENT_STORE})
-        assert json.loads(agent.stdout) == ["refused"], "on the agent's store: no wait"
-        (tmp_path / "calling").unlink()
-        command = ["-m", "elastic_launch.processes.worker_main", "--", str(script), str(port)]
-        proc = subprocess.Popen(
-            [sys.executable, *command, "[1]"],
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while not (tmp_path / "calling").exists():
-                assert proc.poll() is None and time.monotonic() < deadline, "never called"
-                time.sleep(0.005)
-            store.listen()
-            out, _ = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-            proc.wait(30)
-    assert json.loads(out) == ["connected"], "rank 1 waited for the store, then connected"
+    done = worker(["--", str(script)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
 
 
-AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"

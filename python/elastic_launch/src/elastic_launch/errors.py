@@ -132,7 +132,7 @@ def dump_error_file(child_file: str, error_code: int = 0) -> None:
             data["message"]["errorCode"] = error_code
         with open(path, "w") as f:
             json.dump(data, f)
-    except (OSError, ValueError, AttributeError):
+    except Exception:  # OSError, bad JSON, too deep, not a dict: the child's file, not ours
         return  # never let error reporting hide the error itself
 
 

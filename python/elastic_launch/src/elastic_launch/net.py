@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import math
 import random
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from elastic_launch.api import ConfigError
 from elastic_launch.cancel import join
@@ -83,23 +85,56 @@ def await_listening(
     port: int,
     timeout: float,
     give_up: Callable[[], bool] = lambda: False,
-    poll: float = LISTEN_POLL,
 ) -> bool:
     """Wait until something accepts connections at `host`:`port` (a connection made and closed
-    at once, tried every `poll` seconds), up to `timeout` seconds or until `give_up()`; whether
-    it did. A TCPStore client that finds its server not yet listening backs off for up to a
-    second before it tries again: one that comes after this call connects at its first try."""
+    at once, tried every :data:`LISTEN_POLL` seconds), up to `timeout` seconds or until
+    `give_up()`; whether it did. A TCPStore client that finds its server not yet listening
+    backs off for up to a second before it tries again: one that comes after this call
+    connects at its first try. `host` is resolved once (again at most once a second while it
+    does not resolve), not at every try."""
     deadline = time.monotonic() + timeout
+    targets: list[tuple[socket.AddressFamily, Any]] = []
+    resolved_at = -math.inf
     while not give_up():
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(min(left, 1.0), 0.01)):
-                return True
-        except OSError:
-            if left <= 0:
-                return False
-            time.sleep(poll)
+        now = time.monotonic()
+        left = deadline - now
+        if not targets and now - resolved_at >= 1.0:
+            resolved_at, targets = now, addresses(host, port)
+        if any(_accepts(family, at, max(min(left, 1.0), 0.01)) for family, at in targets):
+            return True
+        if left <= 0:
+            return False
+        time.sleep(LISTEN_POLL)
     return False
+
+
+def addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, Any]]:
+    """The (family, socket address) pairs `host`:`port` resolves to, each once; none if it
+    does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    found: list[tuple[socket.AddressFamily, Any]] = []
+    for family, _, _, _, sockaddr in infos:
+        if (family, sockaddr) not in found:
+            found.append((family, sockaddr))
+    return found
+
+
+def _accepts(family: socket.AddressFamily, sockaddr: Any, timeout: float) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(sockaddr)
+        except OSError:
+            return False
+        return True
+
+
+def names_this_host(host: str, port: int) -> bool:
+    """Whether `host` resolves to an address of this machine (one lookup)."""
+    return any(is_local_address(str(at[0]), family) for family, at in addresses(host, port))
 
 
 def host_port(host: str, port: int) -> str:

@@ -84,46 +84,60 @@ _inherited: list[weakref.ref[Any]] = []  # file objects frozen by freeze() (or t
 _gc_freeze = gc.freeze
 
 
-def _file_types() -> set[type]:
-    """Every class of file object: the subclasses of the C base every ``io`` class shares
-    (walked directly; ``issubclass`` against the ABC costs more than the whole scan)."""
+def _file_types() -> list[type]:
+    """Every class of file object: the subclasses of the C base every ``io`` class shares, and
+    of ``_pyio``'s, if loaded (walked directly; ``issubclass`` against the ABC costs more than
+    the whole scan)."""
     import _io
 
-    found: set[type] = {_io._IOBase}
-    todo: list[type] = [_io._IOBase]
+    roots: list[type] = [_io._IOBase]
+    pyio = sys.modules.get("_pyio")
+    if pyio is not None:
+        roots.append(pyio.IOBase)
+    found: list[type] = []
+    todo = list(roots)
     while todo:
-        subclasses: list[type] = type.__subclasses__(todo.pop())
-        for sub in subclasses:
-            if sub not in found:
-                found.add(sub)
-                todo.append(sub)
+        kind = todo.pop()
+        if any(kind is k for k in found):
+            continue
+        found.append(kind)
+        subclasses: list[type] = type.__subclasses__(kind)
+        todo.extend(subclasses)
     return found
 
 
 def _files(objects: list[Any]) -> list[Any]:
     """The file objects among `objects`, by type, not isinstance: an object's __class__ may be
     a property (torch's deprecated names warn when it is read). The scan stays in C, one set
-    lookup per object: a Lightning worker holds 350k objects."""
-    kinds = _file_types()
-    return list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
+    lookup per object (of the type's id: a metaclass may make a type unhashable); a Lightning
+    worker holds 350k objects."""
+    kinds = {id(kind) for kind in _file_types()}
+    chosen = map(kinds.__contains__, map(id, map(type, objects)))
+    return list(itertools.compress(objects, chosen))
 
 
 def _writable_descriptors(ignore: Container[int]) -> bool:
-    """Whether this process holds a descriptor (beyond the standard streams and `ignore`) that
-    a file object could have buffered writes for: a file, pipe or device open for writing.
-    Sockets are not counted (a ``makefile`` writer made before the fork is not flushed)."""
+    """Whether this process holds a descriptor (beyond standard output and error, which are
+    flushed by name, and `ignore`) that a file object could have buffered writes for: a file,
+    pipe, socket or block device open for writing (a character device, ``/dev/null`` or a
+    terminal, is not counted)."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return True
     for fd in map(int, names):
-        if fd <= 2 or fd in ignore:
+        if fd in (1, 2) or fd in ignore:
             continue
         try:
             mode = os.fstat(fd).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            if not (
+                stat.S_ISREG(mode)
+                or stat.S_ISFIFO(mode)
+                or stat.S_ISSOCK(mode)
+                or stat.S_ISBLK(mode)
+            ):
                 continue
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+            if stat.S_ISSOCK(mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
                 return True
         except OSError:
             continue  # listdir's own descriptor, closed by now
@@ -142,9 +156,15 @@ def freeze(ignore: Container[int] = ()) -> None:
     (``gc.freeze``), so that a child's collections, and its scan for open files as it ends,
     never touch the objects it shares with this process: touching one copies its page. The
     file objects among them are noted first (a frozen object is not in ``gc.get_objects()``),
-    only when a descriptor open for writing (other than `ignore`) could back one."""
+    only when a descriptor open for writing (other than `ignore`) could back one; the noted
+    ones are flushed, so that what they hold is written once, not again by every child."""
     if _writable_descriptors(ignore):
         _note_files()
+    for ref in _inherited:
+        f = ref()
+        with contextlib.suppress(Exception):
+            if f is not None and not f.closed:
+                f.flush()
     _gc_freeze()
 
 
@@ -187,7 +207,8 @@ def end_process(code: int, run_exit_handlers: bool = True) -> NoReturn:
 
             atexit._run_exitfuncs()
     finally:
-        _flush_open_files()
+        with contextlib.suppress(Exception):
+            _flush_open_files()
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(Exception):
                 if stream is not None:

@@ -165,15 +165,22 @@ _TAKES_VALUE = {"-h": False, "--help": False, "-V": False, "--version": False} |
 
 
 def _takes_value(token: str) -> bool:
-    """Whether the launcher flag `token` (as typed: abbreviated, ``--flag=value``, ``-r3``)
-    takes the next argument. Unknown or ambiguous: no (argparse then names the error)."""
-    if "=" in token or (not token.startswith("--") and len(token) > 2):
-        return False  # the value is in the token
+    """Whether the launcher flag `token` (as typed: abbreviated, ``--flag=value``, ``-r3``,
+    or short switches run together, ``-mr 3``) takes the next argument. Unknown or
+    ambiguous: no (argparse then names the error)."""
+    if not token.startswith("--"):
+        for i, letter in enumerate(token[1:], start=1):
+            takes = _TAKES_VALUE.get("-" + letter)
+            if takes is None:
+                return False
+            if takes:  # a value flag: its value is the rest of the token, or the next one
+                return i == len(token) - 1
+        return False
+    if "=" in token:
+        return False
     if token in _TAKES_VALUE:
         return _TAKES_VALUE[token]
-    found = {
-        v for name, v in _TAKES_VALUE.items() if token.startswith("--") and name.startswith(token)
-    }
+    found = {v for name, v in _TAKES_VALUE.items() if name.startswith(token)}
     return found == {True}
 
 

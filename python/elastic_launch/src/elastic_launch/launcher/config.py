@@ -23,6 +23,7 @@ from elastic_launch.launcher.parse import (
     parse_hang_timeout,
     parse_nnodes,
     parse_signals,
+    process_room,
     random_id,
 )
 from elastic_launch.net import parse_bind
@@ -150,6 +151,35 @@ def _any_stream(setting: Std | dict[int, Std]) -> bool:
     return any(setting.values()) if isinstance(setting, dict) else bool(setting)
 
 
+def warm_spares(config: LaunchConfig) -> int:
+    """The warm spares the zygote keeps: as given, else one per local worker, as many as the
+    process limit leaves room for beside the workers and hot spares."""
+    if config.warm_spares is not None:
+        return config.warm_spares
+    room = process_room()
+    used = config.nproc_per_node + config.hot_spares
+    return (
+        config.nproc_per_node
+        if room is None
+        else min(config.nproc_per_node, max(0, room[0] - used))
+    )
+
+
+def _check_warm_spares(config: LaunchConfig) -> None:
+    """Warm spares asked for fit the process limit beside the workers and hot spares (they
+    are processes of the zygote: no descriptor of the launcher's)."""
+    room = process_room()
+    if config.warm_spares is None or not config.preload or room is None:
+        return
+    used = config.nproc_per_node + config.hot_spares
+    if used + config.warm_spares > room[0]:
+        raise ConfigError(
+            f"--warm-spares '{config.warm_spares}': beside {used} workers and hot spares this "
+            f"node can start at most {room[0]} processes ({room[1]}); give at most "
+            f"{max(0, room[0] - used)}, or raise the limit"
+        )
+
+
 def check_config(config: LaunchConfig) -> None:
     """Reject a bad LaunchConfig before anything starts: each error names the field."""
     check_types(config)
@@ -159,7 +189,8 @@ def check_config(config: LaunchConfig) -> None:
     if config.nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node {config.nproc_per_node}: need at least 1 worker")
     check_numbers(config)
-    check_nproc(config.nproc_per_node, spares=config.hot_spares + (config.warm_spares or 0))
+    check_nproc(config.nproc_per_node, spares=config.hot_spares)
+    _check_warm_spares(config)
     most = config.max_nodes * config.nproc_per_node
     if config.min_workers is not None and config.min_workers > most:
         raise ConfigError(

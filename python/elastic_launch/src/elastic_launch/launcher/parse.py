@@ -68,10 +68,22 @@ def max_workers_per_node() -> tuple[int, str]:
                 f"{FDS_PER_WORKER} per worker",
             )
         )
-    nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
-        limits.append((max(1, nproc // 2), f"the process limit is {nproc} (ulimit -u)"))
+    room = process_room()
+    if room is not None:
+        limits.append(room)
     return min(limits, default=(MAX_LOCAL_WORKERS, f"at most {MAX_LOCAL_WORKERS} per node"))
+
+
+def process_room() -> tuple[int, str] | None:
+    """How many processes the launcher may start on this node (half the user's process
+    limit: a worker may start its own), and what says so; None where nothing bounds it (no
+    limit, or root)."""
+    import resource
+
+    nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if nproc == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return None
+    return max(1, nproc // 2), f"the process limit is {nproc} (ulimit -u)"
 
 
 def cpu_count() -> int:
@@ -113,14 +125,11 @@ def parse_nproc_per_node(value: str, name: str = "--nproc-per-node") -> int:
 
 
 def check_nproc(n: int, name: str = "nproc_per_node", spares: int = 0) -> None:
-    """`n` workers and `spares` (hot spares, which hold a worker's resources, and warm
-    spares, which are processes) fit this node; the error quotes both and says what limits
-    them."""
+    """`n` workers and `spares` hot spares (each holds a worker's resources) fit this node;
+    the error quotes both and says what limits them."""
     limit, why = max_workers_per_node()
     if n + spares > limit:
-        total = (
-            f"'{n}' with {spares} spare(s) (--hot-spares, --warm-spares)" if spares else f"'{n}'"
-        )
+        total = f"'{n}' with {spares} hot spare(s)" if spares else f"'{n}'"
         raise ConfigError(
             f"{name} {total}: this node can run at most {limit} workers ({why}); give a "
             "smaller count, or raise the limit"

@@ -33,7 +33,7 @@ from elastic_launch.api import (
     WorkerFailedError,
 )
 from elastic_launch.cancel import CancelToken, SignalRelay
-from elastic_launch.launcher.config import plan_launch
+from elastic_launch.launcher.config import plan_launch, warm_spares
 from elastic_launch.launcher.parse import random_id
 from elastic_launch.processes import preload
 from elastic_launch.processes.cgroup import Container
@@ -78,7 +78,7 @@ def run(
         memory_env = stack.enter_context(memory_tier(guardian, c.memory_checkpoint_limit))
         context = NodeContext(c, run_id, entrypoint, layout)
         chosen = preload.plan(c.preload, entrypoint, learning.kept_path(context))
-        spares = c.nproc_per_node if c.warm_spares is None else c.warm_spares
+        spares = warm_spares(c)
         spawner = spawner_for(chosen, c.start_method, entrypoint, cancel, guardian, spares)
         stack.callback(spawner.close)
         timer_env = stack.enter_context(compat.file_timer(layout.run_dir, run_id, random_id()))

@@ -14,8 +14,8 @@ gets:
   :data:`STACK_SIGNAL`, which the agent sends before it stops a hung worker;
 - an error file (torch's format, ``$TORCHELASTIC_ERROR_FILE``) for an uncaught exception, so the
   failure summary shows the traceback without ``@record``;
-- a rank other than 0 that waits for rank 0's store to listen before torch connects to it,
-  so it never sleeps torch's connect backoff;
+- a rank other than 0 that waits for rank 0's store on its host to listen before torch
+  connects to it, so it never sleeps torch's connect backoff;
 - process groups kept alive once ended, and an end without the interpreter's teardown, so that
   torch's teardown order cannot deadlock it (:mod:`elastic_launch.teardown`).
 
@@ -104,11 +104,11 @@ def _hook_optimizer(module: types.ModuleType) -> None:
 
 
 def _hook_store(module: types.ModuleType) -> None:
-    """Ranks other than 0 wait for rank 0's store to listen before torch's client connects to
-    it (``env://`` and ``tcp://``): a client that comes first finds it refusing and sleeps a
-    backoff of 0.25-0.75 s, growing, before it tries again; a restarted group's ranks start
-    together and race. The ranks try every 2 ms, less often in a large job: rank 0's host
-    sees at most about 8,000 attempts a second, from all of them."""
+    """A rank other than 0 waits for rank 0's store to listen, when it is on this host, before
+    torch's client connects to it (``env://`` and ``tcp://``): a client that comes first finds
+    it refusing and sleeps a backoff of 0.25-0.75 s, growing, before it tries again; the ranks
+    of a group (re)started on one node start together and race. A store on another host is
+    torch's to reach as it does (no probe adds to what its server does per connection)."""
     create = getattr(module, "_create_c10d_store", None)
     if create is None or getattr(create, "_elasticrun_waits", False):
         return
@@ -117,17 +117,29 @@ def _hook_store(module: types.ModuleType) -> None:
     def _create_c10d_store(hostname: str, port: int, rank: int, *args: Any, **kw: Any) -> Any:
         agent_store = getattr(module, "_torchelastic_use_agent_store", lambda: False)
         if rank != 0 and not agent_store():
-            from elastic_launch.net import LISTEN_POLL, await_listening
-
-            world_size = int(kw.get("world_size", args[0] if args else 1))
             timeout = kw.get("timeout", args[1] if len(args) > 1 else None)
-            seconds = getattr(timeout, "total_seconds", lambda: 300.0)()
-            poll = min(0.25, LISTEN_POLL * max(1.0, world_size / 16))
-            await_listening(hostname, int(port), seconds, poll=poll)  # then torch's own
+            _await_local_store(hostname, int(port), getattr(timeout, "total_seconds", None))
         return create(hostname, port, rank, *args, **kw)
 
     _create_c10d_store._elasticrun_waits = True  # type: ignore[attr-defined]
     module._create_c10d_store = _create_c10d_store  # type: ignore[attr-defined]
+
+
+def _await_local_store(host: str, port: int, seconds: Callable[[], float] | None) -> None:
+    """Wait for the store at `host`:`port` when it is on this host; at torch's own timeout,
+    torch's error for a store that never came (torch's wait would add a second timeout)."""
+    from elastic_launch import net
+
+    if not net.names_this_host(host, port):
+        return
+    limit = seconds() if seconds is not None else 300.0
+    if not net.await_listening(host, port, limit):
+        from torch.distributed import DistNetworkError
+
+        raise DistNetworkError(
+            f"The client socket has timed out after {limit:g} s while trying to connect to "
+            f"({host}, {port}): rank 0's store on this host never listened"
+        )
 
 
 #: What a worker does to torch's modules as they are loaded (or at once, if they are).

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from elastic_launch import idle, learned, teardown
@@ -277,19 +278,23 @@ class _Forks:
             return
         pid = self._to_spare(request, fds)
         if pid is None:
-            pid = self._fork(lambda: _fork_worker(request, fds))
+            pid = self._fork(lambda: _fork_worker(request, fds), passing=fds)
         for f in fds:
             os.close(f)
         self.children[pid] = False
         send(self.sock, {"op": "spawned", "id": request["id"], "pid": pid})
 
-    def _fork(self, child: Any, close: socket.socket | None = None) -> int:
-        """Fork; the child drops the zygote's descriptors (and `close`) and runs `child`."""
+    def _fork(
+        self, child: Any, passing: Sequence[int] = (), close: socket.socket | None = None
+    ) -> int:
+        """Fork; the child drops the zygote's descriptors (and `close`) and runs `child` with
+        the descriptors `passing` (the zygote's own and those are no files to flush)."""
         # The zygote ignores the stop signals; a child would too until it sets them back, and
         # one sent in between (a job that fails as it starts) would be lost. Held blocked
         # across the fork, it waits in the child until the worker unblocks it.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        teardown.freeze(ignore=self.wakeup)  # the child never scans what it shares with us
+        ours = [*self.wakeup, self.sock.fileno(), *(e.fileno() for e in self.spares.values())]
+        teardown.freeze(ignore=[*ours, *passing, *([close.fileno()] if close else [])])
         pid = os.fork()
         if pid == 0:
             try:
@@ -324,13 +329,13 @@ class _Forks:
             return
         theirs = socket.socket(fileno=fds[0])
         me, idle_cpu = os.getpid(), request.get("idle") is not False
-        pid = self._fork(lambda: _serve_heir(theirs, plan, idle_cpu, me))
+        pid = self._fork(lambda: _serve_heir(theirs, plan, idle_cpu, me), [theirs.fileno()])
         theirs.close()
         self.quiet.add(pid)
 
     def _fork_spare(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = self._fork(lambda: _wait_as_spare(theirs), close=ours)
+        pid = self._fork(lambda: _wait_as_spare(theirs), [theirs.fileno()], close=ours)
         theirs.close()
         self.spares[pid] = ours
 
