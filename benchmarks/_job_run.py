@@ -418,7 +418,7 @@ class JobRun:
 
     def _successor_ready(self) -> bool:
         """The agents have chosen a successor, and its service holds a copy of the host's."""
-        from elastic_launch.rendezvous.succession import standing_by
+        from elastic_launch.rendezvous.embedded.succession import standing_by
 
         return standing_by(f"127.0.0.1:{self.port}")
 

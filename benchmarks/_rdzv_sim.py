@@ -326,13 +326,13 @@ def _instrument_store() -> None:
 def _count_store_ops() -> None:
     classes: list[Any] = []
     try:
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+        from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
         classes.append(EtcdV3Store)
     except ImportError:
         pass
     try:
-        from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+        from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
 
         classes.append(EtcdV2Store)
     except ImportError:
@@ -369,7 +369,7 @@ def _count_store_ops() -> None:
 def _count_gap_reads() -> None:
     # etcd v3: the two reads that fill the gap between a watch's revision and the server's.
     try:
-        from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch
+        from elastic_launch.rendezvous.etcd.v3_watch import EtcdWatch
 
         gap_read = EtcdWatch._read
 
@@ -386,8 +386,8 @@ def _count_gap_reads() -> None:
 
 
 def _count_deliveries() -> None:
-    from elastic_launch.rendezvous import store
-    from elastic_launch.rendezvous.round import Member, RoundState
+    from elastic_launch.rendezvous.round.state import Member, RoundState
+    from elastic_launch.rendezvous.store import api as store
 
     # Changes delivered to the rendezvous (every watch, whatever the backend).
     put = store.Inbox.put
@@ -415,7 +415,8 @@ def _count_deliveries() -> None:
 
 
 def _count_leases_and_commits() -> None:
-    from elastic_launch.rendezvous import job, session
+    from elastic_launch.rendezvous.round import job
+    from elastic_launch.rendezvous.store import session
 
     lost = session.Session._lease_lost
 
@@ -446,8 +447,8 @@ def _count_leases_and_commits() -> None:
 
 def _instrument_server() -> None:
     """The embedded service's side: calls by method, and the streams open at once."""
-    from elastic_launch.rendezvous import embedded_peering
-    from elastic_launch.rendezvous import embedded_server as es
+    from elastic_launch.rendezvous.embedded import peering as embedded_peering
+    from elastic_launch.rendezvous.embedded import server as es
 
     service = es._Service
     open_streams = collections.Counter[str]()

@@ -754,7 +754,7 @@ def run(cpp_build: Path | None = None) -> list[Row]:
 
 _WRITER = """
 import sys, threading
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 endpoint, prefix, n, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), 16
 def write(first):
     store = EtcdV3Store(endpoint, StoreAccess("writer", retry_for=10))
@@ -774,8 +774,8 @@ def leader_cost(n: int, cap: float = 120.0) -> dict[str, Any]:
     counted off as the leader does. The CPU this process spends (gRPC, decoding, the inbox,
     the bookkeeping) per event, and the events per second etcd delivered (bounded here by the
     writer's rate on the same 2 cores)."""
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import Inbox, StoreAccess
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store.api import Inbox, StoreAccess
 
     etcd = Etcd()
     writer: subprocess.Popen[bytes] | None = None
@@ -853,7 +853,7 @@ def _check_shared_embedded(
     """The embedded service gives one connection a share of streams: agents sharing a channel
     (and so a connection) past it would be refused, which no deployment does (one agent, one
     connection). Say so before anything starts."""
-    from elastic_launch.rendezvous.embedded_bounds import STREAMS_PER_CLIENT
+    from elastic_launch.rendezvous.embedded.bounds import STREAMS_PER_CLIENT
 
     per_process = -(-n // procs)
     streams = STREAMS_PER_AGENT * per_process

@@ -35,7 +35,7 @@ _SERVE = """
 import sys, time
 kind = sys.argv[1]
 if kind == "embedded":
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
     server = EmbeddedServer("127.0.0.1", 0, token=None)
     port = server.port
 else:

@@ -38,7 +38,7 @@ async def _connection(port: int, kind: str, n: int, until: Any) -> dict[str, int
     """One connection's part of the load: requests back to back until `until()` says stop.
     What happened to them, by status."""
     import grpc
-    from elastic_launch.rendezvous import embedded_bounds as bounds
+    from elastic_launch.rendezvous.embedded import bounds
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
     options = [

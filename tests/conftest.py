@@ -188,7 +188,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 @pytest.fixture
 def embedded() -> Iterator[tuple[str, str]]:
     """The embedded rendezvous service, in this process on a free port: (endpoint, token)."""
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
     server = EmbeddedServer("127.0.0.1", 0, token="t")
     yield f"127.0.0.1:{server.port}", "t"

@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from elastic_launch.rendezvous.succession import standing_by
+from elastic_launch.rendezvous.embedded.succession import standing_by
 from launcher_util import free_port, listening, wait_for
 from test_manifests import validate
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import local_cluster
 import pytest
 from elastic_launch.net import listeners
-from elastic_launch.rendezvous.embedded_peers import Peer
-from elastic_launch.rendezvous.embedded_roles import seen
-from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.embedded.peers import Peer
+from elastic_launch.rendezvous.embedded.roles import seen
+from elastic_launch.rendezvous.store.endpoints import StoreMember
 from launcher_util import free_port, held, release, wait_for, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]

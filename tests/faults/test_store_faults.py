@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_launch.rendezvous.succession import standing_by
+from elastic_launch.rendezvous.embedded.succession import standing_by
 from jobs import ONE_THREAD, Job, Netns, finish_quietly, node_args
 from launcher_util import finish, free_port, listening, start, wait_for, wait_gone
 
@@ -234,8 +234,8 @@ def test_a_watched_history_compacted_under_a_waiting_node(two_nodes, etcd_cluste
     # goes on from its revision on member 1, finds that history compacted (etcd's "required
     # revision has been compacted"), reads the round again and watches from that read. Node
     # b then joins, and the job forms and completes.
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import StoreAccess
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store.api import StoreAccess
 
     nodes = two_nodes("etcd", etcd_cluster.endpoint)
     nodes.start(0)
@@ -263,8 +263,8 @@ def test_a_watched_history_compacted_under_a_waiting_node(two_nodes, etcd_cluste
 
 def fill(endpoint: str) -> None:
     """Write to the etcd at `endpoint` until it raises its NOSPACE alarm."""
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import StoreAccess, StoreError
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store.api import StoreAccess, StoreError
 
     filler = EtcdV3Store(endpoint, StoreAccess("etcd", retry_for=10))
     try:

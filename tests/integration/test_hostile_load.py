@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import hostile_load
-from elastic_launch.rendezvous.store import StoreAccess
+from elastic_launch.rendezvous.store.api import StoreAccess
 
 
 @pytest.mark.slow
@@ -33,8 +33,9 @@ def test_the_embedded_service_holds_a_bounded_amount_under_hostile_load():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_watch_that_falls_behind_is_cut_off_and_the_client_watches_again(monkeypatch):
-    from elastic_launch.rendezvous import embedded_bounds, embedded_server
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.embedded import bounds as embedded_bounds
+    from elastic_launch.rendezvous.embedded import server as embedded_server
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     monkeypatch.setattr(embedded_bounds, "STREAM_BYTES", 200_000)
     server = embedded_server.EmbeddedServer("127.0.0.1", 0, token=None)
@@ -98,8 +99,9 @@ def test_a_past_longer_than_a_stream_holds_flows_to_a_client_that_reads(monkeypa
     """A watch from a revision whose events are more than a stream may hold (a client that
     fell behind and watches again from where it was): each revision is counted as it is sent,
     so a client that reads gets them all."""
-    from elastic_launch.rendezvous import embedded_bounds, embedded_server
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.embedded import bounds as embedded_bounds
+    from elastic_launch.rendezvous.embedded import server as embedded_server
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     monkeypatch.setattr(embedded_bounds, "STREAM_BYTES", 200_000)
     server = embedded_server.EmbeddedServer("127.0.0.1", 0, token=None)

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.store import StoreAccess
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+from elastic_launch.rendezvous.store.api import StoreAccess
 from launcher_util import (
     HERE,
     alive,
@@ -153,7 +153,7 @@ def test_a_signal_while_waiting_in_the_rendezvous_ends_the_launcher(launched, tm
 
 
 def test_a_node_stopped_while_waiting_leaves_the_round_at_once(launched, tmp_path, etcd):
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     rid = run_id()
     rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", rid]
@@ -173,7 +173,7 @@ def test_a_node_stopped_while_waiting_leaves_the_round_at_once(launched, tmp_pat
 
 
 def test_a_spare_stopped_by_a_signal_leaves_and_the_job_runs_on(launched, tmp_path, etcd):
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     rid = run_id()
     rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", rid]

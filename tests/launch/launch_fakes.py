@@ -252,8 +252,8 @@ def embedded_login(channel, token: str | None, dialed: str) -> list[tuple[str, s
     sent)."""
     if not token:
         return []
-    from elastic_launch.rendezvous import challenge
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
+    from elastic_launch.rendezvous.store import challenge
 
     asked = challenge.ask(dialed)
     reply = rpc_pb2_grpc.AuthStub(channel).Authenticate(

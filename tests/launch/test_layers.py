@@ -94,3 +94,37 @@ def test_the_node_side_never_imports_torch_at_load():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 module = getattr(node, "module", None) or ""
                 assert not any(n.split(".")[0] == "torch" for n in [*names, module]), path
+
+
+#: Inside the rendezvous: what each of its subpackages may import besides itself, the
+#: package's own top modules and etcdpb (the protocol's messages). The store interface is at the
+#: bottom; the etcd clients implement it; the embedded service serves etcd's API with the v3
+#: client's connections; the round protocol runs on the interface alone.
+RENDEZVOUS = {
+    "store": set(),
+    "etcd": {"store"},
+    "embedded": {"store", "etcd"},
+    "round": {"store"},
+}
+
+
+def rendezvous_part(name: str) -> str | None:
+    """The subpackage of rendezvous a dotted name below elastic_launch is in (None: not in one)."""
+    parts = name.split(".")
+    return (
+        parts[1] if len(parts) > 1 and parts[0] == "rendezvous" and parts[1] in RENDEZVOUS else None
+    )
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in modules() if rendezvous_part(".".join(p.relative_to(SRC).parts))],
+    ids=lambda p: str(p.relative_to(SRC)),
+)
+def test_the_rendezvous_subpackages_import_only_the_ones_below(path):
+    here = rendezvous_part(".".join(path.relative_to(SRC).parts))
+    assert here is not None
+    for name in imports_of(path):
+        there = rendezvous_part(name)
+        if there is not None and there != here:
+            assert there in RENDEZVOUS[here], f"{path.relative_to(SRC)} ({here}) imports {name}"

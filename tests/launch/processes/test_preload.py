@@ -97,7 +97,7 @@ def test_a_script_on_the_classic_train_loop_gets_the_loop_preloaded(tmp_path):
     assert plan(["auto"], ep).modules == [
         "torch",
         "elastic_launch.train_loop",
-        "elastic_launch.rendezvous.etcd_v3",
+        "elastic_launch.rendezvous.etcd.v3",
     ]
     ep = script(tmp_path / "other.py", "import elastic_launch\nimport elastic_core\n")
     assert plan(["auto"], ep).modules == [], "the launcher's own packages load as needed"

@@ -17,9 +17,9 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.wire import EMBEDDED_VERSION
 
 CLAIMED_TERM = 99
 MEMBER_ID = 2

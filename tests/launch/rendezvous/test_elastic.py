@@ -23,9 +23,9 @@ from elastic_launch.rendezvous.api import (
     RunIdInUseError,
 )
 from elastic_launch.rendezvous.conf import RendezvousConf
-from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.store import StoreAccess
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+from elastic_launch.rendezvous.round.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.store.api import StoreAccess
 
 # MAX nodes freeze a round at once; a long last call keeps a slow thread from being left out.
 CONF = RendezvousConf.defaults(
@@ -143,7 +143,7 @@ def test_a_round_of_max_nodes_writes_the_state_twice(endpoint, request):
 
 
 def test_each_member_reads_only_its_own_shard_of_the_membership(endpoint, request, monkeypatch):
-    from elastic_launch.rendezvous import round as rnd
+    from elastic_launch.rendezvous.round import state as rnd
 
     monkeypatch.setattr(rnd, "SHARD_NODES", 1)  # a shard per node: 4 shards
     members = handlers(endpoint, 4, f"shard-{request.node.callspec.id}-{time.monotonic_ns()}")
@@ -722,8 +722,8 @@ def test_survivors_coming_back_one_by_one_cost_the_leader_few_reads(endpoint, re
     """A reopened round's leader looks at who of the previous round is still awaited each time
     a survivor comes back: its reads of the previous round's N join keys must not be one per
     survivor (N reads of N keys), only when those awaited have halved, then singly."""
-    from elastic_launch.rendezvous.round import Member, RoundState, Status
-    from elastic_launch.rendezvous.view import JoinView
+    from elastic_launch.rendezvous.round.state import Member, RoundState, Status
+    from elastic_launch.rendezvous.round.view import JoinView
 
     run_id = f"awaited-{request.node.callspec.id}-{time.monotonic_ns()}"
     (leader,) = handlers(endpoint, 1, run_id, [RequestCountingStore])

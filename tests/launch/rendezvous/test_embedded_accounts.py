@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from elastic_launch.rendezvous import embedded_bounds as bounds
+from elastic_launch.rendezvous.embedded import bounds
 
 
 def test_a_share_refuses_past_the_connections_part_and_the_total_naming_each():
@@ -123,7 +123,7 @@ def test_a_request_whose_turn_does_not_come_is_refused(two_turns, monkeypatch):
 def test_the_keys_a_connection_wrote_count_against_its_shares_until_another_writes_them(
     monkeypatch,
 ):
-    from elastic_launch.rendezvous.embedded_state import ServiceState
+    from elastic_launch.rendezvous.embedded.state import ServiceState
 
     monkeypatch.setattr(bounds, "DATA_PER_CLIENT", 100)
     monkeypatch.setattr(bounds, "KEYS_PER_CLIENT", 3)
@@ -148,7 +148,7 @@ def test_a_watch_stream_whose_queue_is_not_taken_stops_being_read():
     """The watch stream's reader stops reading once UNHANDLED_REQUESTS wait in its queue (a
     stream whose client reads no answer blocks the loop that takes them): a client sending
     creates past its share without end holds a bounded queue, not one that grows."""
-    from elastic_launch.rendezvous.embedded_server import _read_watch_requests
+    from elastic_launch.rendezvous.embedded.server import _read_watch_requests
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
     async def scenario() -> None:
@@ -188,7 +188,7 @@ def test_generated_code_of_either_kind_adds_unary_methods_that_read_in_turns():
     """Code generated with gRPC's registered methods, and without (it adds a generic
     handler only): either way a unary method reads its request in turns."""
     import grpc
-    from elastic_launch.rendezvous.embedded_server import _InTurns
+    from elastic_launch.rendezvous.embedded.server import _InTurns
 
     class Server:
         def __init__(self) -> None:

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import hostile_load
-from elastic_launch.rendezvous import embedded_bounds as bounds
+from elastic_launch.rendezvous.embedded import bounds
 
 #: What an attack may make the service hold beyond what it stores: the history (16 MiB), the
 #: watches' bytes or the reads' (16 MiB), gRPC's copy of what it is writing, with room.
@@ -417,7 +417,7 @@ def test_a_refused_request_is_freed_with_its_call():
     import time
 
     import grpc
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
     server = EmbeddedServer("127.0.0.1", 0, token=None)

@@ -66,7 +66,7 @@ SLOW = pytest.mark.slow  # a real etcd server
 @pytest.fixture(params=["embedded", pytest.param("etcd", marks=SLOW)])
 def client(request):
     if request.param == "embedded":
-        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+        from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
         port = free_port()
         server = EmbeddedServer("127.0.0.1", port, token=None)
@@ -144,7 +144,7 @@ def test_a_watch_from_the_past_replays_the_history(client):
 
 
 def test_the_embedded_service_refuses_calls_and_streams_without_the_job_token():
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
     port = free_port()
     server = EmbeddedServer("127.0.0.1", port, token="right")

@@ -13,10 +13,10 @@ import pytest
 from elastic_launch.cancel import CancelToken
 from elastic_launch.rendezvous.api import RendezvousParameters
 from elastic_launch.rendezvous.backends import EmbeddedRendezvous
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.store import StoreAccess
+from elastic_launch.rendezvous.store.api import StoreAccess
 from test_elastic import form_round
 
 

@@ -17,20 +17,21 @@ import grpc
 import pytest
 from elastic_launch.cancel import CancelToken
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import embedded_replicas, embedded_roles
 from elastic_launch.rendezvous.api import CloseReason, RendezvousParameters, RestartReason
 from elastic_launch.rendezvous.backends import SUCCESSOR_BASE, EmbeddedRendezvous
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.etcd_v3_client import MAX_LEARNED
+from elastic_launch.rendezvous.embedded import replicas as embedded_replicas
+from elastic_launch.rendezvous.embedded import roles as embedded_roles
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.embedded.succession import parse, value_of
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+from elastic_launch.rendezvous.etcd.v3_client import MAX_LEARNED
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.known import Known, rank
-from elastic_launch.rendezvous.round import RoundState, Status
-from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, StoreError, Watch
-from elastic_launch.rendezvous.store_identity import Answered, Verdict, judge
-from elastic_launch.rendezvous.succession import parse, value_of
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY, SUCCESSOR_KEY
+from elastic_launch.rendezvous.round.known import Known, rank
+from elastic_launch.rendezvous.round.state import RoundState, Status
+from elastic_launch.rendezvous.store.api import HistoryLostError, StoreAccess, StoreError, Watch
+from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.identity import Answered, Verdict, judge
+from elastic_launch.rendezvous.store.wire import CLUSTER_KEY, HOST_KEY, SUCCESSOR_KEY
 from launch_fakes import embedded_login
 from test_elastic import form_round
 from test_embedded_standby import a_lease_a_key_and_a_watch, kept
@@ -633,7 +634,7 @@ def test_a_failing_member_is_left_for_the_successor_named_now_first():
     # Older successors may be gone (a machine that vanished costs a whole read timeout): the
     # one the key names now is tried first, then the others in turn.
     from elastic_launch.cancel import NEVER
-    from elastic_launch.rendezvous.etcd_v3_client import Client
+    from elastic_launch.rendezvous.etcd.v3_client import Client
 
     c = Client("127.0.0.1:1", StoreAccess("s", retry_for=1), NEVER, lambda: None)
     try:
@@ -766,8 +767,8 @@ def test_a_state_that_is_not_one_is_replaced_by_a_put_back(job):
 
 
 def test_a_standby_with_no_copy_names_no_cluster_in_its_refusal():
-    from elastic_launch.rendezvous.embedded_peering import standby_refusal
-    from elastic_launch.rendezvous.embedded_state import ServiceState
+    from elastic_launch.rendezvous.embedded.peering import standby_refusal
+    from elastic_launch.rendezvous.embedded.state import ServiceState
 
     class Roles:
         serving = False

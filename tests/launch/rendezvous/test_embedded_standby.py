@@ -12,15 +12,15 @@ from typing import Any
 import grpc
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous.embedded_peers import Peer
-from elastic_launch.rendezvous.embedded_roles import HOST, Seen, choose
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.embedded_state import TERM_BITS, ServiceState
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.embedded.peers import Peer
+from elastic_launch.rendezvous.embedded.roles import HOST, Seen, choose
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.embedded.state import TERM_BITS, ServiceState
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.store import HistoryLostError, StoreAccess, Watch
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
+from elastic_launch.rendezvous.store.api import HistoryLostError, StoreAccess, Watch
+from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.wire import CLUSTER_KEY, HOST_KEY
 from launch_fakes import embedded_login
 
 TOKEN = "t" * 32

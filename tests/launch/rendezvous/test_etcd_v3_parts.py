@@ -9,11 +9,11 @@ import time
 
 import pytest
 from elastic_launch.cancel import CancelToken
-from elastic_launch.rendezvous.etcd_v3_client import Client
-from elastic_launch.rendezvous.etcd_v3_lease import Lease
-from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch, prefix_end
+from elastic_launch.rendezvous.etcd.v3_client import Client
+from elastic_launch.rendezvous.etcd.v3_lease import Lease
+from elastic_launch.rendezvous.etcd.v3_watch import EtcdWatch, prefix_end
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
-from elastic_launch.rendezvous.store import Inbox, StoreAccess, StoreError
+from elastic_launch.rendezvous.store.api import Inbox, StoreAccess, StoreError
 
 
 class Counter:
@@ -119,7 +119,7 @@ def test_the_retry_time_the_rendezvous_sets_on_the_store_is_the_one_its_calls_us
     timeout: every call through the connection obeys it (a call retrying for the old 600 s
     would outlive this test's limit)."""
     from elastic_launch.net import free_port
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     access = StoreAccess("the store at nowhere", retry_for=600, read_timeout=0.2)
     store = EtcdV3Store(f"127.0.0.1:{free_port()}", access)

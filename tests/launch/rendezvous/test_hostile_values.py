@@ -13,11 +13,11 @@ import time
 import pytest
 from elastic_launch.rendezvous.api import RendezvousParameters, StoreValueError
 from elastic_launch.rendezvous.conf import RendezvousConf
-from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store, key_text
-from elastic_launch.rendezvous.round import Member, RoundState, Status, round_info
-from elastic_launch.rendezvous.store import StoreAccess
-from elastic_launch.rendezvous.values import MAX_VALUE_BYTES, text_value
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store, key_text
+from elastic_launch.rendezvous.round.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.round.state import Member, RoundState, Status, round_info
+from elastic_launch.rendezvous.round.values import MAX_VALUE_BYTES, text_value
+from elastic_launch.rendezvous.store.api import StoreAccess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,9 +271,9 @@ def test_an_impossible_final_round_ends_in_a_clear_error_not_a_hot_loop(embedded
     five members in a job of at most one node. Nothing will change them, so the agent looks
     again at most pace.RATE times a second and stops at the join timeout with one line that
     says what is wrong (the first polled etcd 508 times a second, past its join timeout)."""
-    from elastic_launch.rendezvous import round as rnd
     from elastic_launch.rendezvous.api import RendezvousTimeoutError
-    from elastic_launch.rendezvous.pace import RATE
+    from elastic_launch.rendezvous.round import state as rnd
+    from elastic_launch.rendezvous.round.pace import RATE
 
     handler, store, run_id = _handler(embedded, join_timeout=2.0)
     ghosts = {f"ghost{i}": Member("127.0.0.1", 1, 1, presence=1) for i in range(members)}

@@ -18,13 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous.embedded_peers import Peer
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.embedded.peers import Peer
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 from elastic_launch.rendezvous.etcdpb import rpc_pb2_grpc
-from elastic_launch.rendezvous.store import StoreAccess
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
+from elastic_launch.rendezvous.store.api import StoreAccess
+from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.wire import CLUSTER_KEY, HOST_KEY
 from relay_impostor import Impostor
 
 TOKEN = "the-job-token"

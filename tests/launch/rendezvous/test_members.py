@@ -15,15 +15,15 @@ import pytest
 from elastic_launch.api import ConfigError
 from elastic_launch.cancel import CancelToken
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import endpoints
 from elastic_launch.rendezvous.api import RendezvousParameters
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.etcd_v3_client import Client
-from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+from elastic_launch.rendezvous.etcd.v3_client import Client
+from elastic_launch.rendezvous.etcd.v3_watch import EtcdWatch
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.registry import check_parameters
-from elastic_launch.rendezvous.store import Inbox, StoreAccess, StoreError
+from elastic_launch.rendezvous.store import endpoints
+from elastic_launch.rendezvous.store.api import Inbox, StoreAccess, StoreError
 
 # ---- the list ------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """A store whose reads do not show its writes (a stale member answering reads from an old copy)
 keeps no node busy and none past its join timeout: every loop that asks again after a lost
-write is paced (:mod:`elastic_launch.rendezvous.pace`)."""
+write is paced (:mod:`elastic_launch.rendezvous.round.pace`)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import pytest
 from elastic_launch.cancel import Deadline
-from elastic_launch.rendezvous import pace
 from elastic_launch.rendezvous.api import (
     RendezvousParameters,
     RendezvousTimeoutError,
     RestartReason,
 )
 from elastic_launch.rendezvous.conf import RendezvousConf
-from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-from elastic_launch.rendezvous.store import KeyValue, StoreAccess
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+from elastic_launch.rendezvous.round import pace
+from elastic_launch.rendezvous.round.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.store.api import KeyValue, StoreAccess
 
 
 class _Waits:
@@ -95,9 +95,9 @@ def test_confirming_a_round_whose_writes_lose_to_a_stale_read_is_paced_and_bound
     # (287,687 writes in 2 s) with no deadline when each write lost to the same old state.
     from types import SimpleNamespace
 
-    from elastic_launch.rendezvous import round as rnd
-    from elastic_launch.rendezvous.view import confirm_view
-    from elastic_launch.rendezvous.waits import RoundWaits
+    from elastic_launch.rendezvous.round import state as rnd
+    from elastic_launch.rendezvous.round.view import confirm_view
+    from elastic_launch.rendezvous.round.waits import RoundWaits
 
     member = rnd.Member("127.0.0.1", 1, 1)
     frozen = rnd.freeze(rnd.initial(""), {"a": 1, "b": 2}, {"a": member, "b": member}, 2, 2)

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 from elastic_launch.api import RestartBudget
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import CloseReason, JobClosed, RestartReason
-from elastic_launch.rendezvous.round import PROTOCOL, Member, RoundState, Status
+from elastic_launch.rendezvous.round import state as rnd
+from elastic_launch.rendezvous.round.state import PROTOCOL, Member, RoundState, Status
 
 
 def member(addr: str = "10.0.0.1", lws: int = 2, release: str = "1.0", protocol: int = PROTOCOL):

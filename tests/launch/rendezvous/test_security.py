@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous import challenge
 from elastic_launch.rendezvous.api import RendezvousConfigError, RendezvousParameters
 from elastic_launch.rendezvous.backends import EmbeddedRendezvous, _etcd_members
 from elastic_launch.rendezvous.conf import parse_conf
-from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 from elastic_launch.rendezvous.registry import check_parameters
 from elastic_launch.rendezvous.secrets import PASSWORD_ENV, TOKEN_ENV
-from elastic_launch.rendezvous.store import StoreAccess, StoreError
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.api import StoreAccess, StoreError
+from elastic_launch.rendezvous.store.endpoints import StoreMember
 
 
 @pytest.fixture(autouse=True)
@@ -601,7 +601,7 @@ def test_a_service_is_reached_only_where_it_listens():
     # endpoints of one machine, one port, two addresses could relay to each other).
     import asyncio
 
-    from elastic_launch.rendezvous.reached import ReachedAt
+    from elastic_launch.rendezvous.embedded.reached import ReachedAt
 
     async def reached(bound: str, *dialed: str) -> list[bool]:
         at = ReachedAt(["node0:29400"], 29400, bound)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from elastic_launch.net import free_port
-from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError
+from elastic_launch.rendezvous.store.api import Store, StoreAccess, StoreError
 from launch_fakes import embedded_login
 
 SLOW = pytest.mark.slow  # a real etcd server
@@ -23,25 +23,25 @@ SLOW = pytest.mark.slow  # a real etcd server
 )
 def store(request):
     if request.param == "embedded":
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+        from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
         endpoint, token = request.getfixturevalue("embedded")
         s: Store = EtcdV3Store(endpoint, StoreAccess("embedded", token=token, retry_for=5))
     elif request.param in ("etcd", "etcd-cluster"):
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+        from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
         shared = request.param == "etcd-cluster"  # one cluster, its keys removed after each
         etcd = request.getfixturevalue("etcd_cluster_shared" if shared else "etcd")
         s = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     else:
-        from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+        from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
 
         etcd = request.getfixturevalue("etcd_v2")
         s = EtcdV2Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
     yield s
     s.close()
     if request.param == "etcd-cluster":  # the next test of the module finds the cluster empty
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+        from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
         cleaner = EtcdV3Store(etcd.endpoint, StoreAccess("etcd", retry_for=5))
         cleaner.delete("/", prefix=True)
@@ -98,7 +98,7 @@ def test_a_put_with_a_read_and_a_cas_with_other_writes(store):
     # A cas that loses writes nothing where the store has transactions (etcd v3).
     assert not store.cas_with("/pg/state", b"late", version, {"/pg/m/2": b"c"})
     assert store.get("/pg/state").value == b"frozen"
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     if isinstance(store, EtcdV3Store):
         assert store.get("/pg/m/2") is None
@@ -148,7 +148,7 @@ def test_a_watch_that_starts_in_the_past_gets_the_changes_in_between(store):
     # A rendezvous reads, then watches from its read: others may write in between. (etcd
     # serves such a watch late, by up to 100 ms: ours starts at the server's revision and
     # reads the gap instead; the result must be the same changes.)
-    from elastic_launch.rendezvous.store import Inbox
+    from elastic_launch.rendezvous.store.api import Inbox
 
     store.put("/g/gone", b"0")
     store.put("/g/kept", b"0")
@@ -172,8 +172,8 @@ def test_a_watch_that_starts_in_the_past_gets_the_changes_in_between(store):
 def test_etcd_v3_serves_several_prefixes_on_one_stream(store):
     import threading
 
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import Inbox
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store.api import Inbox
 
     if not isinstance(store, EtcdV3Store):
         pytest.skip("etcd's v2 API has one long poll per key")
@@ -233,7 +233,7 @@ def test_closing_a_watch_wakes_its_reader_and_ends_its_thread(store):
     reader.join(timeout=10)
     assert not reader.is_alive(), "a reader waiting on a closed watch sat out its timeout"
     assert got == [[]]
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     if isinstance(store, EtcdV3Store):  # v2's reader ends with its pending long poll
         assert watch_threads() == before, "a closed watch left its thread running"
@@ -253,7 +253,7 @@ def test_a_write_that_finds_its_lease_expired_takes_a_new_one_and_says_so(store)
     # A node cut off longer than its lease's TTL (a network partition that heals) writes
     # with the lease the store has dropped: the write is made with a new lease, and the
     # session hears once that its ephemeral keys were lost.
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
     from elastic_launch.rendezvous.etcdpb import rpc_pb2
 
     if not isinstance(store, EtcdV3Store):
@@ -272,7 +272,7 @@ def test_a_write_that_finds_its_lease_expired_takes_a_new_one_and_says_so(store)
 
 
 def test_unreachable_store_is_a_clear_error():
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     dead = EtcdV3Store(f"127.0.0.1:{free_port()}", StoreAccess("etcd at nowhere", retry_for=0.5))
     with pytest.raises(StoreError, match="etcd at nowhere is unreachable"):
@@ -286,7 +286,7 @@ def test_a_request_the_server_cancelled_is_retried():
     from concurrent import futures
 
     import grpc
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
 
     calls = []
@@ -312,7 +312,7 @@ def test_a_request_the_server_cancelled_is_retried():
 
 
 def _v3(embedded, **kw):
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     endpoint, token = embedded
     return EtcdV3Store(endpoint, StoreAccess("embedded", token=token, retry_for=5, **kw))
@@ -351,7 +351,7 @@ def test_a_lease_asked_for_early_is_the_one_used(embedded):
 
 
 def test_an_early_lease_of_another_ttl_or_too_old_is_given_back(embedded, monkeypatch):
-    import elastic_launch.rendezvous.etcd_v3_lease as etcd_v3_lease
+    import elastic_launch.rendezvous.etcd.v3_lease as etcd_v3_lease
 
     store = _v3(embedded)
     observer = _v3(embedded)
@@ -384,7 +384,7 @@ def test_closing_before_using_an_early_lease_revokes_it(embedded):
 
 
 def test_an_early_lease_request_that_fails_is_asked_again_with_retries():
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     store = EtcdV3Store(
         f"127.0.0.1:{free_port()}", StoreAccess("nothing", retry_for=0.5, read_timeout=0.5)
@@ -400,7 +400,7 @@ def test_an_early_lease_request_that_fails_is_asked_again_with_retries():
 def test_a_v2_watch_whose_index_was_cleared_catches_up_from_a_read(store, request):
     """etcd v2 keeps its last 1,000 events: a watch that starts (or falls) behind them reads
     the keys again and goes on, instead of failing the rendezvous."""
-    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+    from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
 
     if not isinstance(store, EtcdV2Store):
         pytest.skip("etcd v2 only: the v3 stores keep their history (or compact it less often)")
@@ -424,7 +424,7 @@ def test_a_v2_write_etcd_could_not_commit_in_time_is_retried():
     """etcd v2 answers a write its raft did not commit in time with "request timed out": a
     busy store, retried as an unreachable one is, not a failure of the rendezvous."""
     import etcd
-    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+    from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
 
     store = EtcdV2Store(f"127.0.0.1:{free_port()}", StoreAccess("etcd at nowhere", retry_for=5))
     answers = [etcd.EtcdException("Raft Internal Error : etcdserver: request timed out"), "done"]
@@ -462,8 +462,8 @@ def test_a_store_goes_on_when_the_member_it_uses_is_killed(etcd_cluster, api):
     not: both happen), the writes, the node's ephemeral keys (its lease, or v2's TTL keys,
     refreshed within a tick even through an election) and a watch go on through the next, and
     the watch hears every change once, in order (as etcd's clientv3 balancer does)."""
-    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     kind = EtcdV3Store if api == "v3" else EtcdV2Store
     store: Store = kind(etcd_cluster.endpoint, StoreAccess("etcd", retry_for=10))

@@ -3,10 +3,9 @@ changes: who joined, who confirmed, who is gone. No store: the reducers are pure
 
 from __future__ import annotations
 
-from elastic_launch.rendezvous.job import JobKeys
-from elastic_launch.rendezvous.round import Member, RoundState, Status
-from elastic_launch.rendezvous.store import Change, KeyValue
-from elastic_launch.rendezvous.view import (
+from elastic_launch.rendezvous.round.job import JobKeys
+from elastic_launch.rendezvous.round.state import Member, RoundState, Status
+from elastic_launch.rendezvous.round.view import (
     JoinView,
     RoundKeys,
     confirm_read,
@@ -16,6 +15,7 @@ from elastic_launch.rendezvous.view import (
     on_join_changes,
     on_spare_changes,
 )
+from elastic_launch.rendezvous.store.api import Change, KeyValue
 
 JOB = JobKeys.of("run")
 KEYS = RoundKeys(JOB.state, JOB.leader(2), JOB.join(2), JOB.confirm(2), JOB.waiting, "me")

@@ -34,7 +34,7 @@ NONE = "none"
 #: (whose workers meet in a rendezvous of their own, over gRPC).
 TORCH = "torch"
 TRAIN_LOOP = "elastic_launch.train_loop"
-LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd_v3"
+LOOP_RENDEZVOUS = "elastic_launch.rendezvous.etcd.v3"
 #: What the first optimizer or DDP model imports: 1.5 s alone, 3-5 s when several workers import
 #: it at once on this 2-core machine, paid by every new worker before its first step. ``auto``
 #: preloads it for a script that builds one (a worker's teardown cannot deadlock on it since the

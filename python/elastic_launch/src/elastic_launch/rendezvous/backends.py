@@ -33,7 +33,6 @@ from elastic_launch.net import (
     parse_endpoint,
     resolve_error,
 )
-from elastic_launch.rendezvous import endpoints
 from elastic_launch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -41,18 +40,19 @@ from elastic_launch.rendezvous.api import (
     RendezvousParameters,
 )
 from elastic_launch.rendezvous.conf import RendezvousConf, parse_conf
-from elastic_launch.rendezvous.elastic import ElasticRendezvous
-from elastic_launch.rendezvous.endpoints import (
+from elastic_launch.rendezvous.embedded.succession import Succession
+from elastic_launch.rendezvous.round.elastic import ElasticRendezvous
+from elastic_launch.rendezvous.store import endpoints
+from elastic_launch.rendezvous.store.api import Store, StoreAccess, StoreError, Tls
+from elastic_launch.rendezvous.store.endpoints import (
     DEFAULT_EMBEDDED_PORT,
     DEFAULT_ETCD_PORT,
     StoreMember,
 )
-from elastic_launch.rendezvous.store import Store, StoreAccess, StoreError, Tls
-from elastic_launch.rendezvous.succession import Succession
 
 if TYPE_CHECKING:
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ SUCCESSION_SPREAD = 5.0
 class EmbeddedRendezvous(ElasticRendezvous):
     """The elastic rendezvous over the embedded service; the agents that serve it run it too.
     With several endpoints, each node that can serve one does (the first it can bind), one of
-    them hosts and the others stand by to take over (:mod:`.embedded_roles`). With one, the
+    them hosts and the others stand by to take over (:mod:`.roles`). With one, the
     agents choose a successor that stands by (:mod:`.succession`)."""
 
     def __init__(self, params: RendezvousParameters) -> None:
@@ -88,7 +88,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
         self.server: EmbeddedServer | None = None
         self._another_serves = False  # a port of this host was served by another process
         self._serve_one(members, conf)
-        from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+        from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
         where = endpoints.written(members)
         access = StoreAccess(
@@ -150,7 +150,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
         which no other user can hold for us); False if another agent of this host serves it.
         A port held by anything but another agent's service is an error at once, on every
         agent of this host: no one waits for a service that will not come."""
-        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+        from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
         host, port = members[i].host, members[i].port
         _warn_if_ephemeral(port)
@@ -202,7 +202,7 @@ class EmbeddedRendezvous(ElasticRendezvous):
         the job's token, TLS and bounds; None if it cannot start (said). It looks for the
         host among every member this agent's client knows: the endpoint, and the successors
         named before (one of them may host now)."""
-        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+        from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
         known = [c.member for c in self._v3.client.connections]
         index = len(known) + SUCCESSOR_BASE + secrets.randbelow(1 << 30)
@@ -282,9 +282,9 @@ def who_serves(host: str, port: int, tls: Any) -> str:
     node's credentials), another program, or nothing that answers yet."""
     import grpc
 
-    from elastic_launch.rendezvous import etcd_v3
+    from elastic_launch.rendezvous.etcd import v3 as etcd_v3
     from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
-    from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
+    from elastic_launch.rendezvous.store.wire import EMBEDDED_VERSION
 
     if tls is None:
         http2 = _speaks_http2(host, port)
@@ -509,7 +509,7 @@ def _check_files(conf: RendezvousConf) -> None:
 
 
 def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
     conf = parse_conf(params.backend, params.config)
     protocol, members = _etcd_members(params, conf)
@@ -521,7 +521,7 @@ def create_etcd(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
-    from elastic_launch.rendezvous.etcd_v2 import EtcdV2Store
+    from elastic_launch.rendezvous.etcd.v2 import EtcdV2Store
 
     conf = parse_conf(params.backend, params.config)
     protocol, members = _etcd_members(params, conf)

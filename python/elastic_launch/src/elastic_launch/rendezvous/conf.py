@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from elastic_launch.rendezvous.api import RendezvousConfigError
-from elastic_launch.rendezvous.embedded_bounds import MAX_TTL
+from elastic_launch.rendezvous.embedded.bounds import MAX_TTL
 from elastic_launch.rendezvous.secrets import (
     PASSWORD_ENV,
     TOKEN_ENV,

@@ -14,8 +14,8 @@ from elastic_launch.rendezvous.api import (
     RendezvousParameters,
 )
 from elastic_launch.rendezvous.conf import parse_conf
-from elastic_launch.rendezvous.endpoints import DEFAULT_EMBEDDED_PORT
 from elastic_launch.rendezvous.fixed import FixedRendezvous
+from elastic_launch.rendezvous.store.endpoints import DEFAULT_EMBEDDED_PORT
 
 
 class LocalRendezvous(FixedRendezvous):

@@ -115,7 +115,7 @@ class TeamService:
         if not self.pending:
             return
         assert self.file is not None
-        from elastic_launch.rendezvous.embedded_server import EmbeddedServer
+        from elastic_launch.rendezvous.embedded.server import EmbeddedServer
 
         token = os.urandom(16).hex()
         try:

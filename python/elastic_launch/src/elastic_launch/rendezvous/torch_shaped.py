@@ -33,8 +33,8 @@ from elastic_launch.rendezvous.api import (
     RestartReason,
 )
 from elastic_launch.rendezvous.fixed import FixedRendezvous
-from elastic_launch.rendezvous.round import MAX_LOCAL_WORKERS
-from elastic_launch.rendezvous.values import Fields
+from elastic_launch.rendezvous.round.state import MAX_LOCAL_WORKERS
+from elastic_launch.rendezvous.round.values import Fields
 
 #: The handler's methods torch's agent calls: an object with them all is torch-shaped.
 TORCH_METHODS = (

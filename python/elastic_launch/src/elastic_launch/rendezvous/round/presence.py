@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elastic_launch.net import REFUSED, SILENT, probe
-from elastic_launch.rendezvous.job import Job
-from elastic_launch.rendezvous.round import Member, RoundState
-from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import StoreError
+from elastic_launch.rendezvous.round.job import Job
+from elastic_launch.rendezvous.round.state import Member, RoundState
+from elastic_launch.rendezvous.store.api import StoreError
+from elastic_launch.rendezvous.store.session import Session
 
 #: How long lost_members() probes the other members' agents.
 PROBE_TIMEOUT = 2.0

@@ -1,6 +1,6 @@
 """Which of a job's embedded services hosts the rendezvous. With several endpoints in
 ``--rdzv-endpoint``, every node that can serve one runs a service there; one hosts, the others
-are standbys that follow it (:mod:`.embedded_replicas`) and refuse clients, who move on to the
+are standbys that follow it (:mod:`.replicas`) and refuse clients, who move on to the
 host (as from any failed member).
 
 - The first service up hosts (a service other than the first listed gives the ones before it
@@ -36,11 +36,11 @@ import grpc
 
 from elastic_launch.api import ConfigError
 from elastic_launch.net import is_loopback, listener_owners, parse_endpoint
-from elastic_launch.rendezvous.embedded_peers import Peer
-from elastic_launch.rendezvous.embedded_replicas import Replicas
-from elastic_launch.rendezvous.embedded_state import ServiceState
-from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.embedded.peers import Peer
+from elastic_launch.rendezvous.embedded.replicas import Replicas
+from elastic_launch.rendezvous.embedded.state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2
+from elastic_launch.rendezvous.store.endpoints import StoreMember
 
 logger = logging.getLogger(__name__)
 

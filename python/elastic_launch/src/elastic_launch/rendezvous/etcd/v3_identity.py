@@ -1,5 +1,5 @@
 """Which store a client's members answer for, and what the client does when that store was
-replaced (:mod:`.store_identity` judges each answer): it takes the new store as its own, ends
+replaced (:mod:`.identity` judges each answer): it takes the new store as its own, ends
 its watches (their revisions are another store's), and fills the store again with what the
 node knows (the client's ``on_replaced``) while its other calls wait.
 
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from elastic_launch.rendezvous.store import StoreError
-from elastic_launch.rendezvous.store_identity import (
+from elastic_launch.rendezvous.store.api import StoreError
+from elastic_launch.rendezvous.store.identity import (
     Answered,
     Verdict,
     judge,

@@ -3,7 +3,7 @@ and waiting as a spare while one runs.
 
 Each wait reads the round's keys once, watches from that revision on, and hands every batch of
 changes to the pure reducers of :mod:`.view`; the decisions (freeze, finalize, abandon) are
-:mod:`.round`'s. A wait ends with the final round that includes this node, or None when the
+:mod:`.state`'s. A wait ends with the final round that includes this node, or None when the
 round moved on without it (the caller looks again). Every wait is bounded by a deadline and
 ended at once by a cancellation or a lost lease; nothing polls.
 """
@@ -17,16 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_launch.cancel import Deadline, Notice, clock
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import RendezvousParameters, RendezvousTimeoutError
 from elastic_launch.rendezvous.conf import WORKERS_ROLE, RendezvousConf
-from elastic_launch.rendezvous.job import Job
-from elastic_launch.rendezvous.pace import Pace, write_lost
-from elastic_launch.rendezvous.presence import RestGone
-from elastic_launch.rendezvous.round import RoundState, Status
-from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import Inbox, StoreError
-from elastic_launch.rendezvous.view import (
+from elastic_launch.rendezvous.round import state as rnd
+from elastic_launch.rendezvous.round.job import Job
+from elastic_launch.rendezvous.round.pace import Pace, write_lost
+from elastic_launch.rendezvous.round.presence import RestGone
+from elastic_launch.rendezvous.round.state import RoundState, Status
+from elastic_launch.rendezvous.round.view import (
     ConfirmView,
     JoinView,
     RoundKeys,
@@ -37,6 +35,8 @@ from elastic_launch.rendezvous.view import (
     on_join_changes,
     on_spare_changes,
 )
+from elastic_launch.rendezvous.store.api import Inbox, StoreError
+from elastic_launch.rendezvous.store.session import Session
 
 logger = logging.getLogger(__name__)
 

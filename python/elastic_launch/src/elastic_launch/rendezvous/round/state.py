@@ -35,7 +35,7 @@ from elastic_launch.rendezvous.api import (
     RendezvousInfo,
     RestartReason,
 )
-from elastic_launch.rendezvous.values import (
+from elastic_launch.rendezvous.round.values import (
     MAX_ENTRIES,
     MAX_TEXT,
     Fields,

@@ -1,6 +1,6 @@
 """A node's view of a round while it waits for it: who joined, who confirmed, who is gone.
 
-Pure functions, as :mod:`.round` is for the decisions: a view starts from what a node read
+Pure functions, as :mod:`.state` is for the decisions: a view starts from what a node read
 (:func:`join_view`, :func:`confirm_view`) and each batch of store changes gives a new view
 (:func:`on_join_changes`, :func:`on_confirm_changes`). The rendezvous does the reading and the
 writing; these only say what the reads mean. Unit-tested over sequences of changes, with no
@@ -17,9 +17,9 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from elastic_launch.rendezvous.round import Member, RoundState
-from elastic_launch.rendezvous.store import Change, KeyValue
-from elastic_launch.rendezvous.values import text_value
+from elastic_launch.rendezvous.round.state import Member, RoundState
+from elastic_launch.rendezvous.round.values import text_value
+from elastic_launch.rendezvous.store.api import Change, KeyValue
 
 
 @dataclass(frozen=True)

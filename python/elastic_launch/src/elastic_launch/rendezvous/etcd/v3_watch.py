@@ -14,7 +14,7 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import (
+from elastic_launch.rendezvous.etcd.v3_client import (
     RETRYABLE,
     STREAM_METADATA,
     AskAgainError,
@@ -22,7 +22,7 @@ from elastic_launch.rendezvous.etcd_v3_client import (
     Connection,
 )
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
-from elastic_launch.rendezvous.store import (
+from elastic_launch.rendezvous.store.api import (
     Change,
     HistoryLostError,
     Inbox,

@@ -16,8 +16,7 @@ from typing import Any
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import NEVER, CancelToken, join
-from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
-from elastic_launch.rendezvous.store import (
+from elastic_launch.rendezvous.store.api import (
     Change,
     Inbox,
     KeyValue,
@@ -28,7 +27,8 @@ from elastic_launch.rendezvous.store import (
     Watch,
     nospace,
 )
-from elastic_launch.rendezvous.store_identity import mixed, two_clusters
+from elastic_launch.rendezvous.store.endpoints import StoreMember, members_of, written
+from elastic_launch.rendezvous.store.identity import mixed, two_clusters
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from elastic_launch.rendezvous.embedded_state import ServiceState
+from elastic_launch.rendezvous.embedded.state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ the next when theirs fails (refuses, errs, or hangs past a deadline): nothing ab
 knows which member answered. Members the store itself names are used too (:meth:`Client.learn`:
 the successor the agents chose, the host a standby's refusal names).
 
-Every answer's header names its cluster (:mod:`.store_identity`): members of two clusters in one
+Every answer's header names its cluster (:mod:`.identity`): members of two clusters in one
 list are an error, and a member started again empty at its address (its data lost, no other
 member serving ours) is the store *replaced*: the client takes it as the store from now on, and
 ``on_replaced`` fills it again with what this node knows, while the client's other calls wait.
 
-The store (:mod:`.etcd_v3`), its lease (:mod:`.etcd_v3_lease`) and its watches
-(:mod:`.etcd_v3_watch`) all call through one :class:`Client`.
+The store (:mod:`.v3`), its lease (:mod:`.v3_lease`) and its watches
+(:mod:`.v3_watch`) all call through one :class:`Client`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ import grpc
 from elastic_launch.api import Cancelled, ConfigError
 from elastic_launch.cancel import CancelToken
 from elastic_launch.net import is_loopback, listener_owners, parse_endpoint
-from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous.endpoints import StoreMember, members_of, written
-from elastic_launch.rendezvous.etcd_v3_identity import StoreIdentity
+from elastic_launch.rendezvous.etcd.v3_identity import StoreIdentity
 from elastic_launch.rendezvous.etcdpb import rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.store import (
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.api import (
     HistoryLostError,
     StoreAccess,
     StoreError,
@@ -44,8 +43,9 @@ from elastic_launch.rendezvous.store import (
     Unanswered,
     nospace,
 )
-from elastic_launch.rendezvous.store_identity import Answered, mixed
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, HOST_KEY
+from elastic_launch.rendezvous.store.endpoints import StoreMember, members_of, written
+from elastic_launch.rendezvous.store.identity import Answered, mixed
+from elastic_launch.rendezvous.store.wire import CLUSTER_KEY, HOST_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
+from elastic_launch.rendezvous.store.wire import EMBEDDED_VERSION
 
 
 class Verdict(enum.Enum):

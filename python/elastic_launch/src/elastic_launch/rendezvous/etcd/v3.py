@@ -1,6 +1,6 @@
 """The store over etcd's v3 API (gRPC, the project's own subset in :mod:`.etcdpb`): its
-key-value calls, over one connection (:mod:`.etcd_v3_client`), with this node's lease
-(:mod:`.etcd_v3_lease`) and watches (:mod:`.etcd_v3_watch`).
+key-value calls, over one connection (:mod:`.v3_client`), with this node's lease
+(:mod:`.v3_lease`) and watches (:mod:`.v3_watch`).
 
 Works against etcd 3.4 to 3.6 and against the embedded rendezvous service, which serves the same
 subset. Calls retry while the store is unreachable (an etcd restart), up to a deadline; the lease
@@ -14,12 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from elastic_launch.cancel import NEVER, CancelToken
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3_client import Client, LeaseGoneError, channel
-from elastic_launch.rendezvous.etcd_v3_lease import Lease
-from elastic_launch.rendezvous.etcd_v3_watch import EtcdWatch, key_text, prefix_end
+from elastic_launch.rendezvous.etcd.v3_client import Client, LeaseGoneError, channel
+from elastic_launch.rendezvous.etcd.v3_lease import Lease
+from elastic_launch.rendezvous.etcd.v3_watch import EtcdWatch, key_text, prefix_end
 from elastic_launch.rendezvous.etcdpb import kv_pb2, rpc_pb2
-from elastic_launch.rendezvous.store import (
+from elastic_launch.rendezvous.store.api import (
     Inbox,
     KeyValue,
     Store,
@@ -27,7 +26,8 @@ from elastic_launch.rendezvous.store import (
     StoreError,
     Watch,
 )
-from elastic_launch.rendezvous.wire import EMBEDDED_VERSION
+from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.wire import EMBEDDED_VERSION
 
 __all__ = ["EtcdV3Store", "channel", "key_text", "prefix_end"]
 

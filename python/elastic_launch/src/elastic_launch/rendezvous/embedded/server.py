@@ -1,4 +1,4 @@
-"""The embedded rendezvous service: a small in-memory store (:mod:`.embedded_state`) hosted by
+"""The embedded rendezvous service: a small in-memory store (:mod:`.state`) hosted by
 one agent, speaking the same etcd v3 gRPC subset as etcd itself (KV, Lease, Watch), so that one
 client and one rendezvous algorithm serve both. Revisions, leases with TTLs, and watches from a
 past revision (a bounded history) behave as etcd's do. When the job has a token, a client logs
@@ -6,7 +6,7 @@ in with the challenge of :mod:`.challenge` (the token never crosses the wire) an
 carries the credential it earned; with ``tls``, the service speaks TLS.
 
 With several endpoints, every node that serves one runs this service there: one hosts, the
-others are standbys that follow it and take over when it is lost (:mod:`.embedded_roles`).
+others are standbys that follow it and take over when it is lost (:mod:`.roles`).
 A standby answers only Authenticate and Status, and refuses the rest as unavailable, so that a
 client moves on to the host as it would from any failed member.
 """
@@ -29,10 +29,9 @@ import grpc
 
 from elastic_launch.cancel import NEVER, CancelToken, join
 from elastic_launch.net import host_port, port_listened
-from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous import embedded_bounds as bounds
-from elastic_launch.rendezvous.embedded_bounds import Outbox
-from elastic_launch.rendezvous.embedded_peering import (
+from elastic_launch.rendezvous.embedded import bounds
+from elastic_launch.rendezvous.embedded.bounds import Outbox
+from elastic_launch.rendezvous.embedded.peering import (
     Guard,
     Peering,
     RefusedError,
@@ -40,13 +39,14 @@ from elastic_launch.rendezvous.embedded_peering import (
     requests_of,
     standby_refusal,
 )
-from elastic_launch.rendezvous.embedded_peers import Peer
-from elastic_launch.rendezvous.embedded_replicas import Replicas
-from elastic_launch.rendezvous.embedded_roles import Place, Roles
-from elastic_launch.rendezvous.embedded_state import ServedWatch, ServiceState, size_of
-from elastic_launch.rendezvous.endpoints import StoreMember
+from elastic_launch.rendezvous.embedded.peers import Peer
+from elastic_launch.rendezvous.embedded.reached import ReachedAt
+from elastic_launch.rendezvous.embedded.replicas import Replicas
+from elastic_launch.rendezvous.embedded.roles import Place, Roles
+from elastic_launch.rendezvous.embedded.state import ServedWatch, ServiceState, size_of
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.reached import ReachedAt
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.endpoints import StoreMember
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The elastic rendezvous: one algorithm for every backend with a store (embedded, etcd, etcd-v2).
 
 Rounds are numbered and go joinable -> frozen -> final (or closed). The decisions (who leads,
-when to freeze, ranks, the restart budget, closing) are the pure functions of :mod:`.round`, and
+when to freeze, ranks, the restart budget, closing) are the pure functions of :mod:`.state`, and
 what a node's reads and watches mean is the pure reducers of :mod:`.view`. This module is the
 handler the agent calls; it reads and writes the job's keys through :class:`.job.Job`, waits for
 a round through :class:`.waits.RoundWaits`, follows the running round through
@@ -28,8 +28,6 @@ from elastic_launch._version import __version__
 from elastic_launch.api import RestartBudget
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
 from elastic_launch.net import PresencePort, free_port, local_address
-from elastic_launch.rendezvous import presence
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import (
     CloseReason,
     JobClosed,
@@ -44,13 +42,15 @@ from elastic_launch.rendezvous.api import (
     RunIdInUseError,
 )
 from elastic_launch.rendezvous.conf import RendezvousConf
-from elastic_launch.rendezvous.follower import Follower
-from elastic_launch.rendezvous.job import Job, JobKeys
-from elastic_launch.rendezvous.pace import RATE, Pace, write_lost
-from elastic_launch.rendezvous.round import Member, RoundState, Status
-from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import HistoryLostError, Store, StoreError
-from elastic_launch.rendezvous.waits import RoundWaits
+from elastic_launch.rendezvous.round import presence
+from elastic_launch.rendezvous.round import state as rnd
+from elastic_launch.rendezvous.round.follower import Follower
+from elastic_launch.rendezvous.round.job import Job, JobKeys
+from elastic_launch.rendezvous.round.pace import RATE, Pace, write_lost
+from elastic_launch.rendezvous.round.state import Member, RoundState, Status
+from elastic_launch.rendezvous.round.waits import RoundWaits
+from elastic_launch.rendezvous.store.api import HistoryLostError, Store, StoreError
+from elastic_launch.rendezvous.store.session import Session
 
 logger = logging.getLogger(__name__)
 

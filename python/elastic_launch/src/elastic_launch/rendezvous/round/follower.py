@@ -17,18 +17,18 @@ from math import inf
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import RestartReason
-from elastic_launch.rendezvous.job import Job
-from elastic_launch.rendezvous.round import RoundState, Status
-from elastic_launch.rendezvous.session import Session
-from elastic_launch.rendezvous.store import (
+from elastic_launch.rendezvous.round import state as rnd
+from elastic_launch.rendezvous.round.job import Job
+from elastic_launch.rendezvous.round.state import RoundState, Status
+from elastic_launch.rendezvous.store.api import (
     Change,
     HistoryLostError,
     Inbox,
     KeyValue,
     StoreError,
 )
+from elastic_launch.rendezvous.store.session import Session
 
 logger = logging.getLogger(__name__)
 

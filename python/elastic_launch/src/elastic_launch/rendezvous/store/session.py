@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from elastic_launch.cancel import NEVER, CancelToken, Deadline
-from elastic_launch.rendezvous.store import Change, Inbox, Store
+from elastic_launch.rendezvous.store.api import Change, Inbox, Store
 
 
 def _nothing() -> None:

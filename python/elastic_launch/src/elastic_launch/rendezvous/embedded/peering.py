@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous.embedded_state import ServiceState
+from elastic_launch.rendezvous.embedded.reached import ReachedAt
+from elastic_launch.rendezvous.embedded.state import ServiceState
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.reached import ReachedAt
-from elastic_launch.rendezvous.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.wire import CLUSTER_KEY, EMBEDDED_VERSION, HOST_KEY
 
 if TYPE_CHECKING:
-    from elastic_launch.rendezvous.embedded_replicas import Replicas
-    from elastic_launch.rendezvous.embedded_roles import Roles
+    from elastic_launch.rendezvous.embedded.replicas import Replicas
+    from elastic_launch.rendezvous.embedded.roles import Roles
 
 
 class RefusedError(Exception):
@@ -172,7 +172,7 @@ class Peering(rpc_pb2_grpc.MaintenanceServicer, replica_pb2_grpc.ReplicaServicer
     async def Follow(  # noqa: N802 - gRPC's name
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """A standby follows this host (:mod:`.embedded_replicas`)."""
+        """A standby follows this host (:mod:`.replicas`)."""
         try:
             self.guard.check(context)
             refusal = standby_refusal(self.roles, self.s)

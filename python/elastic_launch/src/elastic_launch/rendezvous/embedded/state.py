@@ -1,6 +1,6 @@
 """The embedded rendezvous service's store: keys with revisions and versions as etcd keeps them,
 leases, a bounded history for watches that start in the past, and the watchers. The host's
-changes go to its standbys (:mod:`.embedded_replicas`), which apply them here as the host made
+changes go to its standbys (:mod:`.replicas`), which apply them here as the host made
 them, so that one of them can take over with the very same revisions, leases and history.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_launch.rendezvous import embedded_bounds as bounds
-from elastic_launch.rendezvous.embedded_bounds import Outbox
+from elastic_launch.rendezvous.embedded import bounds
+from elastic_launch.rendezvous.embedded.bounds import Outbox
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2, rpc_pb2
 
 #: A host's term starts its revisions at (term - 1) << TERM_BITS (see ServiceState.take_over).

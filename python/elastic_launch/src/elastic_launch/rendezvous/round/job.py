@@ -24,11 +24,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from elastic_launch.rendezvous import round as rnd
 from elastic_launch.rendezvous.api import JobClosed
-from elastic_launch.rendezvous.known import Known
-from elastic_launch.rendezvous.round import RoundState, Status
-from elastic_launch.rendezvous.store import KeyValue, Store, StoreError
+from elastic_launch.rendezvous.round import state as rnd
+from elastic_launch.rendezvous.round.known import Known
+from elastic_launch.rendezvous.round.state import RoundState, Status
+from elastic_launch.rendezvous.store.api import KeyValue, Store, StoreError
 
 #: How long a closed job's state stays in the store (seconds).
 CLOSED_TTL = 600.0

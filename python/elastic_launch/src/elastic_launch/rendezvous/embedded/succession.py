@@ -28,15 +28,15 @@ import grpc
 from elastic_launch.api import Cancelled, ConfigError
 from elastic_launch.cancel import join
 from elastic_launch.net import host_port, parse_endpoint
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3_client import AskAgainError
+from elastic_launch.rendezvous.etcd.v3_client import AskAgainError
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
-from elastic_launch.rendezvous.store import HistoryLostError, Inbox, KeyValue, StoreError
-from elastic_launch.rendezvous.wire import SUCCESSOR_KEY
+from elastic_launch.rendezvous.store.api import HistoryLostError, Inbox, KeyValue, StoreError
+from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.wire import SUCCESSOR_KEY
 
 if TYPE_CHECKING:
-    from elastic_launch.rendezvous.embedded_server import EmbeddedServer
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
+    from elastic_launch.rendezvous.embedded.server import EmbeddedServer
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ def standing_by(endpoint: str, token: str | None = None) -> bool:
     """Whether the job whose one embedded endpoint is `endpoint` has a successor whose service
     holds a copy of the host's state (False while the service does not answer): for tools,
     benchmarks and tests that wait for it from outside."""
-    from elastic_launch.rendezvous.etcd_v3 import EtcdV3Store
-    from elastic_launch.rendezvous.store import StoreAccess
+    from elastic_launch.rendezvous.etcd.v3 import EtcdV3Store
+    from elastic_launch.rendezvous.store.api import StoreAccess
 
     access = StoreAccess("the job's service", token=token, retry_for=2, read_timeout=2)
     store = EtcdV3Store(endpoint, access, watch_from_now=False)

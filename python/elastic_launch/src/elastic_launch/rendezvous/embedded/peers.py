@@ -15,11 +15,11 @@ from typing import Any
 
 import grpc
 
-from elastic_launch.rendezvous import challenge
-from elastic_launch.rendezvous.endpoints import StoreMember
-from elastic_launch.rendezvous.etcd_v3_client import CHANNEL_OPTIONS, read_file
+from elastic_launch.rendezvous.etcd.v3_client import CHANNEL_OPTIONS, read_file
 from elastic_launch.rendezvous.etcdpb import replica_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
-from elastic_launch.rendezvous.store import Tls
+from elastic_launch.rendezvous.store import challenge
+from elastic_launch.rendezvous.store.api import Tls
+from elastic_launch.rendezvous.store.endpoints import StoreMember
 
 logger = logging.getLogger(__name__)
 

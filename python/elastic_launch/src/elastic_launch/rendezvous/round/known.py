@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from elastic_launch.rendezvous.api import StoreValueError
-from elastic_launch.rendezvous.round import RoundState, Status
-from elastic_launch.rendezvous.store import Store, StoreError
+from elastic_launch.rendezvous.round.state import RoundState, Status
+from elastic_launch.rendezvous.store.api import Store, StoreError
 
 _PHASE = {Status.JOINABLE: 0, Status.FROZEN: 1, Status.FINAL: 2, Status.CLOSED: 3}
 #: Reads and swaps of the state a put-back makes at most (each lost swap: a write came first).

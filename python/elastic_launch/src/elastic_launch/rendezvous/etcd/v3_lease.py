@@ -20,7 +20,7 @@ import grpc
 
 from elastic_launch.api import Cancelled
 from elastic_launch.cancel import join
-from elastic_launch.rendezvous.etcd_v3_client import (
+from elastic_launch.rendezvous.etcd.v3_client import (
     RETRYABLE,
     STREAM_METADATA,
     AskAgainError,
@@ -28,7 +28,7 @@ from elastic_launch.rendezvous.etcd_v3_client import (
     Connection,
 )
 from elastic_launch.rendezvous.etcdpb import rpc_pb2
-from elastic_launch.rendezvous.store import StoreError
+from elastic_launch.rendezvous.store.api import StoreError
 
 logger = logging.getLogger(__name__)
 
