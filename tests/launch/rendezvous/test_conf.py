@@ -131,7 +131,7 @@ def test_the_workers_and_the_url_read_the_same_table():
 def test_the_embedded_services_longest_lease_bounds_heartbeat_timeout():
     from elastic_launch.rendezvous.api import RendezvousConfigError
     from elastic_launch.rendezvous.conf import parse_conf
-    from elastic_launch.rendezvous.embedded.bounds import MAX_TTL
+    from elastic_launch.rendezvous.store.wire import MAX_TTL
 
     with pytest.raises(RendezvousConfigError, match=f"last {MAX_TTL} s at most; give {MAX_TTL}"):
         parse_conf("embedded", {"heartbeat_timeout": str(MAX_TTL + 1)})

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import hostile_load
 from elastic_launch.rendezvous.embedded import bounds
+from elastic_launch.rendezvous.store.wire import MAX_TTL
 
 #: What an attack may make the service hold beyond what it stores: the history (16 MiB), the
 #: watches' bytes or the reads' (16 MiB), gRPC's copy of what it is writing, with room.
@@ -154,7 +155,7 @@ def test_leases_are_capped_per_connection_and_in_all(service):
     # No lock-out: a new agent still gets its lease, and no longer than the service allows.
     _, honest, _ = client()
     answer = honest.LeaseGrant(grant, timeout=30)
-    assert 0 < answer.TTL <= bounds.MAX_TTL < grant.TTL
+    assert 0 < answer.TTL <= MAX_TTL < grant.TTL
 
 
 def test_concurrent_reads_of_the_whole_store_hold_a_bounded_amount(service):

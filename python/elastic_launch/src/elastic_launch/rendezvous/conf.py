@@ -13,13 +13,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from elastic_launch.rendezvous.api import RendezvousConfigError
-from elastic_launch.rendezvous.embedded.bounds import MAX_TTL
 from elastic_launch.rendezvous.secrets import (
     PASSWORD_ENV,
     TOKEN_ENV,
     check_token,
     read_secret_file,
 )
+from elastic_launch.rendezvous.store.api import DEFAULT_READ_TIMEOUT
+from elastic_launch.rendezvous.store.wire import MAX_TTL
 
 EMBEDDED, ETCD, ETCD_V2, STATIC = "embedded", "etcd", "etcd-v2", "static"
 ELASTIC = frozenset({EMBEDDED, ETCD, ETCD_V2})
@@ -125,7 +126,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "read_timeout",
         positive_seconds,
-        10.0,
+        DEFAULT_READ_TIMEOUT,
         ELASTIC,
         "seconds one store request may take",
         workers=True,

@@ -4,7 +4,7 @@ to that.
 Every dimension is capped, and what a caller holds is counted against its connection's share
 as well as the service's total (:class:`Shares`): the streams open, the events queued on
 them and not yet taken by the network, the ranges its watches hold, the answers to its reads
-being sent, its leases (none outlives :data:`MAX_TTL` unrenewed). A connection's first few of
+being sent, its leases (none outlives ``store.wire.MAX_TTL`` unrenewed). A connection's first few of
 each are its own whatever the others hold, so that no caller can use up a total and keep an
 honest agent out. Requests are read in turns (:class:`Turns`): a unary request is read only
 once its turn comes, so that however many arrive at once, a bounded number of bytes is being
@@ -81,9 +81,6 @@ RESERVED_STREAMS = 4  # an agent's watch and keep-alive streams always open
 WATCHERS_PER_STREAM = 256
 EVENT_OVERHEAD = 64  # bytes an event costs beyond its key and value
 HANDSHAKE_MS = 5000  # a connection that has not said it speaks HTTP/2 (or TLS) by then is closed
-#: The longest lease, in seconds (etcd's is 9e9): a departed client's leases end within it.
-#: A rendezvous asks for its heartbeat_timeout (5 s by default), which may not be longer.
-MAX_TTL = 3600
 MAX_LEASES = 10_000
 LEASES_PER_CLIENT = 256  # a client: one connection (an agent holds one or two)
 #: Leases a connection is granted whatever the others hold: however many leases one client

@@ -47,6 +47,7 @@ from elastic_launch.rendezvous.embedded.state import ServedWatch, ServiceState, 
 from elastic_launch.rendezvous.etcdpb import kv_pb2, replica_pb2_grpc, rpc_pb2, rpc_pb2_grpc
 from elastic_launch.rendezvous.store import challenge
 from elastic_launch.rendezvous.store.endpoints import StoreMember
+from elastic_launch.rendezvous.store.wire import MAX_TTL
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class _Service(
             await refuse(context, e, self.guard)
 
     def _grant(self, request: Any, client: str) -> Any:
-        ttl = min(max(int(request.TTL), 1), bounds.MAX_TTL)
+        ttl = min(max(int(request.TTL), 1), MAX_TTL)
         if request.ID in self.s.leases:  # as etcd: granting it again would make it immortal
             raise RefusedError(
                 grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists"

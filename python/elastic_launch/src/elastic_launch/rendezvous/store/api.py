@@ -166,6 +166,10 @@ class Unanswered:
         )
 
 
+#: Seconds one store request may take (--rdzv-conf read_timeout).
+DEFAULT_READ_TIMEOUT = 10.0
+
+
 class Store(abc.ABC):
     """One agent's connection to the store. Thread-safe."""
 
@@ -174,9 +178,7 @@ class Store(abc.ABC):
     def __init__(self, access: StoreAccess, cancel: CancelToken = NEVER) -> None:
         read_timeout = access.read_timeout
         if read_timeout is None:
-            from elastic_launch.rendezvous.conf import default_of
-
-            read_timeout = float(default_of("read_timeout"))
+            read_timeout = DEFAULT_READ_TIMEOUT
         self.name = access.name
         self._retry_for = access.retry_for
         self.read_timeout = read_timeout  # seconds one request may take

@@ -1,5 +1,5 @@
 """What the embedded rendezvous service and its clients agree on beyond etcd's own API: how the
-service names itself, and where a standby's refusal says who hosts."""
+service names itself, where a standby's refusal says who hosts, and how long a lease can last."""
 
 from __future__ import annotations
 
@@ -13,3 +13,7 @@ CLUSTER_KEY = "elasticrun-cluster"
 #: Where the agents of a job with one endpoint publish the successor they chose: a service
 #: that keeps a synchronous copy of the host's state and takes over when the host is lost.
 SUCCESSOR_KEY = "/elasticrun-service/successor"
+#: The longest lease the embedded service grants, in seconds (etcd's is 9e9): a departed
+#: client's leases end within it. A rendezvous asks for its heartbeat_timeout (5 s by
+#: default), which may not be longer.
+MAX_TTL = 3600
